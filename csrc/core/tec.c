@@ -1,0 +1,176 @@
+/* tec.c - status strings, the per-thread error message, argument checks and
+ * device dispatch for the engine's operations. Exercised by every test that
+ * calls into the engine (tests/test_kernels.py covers the checks). */
+#define _GNU_SOURCE
+#include "tec.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static _Thread_local char tec_errbuf[1024];
+
+const char *tec_status_string(tec_status s)
+{
+    switch (s) {
+    case TEC_OK: return "ok";
+    case TEC_ERR_INVALID_ARG: return "invalid argument";
+    case TEC_ERR_NOT_SUPPORTED: return "not supported";
+    case TEC_ERR_NO_MEMORY: return "out of memory";
+    case TEC_ERR_SYSTEM: return "system error";
+    case TEC_ERR_CUDA: return "CUDA error";
+    case TEC_ERR_CUBLAS: return "cuBLAS error";
+    case TEC_ERR_NCCL: return "NCCL error";
+    case TEC_ERR_TIMEOUT: return "timeout";
+    case TEC_ERR_CLOSED: return "closed";
+    case TEC_ERR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+const char *tec_last_error(void) { return tec_errbuf; }
+
+tec_status tec_set_error(tec_status s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tec_errbuf, sizeof tec_errbuf, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+size_t tec_dtype_size(tec_dtype dt)
+{
+    switch (dt) {
+    case TEC_F32: return 4;
+    case TEC_BF16: return 2;
+    case TEC_F16: return 2;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------- backend loading */
+
+static const tec_backend *cuda_backend;
+static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
+
+tec_status tec_load_cuda_backend(const char *path)
+{
+    tec_status st = TEC_OK;
+    pthread_mutex_lock(&load_lock);
+    if (cuda_backend)
+        goto out;
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        st = tec_set_error(TEC_ERR_NOT_SUPPORTED, "cannot load CUDA backend %s: %s", path, dlerror());
+        goto out;
+    }
+    const tec_backend *(*get)(void) = (const tec_backend *(*)(void))dlsym(h, "tec_cuda_backend_get");
+    const tec_backend *b = get ? get() : NULL;
+    if (!b || b->abi_version != TEC_BACKEND_ABI) {
+        dlclose(h);
+        st = tec_set_error(TEC_ERR_NOT_SUPPORTED, "%s is not a CUDA backend of ABI %d", path, TEC_BACKEND_ABI);
+        goto out;
+    }
+    cuda_backend = b; /* the handle stays open for the life of the process */
+out:
+    pthread_mutex_unlock(&load_lock);
+    return st;
+}
+
+const tec_backend *tec_backend_for(int device)
+{
+    return device == TEC_DEVICE_CPU ? &tec_cpu_backend : cuda_backend;
+}
+
+/* A backend failure: copy its message into ours (the CUDA library keeps
+ * its own thread-local buffer). */
+static tec_status from_backend(const tec_backend *b, tec_status st)
+{
+    if (st != TEC_OK && b->last_error && b != &tec_cpu_backend)
+        tec_set_error(st, "%s", b->last_error());
+    return st;
+}
+
+static tec_status get_backend(int device, const tec_backend **out)
+{
+    *out = tec_backend_for(device);
+    if (!*out)
+        return tec_set_error(TEC_ERR_NOT_SUPPORTED,
+                             "device cuda:%d requested but the CUDA backend is not loaded", device);
+    return TEC_OK;
+}
+
+static int dtype_ok(tec_dtype dt) { return dt == TEC_F32 || dt == TEC_BF16 || dt == TEC_F16; }
+
+/* ------------------------------------------------------------ operations */
+
+tec_status tec_norm_fwd(int device, const tec_norm_fwd_args *a, void *stream)
+{
+    const tec_backend *b;
+    tec_status st = get_backend(device, &b);
+    if (st) return st;
+    if (a->rows < 0 || a->cols <= 0)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm: rows=%lld cols=%lld", (long long)a->rows, (long long)a->cols);
+    if (!dtype_ok(a->dtype))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm: unknown dtype %d", (int)a->dtype);
+    if (!a->gamma || !a->rsigma || (a->rows && (!a->x || !a->y)) || (!a->beta) != (!a->mu))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm: missing pointer (x, y, gamma, rsigma; beta and mu together)");
+    if (!(a->eps >= 0.0f))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm: eps must be >= 0");
+    if (a->rows == 0)
+        return TEC_OK;
+    return from_backend(b, b->norm_fwd(device, a, stream));
+}
+
+size_t tec_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols)
+{
+    const tec_backend *b = tec_backend_for(device);
+    return b ? b->norm_bwd_workspace_bytes(device, rows, cols) : 0;
+}
+
+tec_status tec_norm_bwd(int device, const tec_norm_bwd_args *a, void *stream)
+{
+    const tec_backend *b;
+    tec_status st = get_backend(device, &b);
+    if (st) return st;
+    if (a->rows < 0 || a->cols <= 0)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: rows=%lld cols=%lld", (long long)a->rows, (long long)a->cols);
+    if (!dtype_ok(a->dtype))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: unknown dtype %d", (int)a->dtype);
+    if (!a->gamma || !a->rsigma || !a->dgamma || (a->rows && (!a->x || !a->dy || !a->dx)) || (!a->dbeta) != (!a->mu))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: missing pointer");
+    size_t need = b->norm_bwd_workspace_bytes(device, a->rows, a->cols);
+    if (a->workspace_bytes < need || (need && !a->workspace))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: workspace of %zu bytes, %zu needed",
+                             a->workspace_bytes, need);
+    return from_backend(b, b->norm_bwd(device, a, stream));
+}
+
+tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream)
+{
+    const tec_backend *b;
+    tec_status st = get_backend(device, &b);
+    if (st) return st;
+    if (a->m < 0 || a->n < 0 || a->k < 0)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: negative size m=%lld n=%lld k=%lld",
+                             (long long)a->m, (long long)a->n, (long long)a->k);
+    if (!dtype_ok(a->ab_dtype) || (a->c_dtype != a->ab_dtype && a->c_dtype != TEC_F32))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: C must have the dtype of A and B, or float32");
+    int64_t a_cols = a->transa ? a->m : a->k, b_cols = a->transb ? a->k : a->n;
+    if (a->lda < (a_cols > 1 ? a_cols : 1) || a->ldb < (b_cols > 1 ? b_cols : 1) || a->ldc < (a->n > 1 ? a->n : 1))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: leading dimension too small (lda=%lld ldb=%lld ldc=%lld)",
+                             (long long)a->lda, (long long)a->ldb, (long long)a->ldc);
+    if (a->bias && a->accumulate)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: bias with accumulate is not supported");
+    if (a->m == 0 || a->n == 0)
+        return TEC_OK;
+    if ((a->k && (!a->a || !a->b)) || !a->c)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: missing A, B or C pointer");
+    if (a->workspace_bytes < b->gemm_workspace_bytes || (b->gemm_workspace_bytes && !a->workspace))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: workspace of %zu bytes, %zu needed",
+                             a->workspace_bytes, b->gemm_workspace_bytes);
+    return from_backend(b, b->gemm(device, a, stream));
+}

@@ -1,0 +1,45 @@
+/* module.h - what the CPython files of transformer_engine_c._C share: the
+ * module state, argument converters for METH_FASTCALL entry points and the
+ * one helper that turns a tec_status into a Python exception. */
+#ifndef TEC_PY_MODULE_H
+#define TEC_PY_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "../core/tec.h"
+
+typedef struct {
+    PyObject *EngineError;      /* RuntimeError subclass: engine failures */
+    PyObject *CommTimeoutError; /* EngineError + TimeoutError: a peer did not arrive */
+    PyObject *tensor_type;      /* torch.Tensor, set by _init() */
+    PyObject *extra[8];         /* owned by the other files (see module.c) */
+} tec_module_state;
+
+static inline tec_module_state *tec_state(PyObject *module)
+{
+    return (tec_module_state *)PyModule_GetState(module);
+}
+
+/* Set a Python exception for `st` with the engine's last error message and
+ * return NULL. INVALID_ARG -> ValueError, TIMEOUT -> CommTimeoutError,
+ * everything else -> EngineError. */
+PyObject *tec_raise(PyObject *module, tec_status st);
+
+/* Positional-argument converters; each returns 0 and sets an exception
+ * naming argument `i` of `fn` on failure. */
+int tec_arg_count(const char *fn, Py_ssize_t nargs, Py_ssize_t want);
+int tec_arg_i64(PyObject *const *args, Py_ssize_t i, int64_t *out);
+int tec_arg_ptr(PyObject *const *args, Py_ssize_t i, void **out); /* int address, 0 = NULL */
+int tec_arg_double(PyObject *const *args, Py_ssize_t i, double *out);
+
+/* Method tables of the other files, added in module exec. */
+extern PyMethodDef tec_ops_methods[];
+extern PyMethodDef tec_saving_methods[];
+
+/* Per-file exec hooks (types, constants); 0 on success, -1 with an exception. */
+int tec_comm_exec(PyObject *module);
+int tec_comm_traverse(tec_module_state *st, visitproc visit, void *arg);
+void tec_comm_clear(tec_module_state *st);
+
+#endif

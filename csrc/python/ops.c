@@ -1,0 +1,136 @@
+/* ops.c - CPython entry points for the engine's stateless operations
+ * (normalisation, GEMM, backend loading). Positional METH_FASTCALL with
+ * addresses as ints; friendly checks live in transformer_engine_c/_engine.py.
+ * tests/test_kernels.py exercises every function here. */
+#include "module.h"
+
+#define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
+#define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
+#define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
+#define DBL(i, v) if (!tec_arg_double(args, i, &(v))) return NULL
+
+static PyObject *run(PyObject *module, tec_status st)
+{
+    if (st != TEC_OK)
+        return tec_raise(module, st);
+    Py_RETURN_NONE;
+}
+
+/* Release the GIL around engine calls: CPU kernels take real time and the
+ * comm thread of a shared-memory communicator may need the interpreter. */
+#define CALL(expr) do { Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS } while (0)
+
+/* norm_fwd(device, dtype, rows, cols, x, gamma, beta, y, mu, rsigma, eps,
+ *          zero_centered_gamma, stream) */
+static PyObject *py_norm_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("norm_fwd", 13);
+    int64_t dev, dt, zcg;
+    double eps;
+    tec_norm_fwd_args a = {0};
+    void *stream;
+    I64(0, dev); I64(1, dt); I64(2, a.rows); I64(3, a.cols);
+    PTR(4, a.x); PTR(5, a.gamma); PTR(6, a.beta); PTR(7, a.y); PTR(8, a.mu); PTR(9, a.rsigma);
+    DBL(10, eps); I64(11, zcg); PTR(12, stream);
+    a.dtype = (tec_dtype)dt;
+    a.eps = (float)eps;
+    a.zero_centered_gamma = (int)zcg;
+    tec_status st;
+    CALL(tec_norm_fwd((int)dev, &a, stream));
+    return run(m, st);
+}
+
+/* norm_bwd(device, dtype, rows, cols, dy, x, mu, rsigma, gamma, dx, dgamma,
+ *          dbeta, zero_centered_gamma, workspace, workspace_bytes, stream) */
+static PyObject *py_norm_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("norm_bwd", 16);
+    int64_t dev, dt, zcg, wsb;
+    tec_norm_bwd_args a = {0};
+    void *stream;
+    I64(0, dev); I64(1, dt); I64(2, a.rows); I64(3, a.cols);
+    PTR(4, a.dy); PTR(5, a.x); PTR(6, a.mu); PTR(7, a.rsigma); PTR(8, a.gamma);
+    PTR(9, a.dx); PTR(10, a.dgamma); PTR(11, a.dbeta); I64(12, zcg);
+    PTR(13, a.workspace); I64(14, wsb); PTR(15, stream);
+    a.dtype = (tec_dtype)dt;
+    a.zero_centered_gamma = (int)zcg;
+    a.workspace_bytes = (size_t)wsb;
+    tec_status st;
+    CALL(tec_norm_bwd((int)dev, &a, stream));
+    return run(m, st);
+}
+
+/* norm_bwd_workspace_bytes(device, rows, cols) -> int */
+static PyObject *py_norm_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("norm_bwd_workspace_bytes", 3);
+    int64_t dev, rows, cols;
+    I64(0, dev); I64(1, rows); I64(2, cols);
+    if (!tec_backend_for((int)dev))
+        return tec_raise(m, tec_set_error(TEC_ERR_NOT_SUPPORTED, "the CUDA backend is not loaded"));
+    return PyLong_FromSize_t(tec_norm_bwd_workspace_bytes((int)dev, rows, cols));
+}
+
+/* gemm(device, ab_dtype, c_dtype, transa, transb, m, n, k, a, lda, b, ldb,
+ *      c, ldc, bias, bias_grad, accumulate, workspace, workspace_bytes, stream) */
+static PyObject *py_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("gemm", 20);
+    int64_t dev, abt, ct, ta, tb, acc, wsb;
+    tec_gemm_args a = {0};
+    void *stream;
+    I64(0, dev); I64(1, abt); I64(2, ct); I64(3, ta); I64(4, tb);
+    I64(5, a.m); I64(6, a.n); I64(7, a.k);
+    PTR(8, a.a); I64(9, a.lda); PTR(10, a.b); I64(11, a.ldb); PTR(12, a.c); I64(13, a.ldc);
+    PTR(14, a.bias); PTR(15, a.bias_grad); I64(16, acc); PTR(17, a.workspace); I64(18, wsb);
+    PTR(19, stream);
+    a.ab_dtype = (tec_dtype)abt;
+    a.c_dtype = (tec_dtype)ct;
+    a.transa = (int)ta;
+    a.transb = (int)tb;
+    a.accumulate = (int)acc;
+    a.workspace_bytes = (size_t)wsb;
+    tec_status st;
+    CALL(tec_gemm((int)dev, &a, stream));
+    return run(m, st);
+}
+
+/* gemm_workspace_bytes(device) -> int */
+static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("gemm_workspace_bytes", 1);
+    int64_t dev;
+    I64(0, dev);
+    const tec_backend *b = tec_backend_for((int)dev);
+    if (!b)
+        return tec_raise(m, tec_set_error(TEC_ERR_NOT_SUPPORTED, "the CUDA backend is not loaded"));
+    return PyLong_FromSize_t(b->gemm_workspace_bytes);
+}
+
+/* load_cuda_backend(path: str) */
+static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("load_cuda_backend", 1);
+    const char *path = PyUnicode_AsUTF8(args[0]);
+    if (!path)
+        return NULL;
+    return run(m, tec_load_cuda_backend(path));
+}
+
+/* has_cuda_backend() -> bool */
+static PyObject *py_has_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("has_cuda_backend", 0);
+    return PyBool_FromLong(tec_backend_for(0) != NULL);
+}
+
+PyMethodDef tec_ops_methods[] = {
+    {"norm_fwd", (PyCFunction)(void (*)(void))py_norm_fwd, METH_FASTCALL, "LayerNorm/RMSNorm forward."},
+    {"norm_bwd", (PyCFunction)(void (*)(void))py_norm_bwd, METH_FASTCALL, "LayerNorm/RMSNorm backward."},
+    {"norm_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_norm_bwd_ws, METH_FASTCALL, "Workspace of norm_bwd."},
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "Row-major GEMM (see tec.h)."},
+    {"gemm_workspace_bytes", (PyCFunction)(void (*)(void))py_gemm_ws, METH_FASTCALL, "Workspace of gemm."},
+    {"load_cuda_backend", (PyCFunction)(void (*)(void))py_load_cuda, METH_FASTCALL, "Load the CUDA backend library."},
+    {"has_cuda_backend", (PyCFunction)(void (*)(void))py_has_cuda, METH_FASTCALL, "Whether CUDA is loaded."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,156 @@
+"""Thin, checked wrappers over the C engine (transformer_engine_c._C).
+
+Each function validates its tensors (device, dtype, shape, layout) with
+messages that name the argument, allocates outputs and workspaces with
+PyTorch, and passes addresses and the current CUDA stream to the engine.
+The numerics live in C (csrc/core/cpu, csrc/core/cuda).
+"""
+import os
+
+import torch
+
+from . import _C
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CUDA_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtec_cuda.so")
+_workspaces = {}
+
+
+def cuda_backend_built():
+    return os.path.exists(_CUDA_LIB)
+
+
+def _ensure_backend(device):
+    if device.type == "cpu":
+        return -1
+    if device.type != "cuda":
+        raise ValueError(f"device {device} is not supported (expected cpu or cuda)")
+    if not _C.has_cuda_backend():
+        if not cuda_backend_built():
+            raise RuntimeError(
+                "transformer_engine_c was built without its CUDA backend (nvcc or the cuBLASLt "
+                "headers were not found at build time); rebuild with TEC_CUDA=1 to see why")
+        _C.load_cuda_backend(_CUDA_LIB)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_code(device):
+    """-1 for the CPU, the CUDA ordinal otherwise (loading the CUDA backend)."""
+    return _ensure_backend(torch.device(device))
+
+
+def stream_of(device):
+    device = torch.device(device)
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def dtype_code(dtype, name="tensor"):
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(f"{name} has dtype {dtype}; expected float32, bfloat16 or float16") from None
+
+
+def check_tensor(t, name, *, dtype=None, device=None, ndim=None, shape=None, contiguous=True):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
+    dtype_code(t.dtype, name)
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} is on {t.device}; expected {device}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+    return t
+
+
+def _addr(t):
+    return t.data_ptr() if t is not None else 0
+
+
+def workspace(device, nbytes):
+    """A cached uint8 workspace of at least nbytes on device (stream-ordered
+    reuse through the caching allocator's semantics: one per device)."""
+    if nbytes == 0:
+        return None
+    key = torch.device(device)
+    ws = _workspaces.get(key)
+    if ws is None or ws.numel() < nbytes:
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=key)
+        _workspaces[key] = ws
+    return ws
+
+
+def norm_fwd(x, gamma, beta, eps, zero_centered_gamma=False, out=None):
+    """LayerNorm (beta given) or RMSNorm (beta None) over the last dim of a
+    2-D x. Returns (y, mu, rsigma); mu is None for RMSNorm. `out`, if given,
+    receives y (any contiguous tensor of x's shape and dtype, e.g. a view of a
+    communication buffer)."""
+    check_tensor(x, "input", ndim=2)
+    rows, cols = x.shape
+    check_tensor(gamma, "layer_norm_weight", dtype=x.dtype, device=x.device, shape=(cols,))
+    if beta is not None:
+        check_tensor(beta, "layer_norm_bias", dtype=x.dtype, device=x.device, shape=(cols,))
+    y = torch.empty_like(x) if out is None else check_tensor(
+        out, "out", dtype=x.dtype, device=x.device, shape=x.shape)
+    mu = torch.empty(rows, dtype=torch.float32, device=x.device) if beta is not None else None
+    rsigma = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _C.norm_fwd(device_code(x.device), DTYPE_CODES[x.dtype], rows, cols, _addr(x), _addr(gamma),
+                _addr(beta), _addr(y), _addr(mu), _addr(rsigma), float(eps),
+                int(bool(zero_centered_gamma)), stream_of(x.device))
+    return y, mu, rsigma
+
+
+def norm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma=False, with_dbeta=True):
+    """Backward of norm_fwd: returns (dx, dgamma, dbeta); dbeta None for RMSNorm."""
+    check_tensor(x, "input", ndim=2)
+    check_tensor(dy, "grad_output", dtype=x.dtype, device=x.device, shape=x.shape)
+    rows, cols = x.shape
+    dev = device_code(x.device)
+    dx = torch.empty_like(x)
+    dgamma = torch.empty_like(gamma)
+    dbeta = torch.empty_like(gamma) if with_dbeta else None
+    nbytes = _C.norm_bwd_workspace_bytes(dev, rows, cols)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _C.norm_bwd(dev, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(mu),
+                _addr(rsigma), _addr(gamma), _addr(dx), _addr(dgamma), _addr(dbeta),
+                int(bool(zero_centered_gamma)), _addr(ws), nbytes, stream_of(x.device))
+    return dx, dgamma, dbeta
+
+
+def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=None,
+         bias_grad=False, accumulate=False):
+    """Row-major out[m, n] (+)= op(a) @ op(b) (+ bias), float32 accumulation.
+
+    a is [m, k] ([k, m] with transa), b is [k, n] ([n, k] with transb).
+    bias_grad=True also returns the row sums of op(a) ([m], a's dtype).
+    Returns out, or (out, bias_grad)."""
+    check_tensor(a, "A", ndim=2)
+    check_tensor(b, "B", ndim=2, dtype=a.dtype, device=a.device)
+    m, k = (a.shape[1], a.shape[0]) if transa else tuple(a.shape)
+    kb, n = (b.shape[1], b.shape[0]) if transb else tuple(b.shape)
+    if k != kb:
+        raise ValueError(f"GEMM inner dimensions differ: op(A) is [{m}, {k}], op(B) is [{kb}, {n}]")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out")
+        out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
+    else:
+        check_tensor(out, "out", device=a.device, shape=(m, n))
+        if out.dtype not in (a.dtype, torch.float32):
+            raise TypeError(f"out has dtype {out.dtype}; expected {a.dtype} or float32")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=a.dtype, device=a.device, shape=(n,))
+    bgrad = torch.empty(m, dtype=a.dtype, device=a.device) if bias_grad else None
+    dev = device_code(a.device)
+    nbytes = _C.gemm_workspace_bytes(dev)
+    ws = workspace(a.device, nbytes)
+    _C.gemm(dev, DTYPE_CODES[a.dtype], DTYPE_CODES[out.dtype], int(transa), int(transb), m, n, k,
+            _addr(a), a.stride(0), _addr(b), b.stride(0), _addr(out), out.stride(0),
+            _addr(bias), _addr(bgrad), int(bool(accumulate)), _addr(ws), nbytes,
+            stream_of(a.device))
+    return (out, bgrad) if bias_grad else out
