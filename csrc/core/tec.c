@@ -54,6 +54,7 @@ size_t tec_dtype_size(tec_dtype dt)
 /* ------------------------------------------------------- backend loading */
 
 static const tec_backend *cuda_backend;
+static void *cuda_handle;
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
 tec_status tec_load_cuda_backend(const char *path)
@@ -74,10 +75,16 @@ tec_status tec_load_cuda_backend(const char *path)
         st = tec_set_error(TEC_ERR_NOT_SUPPORTED, "%s is not a CUDA backend of ABI %d", path, TEC_BACKEND_ABI);
         goto out;
     }
-    cuda_backend = b; /* the handle stays open for the life of the process */
+    cuda_handle = h; /* stays open for the life of the process */
+    cuda_backend = b;
 out:
     pthread_mutex_unlock(&load_lock);
     return st;
+}
+
+void *tec_cuda_symbol(const char *name)
+{
+    return cuda_handle ? dlsym(cuda_handle, name) : NULL;
 }
 
 const tec_backend *tec_backend_for(int device)

@@ -148,6 +148,9 @@ extern const tec_backend tec_cpu_backend;
  * TEC_OK). Symbol: `tec_cuda_backend_get`, returning const tec_backend *. */
 tec_status tec_load_cuda_backend(const char *path);
 const tec_backend *tec_backend_for(int device); /* NULL if not loaded */
+/* Another symbol of the loaded CUDA backend library (NULL if not loaded or
+ * absent): lets other parts (the CUDA transport) add tables of their own. */
+void *tec_cuda_symbol(const char *name);
 
 /* Device-dispatching entry points (validate, then call the backend). */
 tec_status tec_norm_fwd(int device, const tec_norm_fwd_args *a, void *stream);
