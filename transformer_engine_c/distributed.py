@@ -4,6 +4,10 @@ non-overlapped sequence-parallel collectives (along the first dimension of a
 import torch
 import torch.distributed as dist
 
+# PyTorch 2.13 renamed the flat collectives; older releases have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def resolve_tp(tp_group, tp_size):
     """(group, size, rank) of the tensor-parallel group; checks that an
@@ -29,7 +33,7 @@ def all_gather_rows(x, group, size):
     if size == 1:
         return x
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_flat(out, x.contiguous(), group=group)
     return out
 
 
@@ -40,7 +44,7 @@ def reduce_scatter_rows(x, group, size):
     if x.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {x.shape[0]} rows over {size} ranks")
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_flat(out, x.contiguous(), group=group)
     return out
 
 
