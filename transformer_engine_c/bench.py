@@ -1,0 +1,298 @@
+"""Benchmark: comm-GEMM overlap against the non-overlapped layer, the
+PyTorch sequential path, PyTorch async-TP and the limit, in one process.
+
+    python -m transformer_engine_c.bench --out bench_out          # every GPU, or 2 CPU ranks
+    python -m transformer_engine_c.bench --shapes 8192x4096x12288 --cases ag_gemm,gemm_rs,mlp
+    python -m transformer_engine_c.bench --sweep                  # tokens 2048-16384, H 2048/4096/8192, N 3H/4H
+
+Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
+are medians over --iters iterations after --warmup, with CUDA events on GPUs
+(host clock on CPU), the maximum over ranks. Results: a table on stdout and
+bench.json, bench.md (and bench.png where matplotlib is installed) in --out.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ._launch import init_rank, relaunch, under_torchrun
+
+CASES = ("ag_gemm", "gemm_rs", "mlp")
+
+
+def parse():
+    ap = argparse.ArgumentParser(prog="python -m transformer_engine_c.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpus else "cpu")
+    ap.add_argument("--nproc", type=int, default=None)
+    ap.add_argument("--shapes", default=None, help="comma-separated TOKENSxHIDDENxN")
+    ap.add_argument("--sweep", action="store_true", help="the full shape sweep")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out", default=None, help="directory for bench.json / bench.md / bench.png")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    args.nproc = args.nproc or (gpus if cuda else 2)
+    if args.sweep:
+        args.shapes = [(t, h, n * h) for h in (2048, 4096, 8192) for n in (3, 4) for t in (2048, 4096, 8192, 16384)]
+    elif args.shapes:
+        args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        args.shapes = ([(8192, 4096, 12288), (4096, 4096, 12288), (16384, 8192, 24576), (2048, 2048, 6144)]
+                       if cuda else [(256, 256, 768)])
+    args.cases = [c for c in args.cases.split(",") if c]
+    bad = [c for c in args.cases if c not in CASES]
+    if bad:
+        ap.error(f"unknown case(s) {bad}; expected some of {CASES}")
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
+    args.iters = args.iters if args.iters is not None else (50 if cuda else 5)
+    return args
+
+
+class Timer:
+    def __init__(self, device, group, warmup, iters):
+        self.cuda = device.type == "cuda"
+        self.group, self.warmup, self.iters = group, warmup, iters
+
+    def __call__(self, fn):
+        """Median time of fn() in ms, max over ranks; None if fn raises NotImplementedError."""
+        import torch.distributed as dist
+
+        try:
+            for _ in range(self.warmup):
+                fn()
+        except NotImplementedError:
+            return None
+        times = []
+        self.sync()
+        dist.barrier(group=self.group)
+        for _ in range(self.iters):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.item()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _symm_mem(group):
+    """PyTorch async-TP ops for `group`, or None where unavailable."""
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+        return torch.ops.symm_mem
+    except Exception:  # not built, not on this device, or no symmetric memory
+        return None
+
+
+def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
+    """Our layers for a case, with or without userbuffers overlap."""
+    ub = {}
+    if overlap:
+        if not hasattr(tec, "initialize_ub"):
+            raise NotImplementedError
+        tec.destroy_ub()
+        tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group)
+    fc1 = fc2 = None
+    if kind in ("ag_gemm", "mlp"):
+        if overlap:
+            ub = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=kind == "mlp", ub_name="fc1")
+        fc1 = tec.LayerNormLinear(H, N, params_dtype=dtype, device=device, parallel_mode="column",
+                                  sequence_parallel=True, tp_group=group, **ub)
+    if kind in ("gemm_rs", "mlp"):
+        if overlap:
+            ub = dict(ub_overlap_rs=True, ub_overlap_ag=kind == "mlp", ub_name="fc2")
+        fc2 = tec.Linear(N, H, params_dtype=dtype, device=device, parallel_mode="row",
+                         sequence_parallel=True, tp_group=group, **ub)
+    return fc1, fc2
+
+
+def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
+    import torch.distributed as dist
+
+    dtype = args.dtype
+    Nl = N // size
+    g = torch.Generator(device=device).manual_seed(rank)
+    rnd = lambda *s: torch.randn(*s, dtype=dtype, device=device, generator=g)  # noqa: E731
+    row = {"case": case, "tokens": T, "hidden": H, "n": N, "tp": size, "dtype": str(dtype)[6:]}
+    if case == "ag_gemm":
+        x, w, gamma, beta = rnd(T // size, H), rnd(Nl, H) * 0.02, rnd(H), rnd(H)
+        ln = F.layer_norm(x, (H,), gamma, beta)
+        ln_total = torch.empty(T, H, dtype=dtype, device=device)
+        row["norm"] = timer(lambda: F.layer_norm(x, (H,), gamma, beta))
+        row["comm"] = timer(lambda: dist.all_gather_into_tensor(ln_total, ln, group=group))
+        row["gemm"] = timer(lambda: torch.matmul(ln_total, w.t()))
+        row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
+
+        def sequential():
+            lo = F.layer_norm(x, (H,), gamma, beta)
+            dist.all_gather_into_tensor(ln_total, lo, group=group)
+            return torch.matmul(ln_total, w.t())
+        row["sequential"] = timer(sequential)
+        if symm is not None:
+            wt = w.t()
+            row["async_tp"] = timer(lambda: symm.fused_all_gather_matmul(
+                F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name))
+        for overlap in (False, True):
+            try:
+                fc1, _ = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
+            except NotImplementedError:
+                continue
+            with torch.no_grad():
+                fc1.weight.copy_(w)
+            with torch.no_grad():
+                row["ours_overlap" if overlap else "ours"] = timer(lambda: fc1(x))
+        row["ours_gemm"] = timer(lambda: tec._engine.gemm(ln_total, w, transb=True))
+        row["ours_norm"] = timer(lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5))
+        nbytes = x.numel() * x.element_size()
+        src = torch.empty(nbytes * 4, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_ms = timer(lambda: dst.copy_(src))
+        row["copy_gbps"] = 2 * src.numel() / copy_ms / 1e6
+        row["norm_gbps"] = 2 * nbytes / row["ours_norm"] / 1e6
+    elif case == "gemm_rs":
+        x, w = rnd(T, Nl), rnd(H, Nl) * 0.02
+        part = torch.empty(T, H, dtype=dtype, device=device)
+        out = torch.empty(T // size, H, dtype=dtype, device=device)
+        row["gemm"] = timer(lambda: torch.matmul(x, w.t(), out=part))
+        row["comm"] = timer(lambda: dist.reduce_scatter_tensor(out, part, group=group))
+        row["limit"] = max(row["gemm"], row["comm"])
+
+        def sequential():
+            torch.matmul(x, w.t(), out=part)
+            dist.reduce_scatter_tensor(out, part, group=group)
+        row["sequential"] = timer(sequential)
+        if symm is not None:
+            wt = w.t()
+            row["async_tp"] = timer(lambda: symm.fused_matmul_reduce_scatter(
+                x, wt, "sum", scatter_dim=0, group_name=group.group_name))
+        for overlap in (False, True):
+            try:
+                _, fc2 = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
+            except NotImplementedError:
+                continue
+            with torch.no_grad():
+                fc2.weight.copy_(w)
+                row["ours_overlap" if overlap else "ours"] = timer(lambda: fc2(x))
+    else:  # mlp forward + backward
+        x = rnd(T // size, H).requires_grad_()
+        dy = rnd(T // size, H)
+        for overlap in (False, True):
+            try:
+                fc1, fc2 = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
+            except NotImplementedError:
+                continue
+
+            def step():
+                y = fc2(F.gelu(fc1(x)))
+                y.backward(dy)
+            row["ours_overlap" if overlap else "ours"] = timer(step)
+    for base in ("ours", "sequential", "async_tp", "limit"):
+        if row.get("ours_overlap") and row.get(base):
+            row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
+    return row
+
+
+COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit", "sequential", "async_tp",
+           "ours", "ours_overlap", "speedup_vs_ours", "speedup_vs_sequential", "speedup_vs_async_tp",
+           "speedup_vs_limit", "ours_gemm", "norm_gbps", "copy_gbps")
+
+
+def fmt(v):
+    return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def table(rows):
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write(rows, args, out):
+    os.makedirs(out, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters}
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(f"# transformer_engine_c benchmark\n\n{json.dumps(meta)}\n\nTimes in ms (median, max over "
+                f"ranks); speedups are baseline time / overlapped time.\n\n{table(rows)}\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, len(rows)), 4))
+    labels = [f"{r['case']}\n{r['tokens']}x{r['hidden']}x{r['n']}" for r in rows]
+    keys = [k for k in ("sequential", "async_tp", "ours", "ours_overlap", "limit") if any(r.get(k) for r in rows)]
+    width = 0.8 / max(1, len(keys))
+    for i, k in enumerate(keys):
+        ax.bar([j + i * width for j in range(len(rows))], [r.get(k) or 0 for r in rows], width, label=k)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "bench.png"), dpi=120)
+
+
+def worker(args):
+    import torch.distributed as dist
+
+    import transformer_engine_c as tec
+
+    rank, size, device = init_rank(args.device)
+    group = dist.new_group(list(range(size)))
+    timer = Timer(device, group, args.warmup, args.iters)
+    symm = _symm_mem(group) if device.type == "cuda" else None
+    rows = []
+    todo = [(c, s) for s in args.shapes for c in args.cases]
+    for i, (case, (T, H, N)) in enumerate(todo):
+        if T % size or N % size:
+            continue
+        if rank == 0:
+            print(f"[{i + 1}/{len(todo)}] {case} {T}x{H}x{N} tp={size} ...", flush=True)
+        rows.append(run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm))
+    if hasattr(tec, "destroy_ub"):
+        tec.destroy_ub()
+    if rank == 0:
+        print(table(rows))
+        if args.out:
+            write(rows, args, args.out)
+            print(f"wrote {args.out}/bench.json, bench.md")
+    dist.destroy_process_group()
+    return 0
+
+
+def main():
+    args = parse()
+    if not under_torchrun():
+        return relaunch("transformer_engine_c.bench", args.nproc)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
