@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
     for (int64_t row = G::first(); row < p.rows; row += (int64_t)gridDim.x * G::groups) {
         const V *xr = (const V *)p.x + row * nvec;
         V *yr = (V *)p.y + row * nvec;
-        float mean = 0.0f, ss = 0.0f;
+        float mean = 0.0f, ss = 0.0f, rs;
         if constexpr (NV > 0) {
             V xv[NV];
 #pragma unroll
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                         const float d = vget(xv[i], e) - mean;
                         ss += d * d;
                     }
-            const float rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
+            rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
 #pragma unroll
             for (int i = 0; i < NV; i++) {
                 const int64_t idx = tid + (int64_t)i * TPR;
@@ -193,7 +193,6 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                     yr[idx] = vpack<T, VEC>(o);
                 }
             }
-            ss = rs;
         } else {
             if (!rms) {
                 float s = 0.0f;
@@ -213,7 +212,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                     ss += d * d;
                 }
             }
-            const float rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
+            rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
             for (int64_t idx = tid; idx < nvec; idx += TPR) {
                 const V xv = xr[idx], g = gv[idx];
                 V b;
@@ -229,12 +228,11 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                 }
                 yr[idx] = vpack<T, VEC>(o);
             }
-            ss = rs;
         }
         if (tid == 0) {
             if (!rms)
                 p.mu[row] = mean;
-            p.rsigma[row] = ss; /* holds rs here */
+            p.rsigma[row] = rs;
         }
     }
 }
