@@ -362,9 +362,6 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
     int locked = 0, temp = 0, prev;
     if (g->m == 0 || g->n == 0)
         return TEC_OK;
-    if ((g->m + 15) / 16 > kMaxGridY)
-        return tec_cuda_fail(TEC_ERR_NOT_SUPPORTED, __FILE__, __LINE__, "gemm: m=%lld is too large",
-                             (long long)g->m);
     tec_status s = tec_cuda_enter(device, &prev);
     if (s != TEC_OK)
         return s;
@@ -434,6 +431,12 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
         if (plan->simt) {
             pthread_mutex_unlock(&d->lock);
             locked = 0;
+            if ((g->m + 15) / 16 > kMaxGridY) {
+                s = tec_cuda_fail(TEC_ERR_NOT_SUPPORTED, __FILE__, __LINE__,
+                                  "gemm: cuBLASLt has no algorithm and m=%lld is too large for the fallback kernel",
+                                  (long long)g->m);
+                goto out;
+            }
             TEC_GEMM_DISPATCH(g, launch_simt, g, st);
             TEC_CUDA_LAUNCH_CHECK_GOTO("fallback GEMM kernel", s, out);
             stat_add(kStatSimt);

@@ -8,10 +8,60 @@ namespace {
 
 /* ================================================================ kernels */
 
-/* VEC elements moved by one load/store (16 bytes on the vector path). */
+/* VEC elements moved by one load/store (16 bytes on the vector path).
+ * vget reads element e as float; vpack builds a vector from VEC floats. */
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) tvec {
     T e[VEC];
 };
+template <typename T, int VEC> __device__ __forceinline__ float vget(const tvec<T, VEC> &v, int e)
+{
+    return tec_to_f32(v.e[e]);
+}
+template <typename T, int VEC> __device__ __forceinline__ tvec<T, VEC> vpack(const float (&f)[VEC])
+{
+    tvec<T, VEC> v;
+#pragma unroll
+    for (int e = 0; e < VEC; e++)
+        v.e[e] = tec_from_f32<T>(f[e]);
+    return v;
+}
+
+/* 16-bit types, 16 bytes: kept as four packed 32-bit words, so that a lane
+ * holding NV vectors spends 4 * NV registers on them (not 8 * NV). */
+template <> struct alignas(16) tvec<__nv_bfloat16, 8> {
+    uint32_t w[4];
+};
+template <> struct alignas(16) tvec<__half, 8> {
+    uint32_t w[4];
+};
+__device__ __forceinline__ float vget(const tvec<__nv_bfloat16, 8> &v, int e)
+{
+    const uint32_t w = v.w[e >> 1];
+    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ float vget(const tvec<__half, 8> &v, int e)
+{
+    const uint32_t w = v.w[e >> 1];
+    return __half2float(__ushort_as_half((unsigned short)((e & 1) ? (w >> 16) : (w & 0xffffu))));
+}
+template <> __device__ __forceinline__ tvec<__nv_bfloat16, 8> vpack<__nv_bfloat16, 8>(const float (&f)[8])
+{
+    tvec<__nv_bfloat16, 8> v;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        v.w[i] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i])) |
+                 ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i + 1])) << 16);
+    return v;
+}
+template <> __device__ __forceinline__ tvec<__half, 8> vpack<__half, 8>(const float (&f)[8])
+{
+    tvec<__half, 8> v;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        v.w[i] = (uint32_t)__half_as_ushort(__float2half_rn(f[2 * i])) |
+                 ((uint32_t)__half_as_ushort(__float2half_rn(f[2 * i + 1])) << 16);
+    return v;
+}
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -82,7 +132,7 @@ struct fwd_params {
 /* Forward. NV > 0: each thread keeps its NV vectors of the row in registers
  * (x is read once). NV == 0: stream over the row three times (any cols). */
 template <typename T, int VEC, int NV, int TPR>
-__global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_fwd_kernel(fwd_params p)
+__global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd_params p)
 {
     using V = tvec<T, VEC>;
     using G = rowgroup<TPR>;
@@ -96,7 +146,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_fwd_kernel(fwd_pa
     for (int64_t row = G::first(); row < p.rows; row += (int64_t)gridDim.x * G::groups) {
         const V *xr = (const V *)p.x + row * nvec;
         V *yr = (V *)p.y + row * nvec;
-        float mean = 0.0f, ss = 0.0f;
+        float mean = 0.0f, ss = 0.0f, rs;
         if constexpr (NV > 0) {
             V xv[NV];
 #pragma unroll
@@ -112,7 +162,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_fwd_kernel(fwd_pa
                     if (tid + (int64_t)i * TPR < nvec)
 #pragma unroll
                         for (int e = 0; e < VEC; e++)
-                            s += tec_to_f32(xv[i].e[e]);
+                            s += vget(xv[i], e);
                 mean = group_sum<TPR>(s, red) * inv_n;
             }
 #pragma unroll
@@ -120,29 +170,29 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_fwd_kernel(fwd_pa
                 if (tid + (int64_t)i * TPR < nvec)
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        const float d = tec_to_f32(xv[i].e[e]) - mean;
+                        const float d = vget(xv[i], e) - mean;
                         ss += d * d;
                     }
-            const float rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
+            rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
 #pragma unroll
             for (int i = 0; i < NV; i++) {
                 const int64_t idx = tid + (int64_t)i * TPR;
                 if (idx < nvec) {
                     const V g = gv[idx];
-                    V b, o;
+                    V b;
+                    float o[VEC];
                     if (!rms)
                         b = bv[idx];
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        float v = (tec_to_f32(xv[i].e[e]) - mean) * rs * (tec_to_f32(g.e[e]) + p.gshift);
+                        float v = (vget(xv[i], e) - mean) * rs * (vget(g, e) + p.gshift);
                         if (!rms)
-                            v += tec_to_f32(b.e[e]);
-                        o.e[e] = tec_from_f32<T>(v);
+                            v += vget(b, e);
+                        o[e] = v;
                     }
-                    yr[idx] = o;
+                    yr[idx] = vpack<T, VEC>(o);
                 }
             }
-            ss = rs;
         } else {
             if (!rms) {
                 float s = 0.0f;
@@ -150,7 +200,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_fwd_kernel(fwd_pa
                     const V xv = xr[idx];
 #pragma unroll
                     for (int e = 0; e < VEC; e++)
-                        s += tec_to_f32(xv.e[e]);
+                        s += vget(xv, e);
                 }
                 mean = group_sum<TPR>(s, red) * inv_n;
             }
@@ -158,31 +208,31 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_fwd_kernel(fwd_pa
                 const V xv = xr[idx];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    const float d = tec_to_f32(xv.e[e]) - mean;
+                    const float d = vget(xv, e) - mean;
                     ss += d * d;
                 }
             }
-            const float rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
+            rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
             for (int64_t idx = tid; idx < nvec; idx += TPR) {
                 const V xv = xr[idx], g = gv[idx];
-                V b, o;
+                V b;
+                float o[VEC];
                 if (!rms)
                     b = bv[idx];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    float v = (tec_to_f32(xv.e[e]) - mean) * rs * (tec_to_f32(g.e[e]) + p.gshift);
+                    float v = (vget(xv, e) - mean) * rs * (vget(g, e) + p.gshift);
                     if (!rms)
-                        v += tec_to_f32(b.e[e]);
-                    o.e[e] = tec_from_f32<T>(v);
+                        v += vget(b, e);
+                    o[e] = v;
                 }
-                yr[idx] = o;
+                yr[idx] = vpack<T, VEC>(o);
             }
-            ss = rs;
         }
         if (tid == 0) {
             if (!rms)
                 p.mu[row] = mean;
-            p.rsigma[row] = ss; /* holds rs here */
+            p.rsigma[row] = rs;
         }
     }
 }
@@ -205,7 +255,7 @@ struct bwd_params {
  * NV == 0: streaming; the partials accumulate in the workspace (each thread
  * owns its columns, so no synchronisation is needed). */
 template <typename T, int VEC, int NV, int TPR>
-__global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_bwd_kernel(bwd_params p)
+__global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_bwd_kernel(bwd_params p)
 {
     using V = tvec<T, VEC>;
     using G = rowgroup<TPR>;
@@ -248,8 +298,8 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_bwd_kernel(bwd_pa
                     const V gg = gv[idx];
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        const float xh = (tec_to_f32(xv[i].e[e]) - mu) * rs, dy = tec_to_f32(dyv[i].e[e]);
-                        const float dyg = dy * (tec_to_f32(gg.e[e]) + p.gshift);
+                        const float xh = (vget(xv[i], e) - mu) * rs, dy = vget(dyv[i], e);
+                        const float dyg = dy * (vget(gg, e) + p.gshift);
                         s1 += dyg;
                         s2 += dyg * xh;
                         dg[i][e] += dy * xh;
@@ -265,14 +315,14 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_bwd_kernel(bwd_pa
                 const int64_t idx = tid + (int64_t)i * TPR;
                 if (idx < nvec) {
                     const V gg = gv[idx];
-                    V o;
+                    float o[VEC];
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        const float xh = (tec_to_f32(xv[i].e[e]) - mu) * rs, dy = tec_to_f32(dyv[i].e[e]);
-                        const float dyg = dy * (tec_to_f32(gg.e[e]) + p.gshift);
-                        o.e[e] = tec_from_f32<T>(rs * (dyg - m1 - xh * m2));
+                        const float xh = (vget(xv[i], e) - mu) * rs, dy = vget(dyv[i], e);
+                        const float dyg = dy * (vget(gg, e) + p.gshift);
+                        o[e] = rs * (dyg - m1 - xh * m2);
                     }
-                    dxr[idx] = o;
+                    dxr[idx] = vpack<T, VEC>(o);
                 }
             }
         }
@@ -304,8 +354,8 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_bwd_kernel(bwd_pa
                 const V xv = xr[idx], dyv = dyr[idx], gg = gv[idx];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    const float xh = (tec_to_f32(xv.e[e]) - mu) * rs, dy = tec_to_f32(dyv.e[e]);
-                    const float dyg = dy * (tec_to_f32(gg.e[e]) + p.gshift);
+                    const float xh = (vget(xv, e) - mu) * rs, dy = vget(dyv, e);
+                    const float dyg = dy * (vget(gg, e) + p.gshift);
                     s1 += dyg;
                     s2 += dyg * xh;
                     wdg[idx * VEC + e] += dy * xh;
@@ -318,14 +368,14 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads) norm_bwd_kernel(bwd_pa
             V *dxr = (V *)p.dx + row * nvec;
             for (int64_t idx = tid; idx < nvec; idx += TPR) {
                 const V xv = xr[idx], dyv = dyr[idx], gg = gv[idx];
-                V o;
+                float o[VEC];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    const float xh = (tec_to_f32(xv.e[e]) - mu) * rs, dy = tec_to_f32(dyv.e[e]);
-                    const float dyg = dy * (tec_to_f32(gg.e[e]) + p.gshift);
-                    o.e[e] = tec_from_f32<T>(rs * (dyg - m1 - xh * m2));
+                    const float xh = (vget(xv, e) - mu) * rs, dy = vget(dyv, e);
+                    const float dyg = dy * (vget(gg, e) + p.gshift);
+                    o[e] = rs * (dyg - m1 - xh * m2);
                 }
-                dxr[idx] = o;
+                dxr[idx] = vpack<T, VEC>(o);
             }
         }
     }
@@ -394,7 +444,6 @@ template <typename T> void fwd_dispatch(const fwd_params &p, bool vec, cudaStrea
         else if (nvec <= 1024) launch_fwd<T, V, 8, 128>(p, st);  /* one block per row */
         else if (nvec <= 2048) launch_fwd<T, V, 8, 256>(p, st);
         else if (nvec <= 4096) launch_fwd<T, V, 8, 512>(p, st);
-        else if (nvec <= 8192) launch_fwd<T, V, 8, 1024>(p, st);
         else launch_fwd<T, V, 0, 1024>(p, st);                   /* streaming */
     } else {
         if (cols <= 1024) launch_fwd<T, 1, 0, 32>(p, st);       /* scalar, streaming */
