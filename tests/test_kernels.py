@@ -139,3 +139,62 @@ def test_norm_layer_matches_torch(device):
     b = rand(64, dtype=torch.float32, device=device)
     y, _, _ = _engine.norm_fwd(x, g, b, 1e-5)
     assert rel_err(y, F.layer_norm(x, (64,), g, b, 1e-5)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("shape", [(3, 7), (257, 1024), (2, 8192), (3, 12288), (2, 40000)])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_norm_edge_shapes(device, dtype, rms, shape, misaligned):
+    """Wide rows (the block-per-row paths) and views offset by one element
+    (the unaligned path), forward and backward."""
+    rows, cols = shape
+    off = 1 if misaligned else 0
+
+    def view(t):
+        buf = torch.empty(t.numel() + off, dtype=t.dtype, device=t.device)
+        v = buf[off:].view(t.shape)
+        v.copy_(t)
+        return v
+
+    x = view(rand(rows, cols, dtype=dtype, device=device, scale=2.0, offset=0.5))
+    g = rand(cols, dtype=dtype, device=device, scale=0.3, offset=1.0)
+    b = None if rms else rand(cols, dtype=dtype, device=device, scale=0.5)
+    out = view(poison(torch.empty(rows, cols, dtype=dtype, device=device)))
+    y, mu, rs = _engine.norm_fwd(x, g, b, 1e-5, False, out=out)
+    yr, _, _ = norm_ref(x, g, b, 1e-5, False)
+    assert rel_err(y, yr) < TOL[dtype]
+    dy = view(rand(rows, cols, dtype=dtype, device=device))
+    dx, dg, db = _engine.norm_bwd(dy, x, mu, rs, g, False, with_dbeta=not rms)
+    xr = x.double().cpu().requires_grad_()
+    gr = g.double().cpu().requires_grad_()
+    br = None if rms else b.double().cpu().requires_grad_()
+    norm_ref(xr, gr, br, 1e-5, False)[0].backward(dy.double().cpu())
+    assert rel_err(dx, xr.grad) < 2 * TOL[dtype]
+    assert rel_err(dg, gr.grad) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_k_zero(device, accumulate):
+    a = torch.empty(5, 0, device=device)
+    b = torch.empty(0, 7, device=device)
+    bias = rand(7, dtype=torch.float32, device=device)
+    out = rand(5, 7, dtype=torch.float32, device=device)
+    before = out.clone()
+    if accumulate:
+        _engine.gemm(a, b, out=out, accumulate=True)
+        assert torch.equal(out, before)
+    else:
+        _engine.gemm(a, b, out=out, bias=bias)
+        assert torch.equal(out.cpu(), bias.cpu().expand(5, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mnk", [(3, 100, 17), (100, 3, 1)])
+def test_gemm_misaligned(device, dtype, mnk):
+    m, n, k = mnk
+    abuf = rand(m * k + 1, dtype=dtype, device=device)
+    a = abuf[1:].view(m, k)
+    b = rand(n, k, dtype=dtype, device=device)
+    y = _engine.gemm(a, b, transb=True)
+    assert rel_err(y, gemm_ref(a, b, False, True)) < TOL[dtype]
