@@ -1,12 +1,17 @@
-"""transformer_engine_c: tensor-parallel layers with comm-GEMM overlap."""
+"""transformer_engine_c: tensor-parallel Linear and LayerNormLinear layers
+whose engine is C and CUDA C (see README.md)."""
 import torch
 
 from . import _C
 
 _C._init(torch.Tensor)
 
-# saved tensors and DistributedWeight (docs: csrc/python/saving.c, distributed_weight.py)
-prepare_for_saving = _C.prepare_for_saving
-restore_from_saved = _C.restore_from_saved
-from .distributed_weight import DistributedWeight  # noqa: E402
+from ._C import CommTimeoutError, EngineError  # noqa: E402
+from ._C import prepare_for_saving, restore_from_saved  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
+from .distributed_weight import DistributedWeight  # noqa: E402
+from .module.layernorm_linear import LayerNormLinear  # noqa: E402
+from .module.linear import Linear  # noqa: E402
+
+__all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError", "prepare_for_saving",
+           "restore_from_saved", "DistributedWeight", "checkpoint"]

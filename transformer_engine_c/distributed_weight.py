@@ -36,6 +36,8 @@ import copy
 import torch
 import torch.distributed as dist
 
+from .distributed import all_gather_rows, reduce_scatter_rows
+
 __all__ = ["DistributedWeight"]
 
 _COMPILE_MSG = ("DistributedWeight cannot be used under torch.compile: its all-gather and gradient "
@@ -129,9 +131,7 @@ class DistributedWeight(torch.nn.Parameter):
             shard = self.detach()
         if self._dw_world_size == 1:
             return shard
-        full = torch.empty(self._dw_full_shape, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self._dw_group)
-        return full
+        return all_gather_rows(shard, self._dw_group, self._dw_world_size)
 
     def reduce_grad(self, full_grad):
         """Reduce-scatter (SUM over the group) the full weight's gradient to this
@@ -147,9 +147,7 @@ class DistributedWeight(torch.nn.Parameter):
             if self._dw_world_size == 1:
                 g = full_grad
             else:
-                g = torch.empty((self._dw_full_shape[0] // self._dw_world_size, *self._dw_full_shape[1:]),
-                                dtype=full_grad.dtype, device=full_grad.device)
-                dist.reduce_scatter_tensor(g, full_grad.contiguous(), group=self._dw_group)
+                g = reduce_scatter_rows(full_grad, self._dw_group, self._dw_world_size)
             main = getattr(self, "main_grad", None)
             if main is not None:
                 main.add_(g)
