@@ -388,3 +388,47 @@ def test_compile_with_distributed_weight_raises():
     # a plain weight still compiles
     p = torch.nn.Parameter(torch.randn(5, 3))
     torch.compile(lambda a: a @ p.t(), backend="eager")(x)
+
+
+# -- the layers with a one-process DistributedWeight -------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
+def test_layers_with_distributed_weight(kind, mode):
+    torch.manual_seed(0)
+    cls = getattr(tec, kind)
+    ref = cls(16, 12)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    m = cls(16, 12)
+    m.load_state_dict(ref.state_dict())
+    m.weight = tec.DistributedWeight.from_full(ref.weight)
+    x = torch.randn(6, 2, 16)
+    xr, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr = ref(xr)
+    yr.square().sum().backward()
+    gathers = m.weight.gather_count
+    if mode in ("none", "identity", "offload"):
+        ctx = {"none": contextlib.nullcontext, "identity": _identity_hooks, "offload": _offload_hooks}[mode]
+        with ctx():
+            y = m(xd)
+    else:
+        reentrant = mode.endswith("reentrant")
+        ck = tec.checkpoint if mode.startswith("tec") else torch.utils.checkpoint.checkpoint
+        y = ck(m, xd, use_reentrant=reentrant)
+    y.square().sum().backward()
+    assert m.weight.gather_count - gathers == (3 if "ckpt" in mode else 2)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xd.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), (_, pr) in zip(m.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, rtol=1e-5, atol=1e-5, msg=lambda s: f"{name}: {s}")
+
+
+def test_layer_with_distributed_weight_under_compile_raises():
+    torch._dynamo.reset()
+    m = tec.Linear(16, 12)
+    m.weight = tec.DistributedWeight.from_full(m.weight)
+    with pytest.raises(RuntimeError, match="DistributedWeight cannot be used under torch.compile"):
+        torch.compile(m, backend="eager")(torch.randn(4, 16))
+    torch._dynamo.reset()
