@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_engine_c import _engine
-from conftest import TOL, rel_err
+from helpers import TOL, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

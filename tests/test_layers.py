@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import transformer_engine_c as tec
-from conftest import TOL, rel_err
+from helpers import TOL, rel_err
 from reference import layernorm_linear
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -97,6 +97,14 @@ def main():
         n += 1
         if rank == 0:
             print(f"ok {label}", flush=True)
+    # Bad input under TP: a sequence that cannot be reduce-scattered.
+    m = tec.Linear(16, 8, device=device, parallel_mode="row", sequence_parallel=True, tp_group=group)
+    try:
+        m(torch.randn(size + 1, 2, 16 // size, device=device))
+    except ValueError as e:
+        assert "not divisible by the tensor-parallel size" in str(e), e
+    else:
+        raise AssertionError("a sequence length not divisible by the TP size was accepted")
     dist.barrier()
     if rank == 0:
         print(f"PASS run_tp ({n} cases, tp={size}, {device.type})", flush=True)
