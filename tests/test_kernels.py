@@ -116,8 +116,11 @@ def test_gemm_strided_chunk(device):
     big = poison(torch.empty(64, 50, dtype=torch.float32, device=device))
     view = big[:, 10:34]
     from transformer_engine_c import _C
-    _C.gemm(_engine.device_code(device), 0, 0, 0, 1, 64, 24, 32, a.data_ptr(), 40, w.data_ptr(), 32,
-            view.data_ptr(), 50, None, None, 0, None, 0, _engine.stream_of(device))
+    dev = _engine.device_code(device)
+    nbytes = _C.gemm_workspace_bytes(dev)
+    ws = _engine.workspace(device, nbytes)
+    _C.gemm(dev, 0, 0, 0, 1, 64, 24, 32, a.data_ptr(), 40, w.data_ptr(), 32, view.data_ptr(), 50,
+            None, None, 0, ws.data_ptr() if ws is not None else None, nbytes, _engine.stream_of(device))
     assert rel_err(view, a[:, :32].double().cpu() @ w.double().cpu().t()) < TOL[torch.float32]
     assert torch.isnan(big[:, :10]).all() and torch.isnan(big[:, 34:]).all()
 

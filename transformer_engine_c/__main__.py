@@ -8,13 +8,12 @@ It launches its own ranks (through torch.distributed.run) unless it already
 runs under torchrun.
 """
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import time
 
 import torch
+
+from ._launch import init_rank, relaunch, under_torchrun
 
 
 def parse():
@@ -41,32 +40,13 @@ def parse():
     return args
 
 
-def launch(args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        env.setdefault(k, v)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "transformer_engine_c", *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
-
-
 def worker(args):
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import transformer_engine_c as tec
 
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    rank, size, device = init_rank(args.device)
     dtype = getattr(torch, args.dtype)
     S, B, H, F_ = args.seq, args.batch, args.hidden, args.ffn
     if S % size or F_ % size:
@@ -140,8 +120,8 @@ def worker(args):
 
 def main():
     args = parse()
-    if "RANK" not in os.environ:
-        return launch(args)
+    if not under_torchrun():
+        return relaunch("transformer_engine_c", args.nproc)
     return worker(args)
 
 

@@ -1,0 +1,47 @@
+"""Self-launching for the package's commands: re-run `python -m <module>`
+under torch.distributed.run with N local ranks, and set up a rank."""
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+SAFE_ENV = (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"))
+
+
+def under_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def relaunch(module, nproc, argv=None):
+    """Run `python -m module argv...` on nproc local ranks; return its exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k, v in SAFE_ENV:  # NVLink multicast stays off
+        env.setdefault(k, v)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", module,
+           *(sys.argv[1:] if argv is None else argv)]
+    return subprocess.call(cmd, env=env)
+
+
+def init_rank(device_type):
+    """Initialise torch.distributed for this rank (nccl on cuda, gloo on cpu);
+    return (rank, world size, device)."""
+    import torch.distributed as dist
+
+    for k, v in SAFE_ENV:
+        os.environ.setdefault(k, v)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, size, device
