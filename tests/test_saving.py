@@ -189,6 +189,36 @@ def test_no_leaks():
     assert (sys.getrefcount(w), sys.getrefcount(st), sys.getrefcount(a)) == before
 
 
+def test_no_leaks_on_error_paths():
+    t = torch.randn(2)
+
+    class Bad:
+        def prepare_for_saving(self):
+            return [t, "x"], self
+
+        def restore_from_saved(self, ts):
+            pass
+
+    class Raises(Storage):
+        def restore_from_saved(self, ts):
+            raise KeyError("boom")
+
+    b, r, st = Bad(), Raises(None, None), Storage(None, None)
+    before = [sys.getrefcount(o) for o in (t, b, r, st)]
+    for _ in range(500):
+        with pytest.raises(TypeError):
+            tec.prepare_for_saving(t, st, b)
+        st.data, st.scale = t, t
+        r.data, r.scale = t, t
+        saved, objs = tec.prepare_for_saving(st, r, t)
+        with pytest.raises(KeyError):
+            tec.restore_from_saved(objs, saved)
+        st.data = st.scale = None
+        del saved, objs
+    r.data = r.scale = st.data = st.scale = None
+    assert [sys.getrefcount(o) for o in (t, b, r, st)] == before
+
+
 def test_gc_tracking():
     _, plain = tec.prepare_for_saving(torch.randn(1))
     assert not gc.is_tracked(plain)  # holds no references
