@@ -7,7 +7,11 @@ from . import _C
 _C._init(torch.Tensor)
 
 from ._C import CommTimeoutError, EngineError  # noqa: E402
+from ._C import prepare_for_saving, restore_from_saved  # noqa: E402
+from .checkpoint import checkpoint  # noqa: E402
+from .distributed_weight import DistributedWeight  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.linear import Linear  # noqa: E402
 
-__all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError"]
+__all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError", "prepare_for_saving",
+           "restore_from_saved", "DistributedWeight", "checkpoint"]

@@ -101,7 +101,7 @@ static int tec_exec(PyObject *m)
         PyModule_AddFunctions(m, tec_ops_methods) < 0 ||
         PyModule_AddFunctions(m, tec_saving_methods) < 0)
         return -1;
-    if (tec_comm_exec(m) < 0)
+    if (tec_comm_exec(m) < 0 || tec_saving_exec(m) < 0)
         return -1;
     return 0;
 }
@@ -112,7 +112,8 @@ static int tec_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(s->EngineError);
     Py_VISIT(s->CommTimeoutError);
     Py_VISIT(s->tensor_type);
-    return tec_comm_traverse(s, visit, arg);
+    int r = tec_comm_traverse(s, visit, arg);
+    return r ? r : tec_saving_traverse(s, visit, arg);
 }
 
 static int tec_clear(PyObject *m)
@@ -122,6 +123,7 @@ static int tec_clear(PyObject *m)
     Py_CLEAR(s->CommTimeoutError);
     Py_CLEAR(s->tensor_type);
     tec_comm_clear(s);
+    tec_saving_clear(s);
     return 0;
 }
 

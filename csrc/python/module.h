@@ -14,6 +14,12 @@ typedef struct {
     PyObject *CommTimeoutError; /* EngineError + TimeoutError: a peer did not arrive */
     PyObject *tensor_type;      /* torch.Tensor, set by _init() */
     PyObject *extra[8];         /* owned by the other files (see module.c) */
+    /* saving.c (appended; visited and cleared by tec_saving_traverse/clear) */
+    PyObject *str_is_distributed_weight; /* interned attribute names */
+    PyObject *str_prepare_for_saving;
+    PyObject *str_restore_from_saved;
+    PyObject *SavedObjects_type;         /* heap type of the objects container */
+    int saving_keep_refs;                /* 0 only in negative tests */
 } tec_module_state;
 
 static inline tec_module_state *tec_state(PyObject *module)
@@ -41,5 +47,8 @@ extern PyMethodDef tec_saving_methods[];
 int tec_comm_exec(PyObject *module);
 int tec_comm_traverse(tec_module_state *st, visitproc visit, void *arg);
 void tec_comm_clear(tec_module_state *st);
+int tec_saving_exec(PyObject *module);
+int tec_saving_traverse(tec_module_state *st, visitproc visit, void *arg);
+void tec_saving_clear(tec_module_state *st);
 
 #endif
