@@ -24,8 +24,10 @@ import torch.utils.checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
 from transformer_engine_c import _C  # noqa: E402
+from transformer_engine_c._launch import init_rank  # noqa: E402
 
 TOL = 1e-5
+DEVICE = torch.device("cpu")
 MODES = ["none", "identity", "offload", "tec_ckpt_reentrant", "tec_ckpt", "torch_ckpt_reentrant", "torch_ckpt"]
 
 
@@ -40,8 +42,8 @@ def hooks(mode):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             yield
     elif mode == "offload":
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone().to("cpu"),
-                                                      lambda t: t.to("cpu").clone()):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().to("cpu", copy=True),
+                                                      lambda t: t.to(DEVICE, copy=True)):
             yield
     else:
         yield
@@ -79,11 +81,11 @@ def check_case(kind, mode, sp, g, run_mode, main_grad):
     cls = tec.LayerNormLinear if kind == "LayerNormLinear" else tec.Linear
     tp_kw = dict(parallel_mode=mode, sequence_parallel=sp, tp_group=g.tp_group if g.tp > 1 else None,
                  tp_size=g.tp)
-    ref = cls(IN, OUT, **tp_kw)
+    ref = cls(IN, OUT, device=DEVICE, **tp_kw)
     with torch.no_grad():  # rank-specific TP shards, non-trivial biases
         for p in ref.parameters():
-            p.copy_(torch.randn(p.shape) * 0.3 + 0.1 * g.tp_rank)
-    m = cls(IN, OUT, **tp_kw)  # (layers holding a process group cannot be deep-copied)
+            p.copy_(torch.randn(p.shape).to(DEVICE) * 0.3 + 0.1 * g.tp_rank)
+    m = cls(IN, OUT, device=DEVICE, **tp_kw)  # (layers holding a process group cannot be deep-copied)
     m.load_state_dict(ref.state_dict())
     local_w = ref.weight.detach()
     rows = local_w.shape[0] // g.dp
@@ -100,9 +102,10 @@ def check_case(kind, mode, sp, g, run_mode, main_grad):
     if mode == "row":
         x_local = x_local.chunk(g.tp, 2)[g.tp_rank]
 
+    x_local = x_local.to(DEVICE)
     xr = x_local.clone().requires_grad_()
     yr = ref(xr)
-    dy = torch.randn(yr.shape, generator=gen)
+    dy = torch.randn(yr.shape, generator=gen).to(DEVICE)
     yr.backward(dy)
     x = x_local.clone().requires_grad_()
     gathers = m.weight.gather_count
@@ -136,8 +139,10 @@ def check_case(kind, mode, sp, g, run_mode, main_grad):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-keep-references", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    global DEVICE
+    _, _, DEVICE = init_rank(args.device)
     world = dist.get_world_size()
     if args.no_keep_references:
         _C._saving_keep_references(False)
@@ -157,7 +162,7 @@ def main():
                 print(f"ok {label}", flush=True)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"PASS run_distributed_weight ({n} cases, {world} ranks)", flush=True)
+        print(f"PASS run_distributed_weight ({n} cases, {world} ranks, {DEVICE.type})", flush=True)
     dist.destroy_process_group()
 
 

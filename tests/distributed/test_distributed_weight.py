@@ -7,13 +7,21 @@ import sys
 
 import pytest
 
-from launch import HERE, ROOT, free_port, run_torchrun
+from launch import HERE, ROOT, free_port, gpu_count, run_torchrun
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_distributed_weight(nproc):
     out = run_torchrun("run_distributed_weight.py", nproc, timeout=300)
     assert f"{nproc} ranks" in out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_distributed_weight_cuda(nproc):
+    if gpu_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {gpu_count()}")
+    out = run_torchrun("run_distributed_weight.py", nproc, ["--device", "cuda"], timeout=300)
+    assert f"{nproc} ranks, cuda" in out
 
 
 def test_distributed_weight_negative():
