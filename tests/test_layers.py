@@ -87,3 +87,12 @@ def test_no_grad_forward(device):
     with torch.no_grad():
         y = m(x)
     assert not y.requires_grad and y.shape == (4, 8)
+
+
+def test_deepcopy_shares_tp_config(device):
+    import copy
+    m = tec.LayerNormLinear(16, 8, device=device)
+    m2 = copy.deepcopy(m)
+    assert m2.tp is m.tp and m2.weight is not m.weight
+    x = torch.randn(4, 16, device=device)
+    torch.testing.assert_close(m(x), m2(x))

@@ -43,6 +43,11 @@ class TPConfig:
             raise ValueError("sequence_parallel=True needs parallel_mode='column' or 'row'")
         self.sp = bool(sequence_parallel) and self.size > 1
 
+    def __deepcopy__(self, memo):
+        # Immutable and holding a process group (which cannot be copied): a
+        # deep-copied layer shares its tensor-parallel group, as it should.
+        return self
+
     def local_features(self, in_features, out_features):
         """(local in, local out) of the weight shard."""
         for name, n, split in (("out_features", out_features, self.mode == "column"),
