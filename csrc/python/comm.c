@@ -17,6 +17,7 @@ typedef struct {
     int closed;
     Py_ssize_t exports; /* live buffer views: the mapping outlives close() until 0 */
     int device;
+    char name[96]; /* kept for messages after close() */
 } CommObject;
 
 /* The module that defined the CommOverlap base type (works for subclasses). */
@@ -48,8 +49,8 @@ static tec_comm *live(CommObject *o)
 {
     if (o->closed || !o->comm) {
         tec_module_state *s = tec_state(defining_module((PyObject *)o));
-        PyErr_Format(s->EngineError, "communicator '%s' is %s",
-                     o->comm ? tec_comm_name(o->comm) : "?", o->closed ? "closed" : "not created");
+        PyErr_Format(s->EngineError, "communicator '%s' is %s", o->name[0] ? o->name : "?",
+                     o->closed ? "closed" : "not created");
         return NULL;
     }
     return o->comm;
@@ -103,6 +104,7 @@ static PyObject *py_create(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return raise(self, st);
     o->comm = c;
     o->device = (int)dev;
+    snprintf(o->name, sizeof o->name, "%s", tec_comm_name(c));
     Py_RETURN_NONE;
 }
 
