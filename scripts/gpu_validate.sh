@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build with the CUDA backend and run the GPU validation in one go (used on
+# the lent GPU machines): the kernel/layer tests on cuda, the torchrun tests
+# with NCCL on every GPU count present, the main job, and any extra command
+# given as arguments. Logs go to ${OUT:-out}/.
+#   bash scripts/gpu_validate.sh [pytest selection...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+date -u | tee "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' | tee -a "$OUT/summary.txt"
+t0=$(date +%s)
+TEC_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+log "build ok in $(( $(date +%s) - t0 )) s"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
+python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+rc=$?
+log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
+grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
+timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
+log "main job: exit $?"; cat "$OUT/mainjob.log" | grep -v Warning | tail -12 | tee -a "$OUT/summary.txt"
+exit $rc

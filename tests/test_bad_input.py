@@ -1,0 +1,119 @@
+"""Bad input gives a Python exception that names the argument; nothing crashes."""
+import pytest
+import torch
+
+import transformer_engine_c as tec
+from transformer_engine_c import _engine
+
+
+def test_wrong_last_dimension():
+    m = tec.Linear(16, 8, device="cpu")
+    with pytest.raises(ValueError, match=r"inp has last dimension 12; expected 16"):
+        m(torch.randn(4, 12))
+
+
+def test_integer_input():
+    m = tec.LayerNormLinear(16, 8, device="cpu")
+    with pytest.raises(TypeError, match=r"inp has dtype torch.int64"):
+        m(torch.ones(4, 16, dtype=torch.long))
+
+
+def test_dtype_mismatch():
+    m = tec.Linear(16, 8, device="cpu", params_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"inp has dtype torch.float32 but the layer's parameters are torch.bfloat16"):
+        m(torch.randn(4, 16))
+
+
+def test_integer_params_dtype():
+    with pytest.raises(TypeError, match="params_dtype"):
+        tec.Linear(16, 8, device="cpu", params_dtype=torch.int32)
+
+
+def test_mismatched_devices():
+    m = tec.Linear(16, 8, device="cpu")
+    x = torch.randn(4, 16, device="meta")
+    with pytest.raises(ValueError, match=r"inp is on meta but the layer's parameters are on cpu"):
+        m(x)
+
+
+def test_bad_rank():
+    m = tec.Linear(16, 8, device="cpu")
+    with pytest.raises(ValueError, match=r"inp must be 2-D .* or 3-D"):
+        m(torch.randn(16))
+
+
+def test_non_contiguous_input_is_handled():
+    m = tec.Linear(16, 8, device="cpu")
+    x = torch.randn(16, 4).t()
+    assert not x.is_contiguous()
+    torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias))
+
+
+def test_unknown_normalization():
+    with pytest.raises(ValueError, match=r"normalization must be 'LayerNorm' or 'RMSNorm', got 'BatchNorm'"):
+        tec.LayerNormLinear(16, 8, normalization="BatchNorm", device="cpu")
+
+
+def test_layernorm_linear_row_mode():
+    with pytest.raises(ValueError, match=r"parallel_mode='row' is not supported by LayerNormLinear"):
+        tec.LayerNormLinear(16, 8, parallel_mode="row", device="cpu")
+
+
+def test_unknown_parallel_mode():
+    with pytest.raises(ValueError, match=r"parallel_mode must be None, 'column' or 'row', got 'diagonal'"):
+        tec.Linear(16, 8, parallel_mode="diagonal", device="cpu")
+
+
+def test_sequence_parallel_without_mode():
+    with pytest.raises(ValueError, match="sequence_parallel=True needs parallel_mode"):
+        tec.Linear(16, 8, sequence_parallel=True, device="cpu")
+
+
+def test_tp_size_without_group():
+    with pytest.raises(ValueError, match=r"tp_size=2 needs tp_group"):
+        tec.Linear(16, 8, parallel_mode="column", tp_size=2, device="cpu")
+
+
+def test_unknown_device():
+    with pytest.raises((ValueError, RuntimeError), match="device"):
+        tec.Linear(16, 8, device="xla")
+
+
+def test_engine_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match=r"layer_norm_weight has shape \(8,\); expected \(16,\)"):
+        _engine.norm_fwd(torch.randn(4, 16), torch.randn(8), None, 1e-5)
+    with pytest.raises(ValueError, match=r"GEMM inner dimensions differ"):
+        _engine.gemm(torch.randn(4, 16), torch.randn(8, 4), transb=True)
+
+
+def test_engine_rejects_too_small_output():
+    with pytest.raises(ValueError, match=r"out has shape \(2, 16\); expected \(4, 16\)"):
+        _engine.norm_fwd(torch.randn(4, 16), torch.randn(16), None, 1e-5, out=torch.empty(2, 16))
+
+
+def test_engine_rejects_non_contiguous_out():
+    out = torch.empty(16, 4).t()
+    with pytest.raises(ValueError, match=r"out must be contiguous"):
+        _engine.norm_fwd(torch.randn(4, 16), torch.randn(16), None, 1e-5, out=out)
+
+
+def test_c_entry_point_bad_arguments():
+    from transformer_engine_c import _C
+    with pytest.raises(TypeError, match=r"gemm\(\) takes 20 positional arguments"):
+        _C.gemm(1, 2)
+    with pytest.raises(TypeError, match=r"argument 8 must be an address"):
+        _C.gemm(-1, 0, 0, 0, 0, 1, 1, 1, "x", 1, 0, 1, 0, 1, None, None, 0, None, 0, 0)
+    with pytest.raises(ValueError, match=r"norm: missing pointer"):
+        _C.norm_fwd(-1, 0, 4, 16, 0, 0, None, 0, None, 0, 1e-5, 0, 0)
+    with pytest.raises(ValueError, match=r"unknown dtype 7"):
+        _C.norm_fwd(-1, 7, 4, 16, 1, 1, None, 1, None, 1, 1e-5, 0, 0)
+
+
+def test_cuda_request_without_backend():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the no-backend path is for CPU-only builds")
+    from transformer_engine_c import _C
+    if _C.has_cuda_backend():
+        pytest.skip("the CUDA backend is loaded")
+    with pytest.raises(tec.EngineError, match="CUDA backend is not loaded"):
+        _C.gemm(0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, None, None, 0, None, 0, 0)

@@ -1,0 +1,138 @@
+"""Each engine kernel against a float64 reference: fresh random non-zero
+inputs, outputs poisoned (NaN) before the call so unwritten elements show."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer_engine_c import _engine
+from helpers import TOL, rel_err
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rand(*shape, dtype, device, scale=1.0, offset=0.0):
+    return (torch.randn(*shape, dtype=torch.float64) * scale + offset).to(dtype).to(device)
+
+
+def poison(t):
+    return t.fill_(float("nan"))
+
+
+def norm_ref(x, g, b, eps, zcg):
+    x, g = x.double().cpu(), g.double().cpu()
+    g = g + 1 if zcg else g
+    if b is None:
+        rs = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return x * rs * g, None, rs.squeeze(-1)
+    mu = x.mean(-1, keepdim=True)
+    rs = torch.rsqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    return (x - mu) * rs * g + b.double().cpu(), mu.squeeze(-1), rs.squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("zcg", [False, True])
+@pytest.mark.parametrize("shape", [(1, 100), (37, 256), (64, 1000)])
+def test_norm_fwd(device, dtype, rms, zcg, shape):
+    rows, cols = shape
+    x = rand(rows, cols, dtype=dtype, device=device, scale=2.0, offset=0.5)
+    g = rand(cols, dtype=dtype, device=device, scale=0.3, offset=0.0 if zcg else 1.0)
+    b = None if rms else rand(cols, dtype=dtype, device=device, scale=0.5)
+    out = poison(torch.empty_like(x))
+    y, mu, rs = _engine.norm_fwd(x, g, b, 1e-5, zcg, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    yr, mur, rsr = norm_ref(x, g, b, 1e-5, zcg)
+    assert rel_err(y, yr) < TOL[dtype]
+    assert rel_err(rs, rsr) < 1e-5
+    if not rms:
+        assert rel_err(mu, mur) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("zcg", [False, True])
+@pytest.mark.parametrize("shape", [(1, 100), (37, 256), (130, 768)])
+def test_norm_bwd(device, dtype, rms, zcg, shape):
+    rows, cols = shape
+    x = rand(rows, cols, dtype=dtype, device=device, scale=2.0, offset=0.5)
+    g = rand(cols, dtype=dtype, device=device, scale=0.3, offset=0.0 if zcg else 1.0)
+    b = None if rms else rand(cols, dtype=dtype, device=device, scale=0.5)
+    dy = rand(rows, cols, dtype=dtype, device=device)
+    _, mu, rs = _engine.norm_fwd(x, g, b, 1e-5, zcg)
+    dx, dg, db = _engine.norm_bwd(dy, x, mu, rs, g, zcg, with_dbeta=not rms)
+    xr = x.double().cpu().requires_grad_()
+    gr = g.double().cpu().requires_grad_()
+    br = None if rms else b.double().cpu().requires_grad_()
+    yr, _, _ = norm_ref(xr, gr, br, 1e-5, zcg)
+    yr.backward(dy.double().cpu())
+    assert rel_err(dx, xr.grad) < 2 * TOL[dtype]
+    assert rel_err(dg, gr.grad) < 2 * TOL[dtype]
+    if not rms:
+        assert rel_err(db, br.grad) < 2 * TOL[dtype]
+
+
+def gemm_ref(a, b, transa, transb, bias=None):
+    a, b = a.double().cpu(), b.double().cpu()
+    a = a.t() if transa else a
+    b = b.t() if transb else b
+    y = a @ b
+    return y + bias.double().cpu() if bias is not None else y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("mnk", [(1, 1, 1), (33, 65, 17), (128, 96, 256)])
+def test_gemm(device, dtype, layout, mnk):
+    m, n, k = mnk
+    transa, transb = {"fprop": (False, True), "dgrad": (False, False), "wgrad": (True, False)}[layout]
+    a = rand(*((k, m) if transa else (m, k)), dtype=dtype, device=device)
+    b = rand(*((n, k) if transb else (k, n)), dtype=dtype, device=device)
+    bias = rand(n, dtype=dtype, device=device) if layout == "fprop" else None
+    out = poison(torch.empty(m, n, dtype=dtype, device=device))
+    res = _engine.gemm(a, b, transa=transa, transb=transb, out=out, bias=bias,
+                       bias_grad=layout == "wgrad")
+    y = res[0] if layout == "wgrad" else res
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_err(y, gemm_ref(a, b, transa, transb, bias)) < TOL[dtype]
+    if layout == "wgrad":
+        assert rel_err(res[1], (a.t() if transa else a).double().cpu().sum(1)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_accumulate_into_fp32(device, dtype):
+    m, n, k = 48, 80, 64
+    a = rand(k, m, dtype=dtype, device=device)
+    b = rand(k, n, dtype=dtype, device=device)
+    acc = rand(m, n, dtype=torch.float32, device=device)
+    ref = acc.double().cpu() + gemm_ref(a, b, True, False)
+    _engine.gemm(a, b, transa=True, out=acc, accumulate=True)
+    assert rel_err(acc, ref) < TOL[dtype]
+
+
+def test_gemm_strided_chunk(device):
+    """A row block of a larger matrix (leading dimension > columns)."""
+    a = rand(64, 40, dtype=torch.float32, device=device)
+    w = rand(24, 32, dtype=torch.float32, device=device)
+    big = poison(torch.empty(64, 50, dtype=torch.float32, device=device))
+    view = big[:, 10:34]
+    from transformer_engine_c import _C
+    _C.gemm(_engine.device_code(device), 0, 0, 0, 1, 64, 24, 32, a.data_ptr(), 40, w.data_ptr(), 32,
+            view.data_ptr(), 50, None, None, 0, None, 0, _engine.stream_of(device))
+    assert rel_err(view, a[:, :32].double().cpu() @ w.double().cpu().t()) < TOL[torch.float32]
+    assert torch.isnan(big[:, :10]).all() and torch.isnan(big[:, 34:]).all()
+
+
+def test_gemm_bad_leading_dim():
+    from transformer_engine_c import _C
+    a = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="leading dimension"):
+        _C.gemm(-1, 0, 0, 0, 0, 4, 4, 4, a.data_ptr(), 2, a.data_ptr(), 4, a.data_ptr(), 4,
+                None, None, 0, None, 0, 0)
+
+
+def test_norm_layer_matches_torch(device):
+    x = rand(16, 64, dtype=torch.float32, device=device)
+    g = rand(64, dtype=torch.float32, device=device, offset=1.0)
+    b = rand(64, dtype=torch.float32, device=device)
+    y, _, _ = _engine.norm_fwd(x, g, b, 1e-5)
+    assert rel_err(y, F.layer_norm(x, (64,), g, b, 1e-5)) < 1e-6
