@@ -120,6 +120,7 @@ class CommOverlap(_C.CommOverlap):
         self.timeout = timeout
         self._pending = None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
         self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
         if _exchange:
@@ -145,6 +146,10 @@ class CommOverlap(_C.CommOverlap):
 
     # ---------------------------------------------------------- buffer
 
+    def _live(self):
+        if self.closed:
+            self.rank  # noqa: B018 -- the engine raises EngineError naming the closed communicator
+
     def _stream(self):
         return stream_of(self.device)
 
@@ -152,7 +157,7 @@ class CommOverlap(_C.CommOverlap):
         if self.device.type == "cpu":
             flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
         else:
-            flat = torch.as_tensor(_DeviceView(self, self.buffer_bytes), device=self.device)
+            flat = torch.as_tensor(_DeviceView(self, self.nbytes), device=self.device)
         return flat.view(dtype)
 
     def _too_small(self, what, shape, dtype, need, have):
@@ -164,6 +169,7 @@ class CommOverlap(_C.CommOverlap):
         chunk (local_chunk=True: rows rank*S/tp.., waits until peers have read
         its previous contents, so it can be written, e.g. by a norm).
         shape/dtype reinterpret the buffer (the chunk's shape with local_chunk)."""
+        self._live()
         dtype = dtype or self.dtype
         es = torch.empty((), dtype=dtype).element_size()
         if shape is None:
@@ -173,9 +179,9 @@ class CommOverlap(_C.CommOverlap):
         shape = tuple(int(s) for s in shape)
         numel = math.prod(shape)
         parts = self.tp_size if local_chunk else 1
-        if numel * es * parts > self.buffer_bytes:
+        if numel * es * parts > self.nbytes:
             raise self._too_small("the local chunk" if local_chunk else "a view", shape, dtype,
-                                  numel * es * parts, self.buffer_bytes)
+                                  numel * es * parts, self.nbytes)
         flat = self._flat(dtype)
         if local_chunk:
             self._acquire(self._stream())
@@ -200,8 +206,7 @@ class CommOverlap(_C.CommOverlap):
         return t
 
     def _check_idle(self, op):
-        if self.closed:
-            self.rank  # noqa: B018 -- the engine raises EngineError naming the closed communicator
+        self._live()
         if self._pending is not None:
             raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
                                f"(call {self._pending[0]}_finish first)")
@@ -220,9 +225,9 @@ class CommOverlap(_C.CommOverlap):
         if kw != k:
             raise ValueError(f"ag_gemm: input is [{rows}, {k}] but op(weight) is [{kw}, {n}]")
         es = a_local.element_size()
-        if rows * k * es * self.tp_size > self.buffer_bytes:
+        if rows * k * es * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
-                                  rows * k * es * self.tp_size, self.buffer_bytes)
+                                  rows * k * es * self.tp_size, self.nbytes)
         if bias is not None:
             check_tensor(bias, "bias", dtype=a_local.dtype, device=self.device, shape=(n,))
         if out is None:
@@ -251,8 +256,8 @@ class CommOverlap(_C.CommOverlap):
             raise ValueError(f"gemm_rs: the input's {S} rows are not divisible by tp_size {self.tp_size}")
         rows = S // self.tp_size
         es = a.element_size()
-        if S * n * es > self.buffer_bytes:
-            raise self._too_small("the GEMM output", (S, n), a.dtype, S * n * es, self.buffer_bytes)
+        if S * n * es > self.nbytes:
+            raise self._too_small("the GEMM output", (S, n), a.dtype, S * n * es, self.nbytes)
         if bias is not None:
             check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
         if out is None:
@@ -270,9 +275,9 @@ class CommOverlap(_C.CommOverlap):
         self._check_idle("bulk_ag_start")
         check_tensor(t, "input", device=self.device)
         nbytes = t.numel() * t.element_size()
-        if nbytes * self.tp_size > self.buffer_bytes:
+        if nbytes * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype,
-                                  nbytes * self.tp_size, self.buffer_bytes)
+                                  nbytes * self.tp_size, self.nbytes)
         self._bulk_ag_start(t.data_ptr(), nbytes, self._stream())
         self._pending = ("bulk_ag", t, (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype)
 
@@ -298,8 +303,8 @@ class CommOverlap(_C.CommOverlap):
         rows = t.shape[0] // self.tp_size
         cols = t.numel() // t.shape[0] if t.shape[0] else 1
         nbytes = t.numel() * t.element_size()
-        if nbytes > self.buffer_bytes:
-            raise self._too_small("the reduce-scatter input", t.shape, t.dtype, nbytes, self.buffer_bytes)
+        if nbytes > self.nbytes:
+            raise self._too_small("the reduce-scatter input", t.shape, t.dtype, nbytes, self.nbytes)
         oshape = (rows, *t.shape[1:])
         if out is None:
             out = torch.empty(oshape, dtype=t.dtype, device=self.device)

@@ -47,8 +47,32 @@ static tec_status tr(tec_comm *c, tec_status st)
 
 /* A failure in the middle of a schedule leaves peers' flags and the comm
  * stream in an unknown state: remember it, report it again next time. */
+static uint64_t *flag(tec_comm *c, int owner, int kind, int src);
+
+/* After a timeout on the CPU: name the peers that never started this
+ * operation (the peer a wait names may itself be waiting on them). */
+static void name_absent(tec_comm *c)
+{
+    if (c->device != TEC_DEVICE_CPU || !c->mapped)
+        return;
+    char list[256] = "";
+    size_t n = 0;
+    for (int p = 0; p < c->size; p++) {
+        uint64_t seen = __atomic_load_n(flag(c, p, TEC_FLAG_ARRIVED, p), __ATOMIC_ACQUIRE);
+        if (p != c->rank && (seen >> 32) < c->epoch && n < sizeof list - 16)
+            n += (size_t)snprintf(list + n, sizeof list - n, "%speer %d", n ? ", " : "", p);
+    }
+    if (n) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s; not yet at this operation: %s", tec_last_error(), list);
+        tec_set_error(TEC_ERR_TIMEOUT, "%s", msg);
+    }
+}
+
 static tec_status fail(tec_comm *c, tec_status st)
 {
+    if (st == TEC_ERR_TIMEOUT && !c->broken)
+        name_absent(c);
     if (st != TEC_OK && !c->broken) {
         c->broken = st;
         snprintf(c->broken_msg, sizeof c->broken_msg, "%s", tec_last_error());
@@ -100,6 +124,16 @@ static tec_status wait_consumed(tec_comm *c, const char *op, void *stream)
             TRY(wait_flag(c, TEC_FLAG_CONSUMED, q, tec_flag_value(c->last_publish, 0),
                           site(c, op, "chunk consumed", q, 0), stream));
     return TEC_OK;
+}
+
+/* Take the next epoch and say so in our own region. */
+static uint64_t next_epoch(tec_comm *c, void *stream)
+{
+    uint64_t e = ++c->epoch;
+    tec_status st = c->ops->signal(c->t, flag(c, c->rank, TEC_FLAG_ARRIVED, c->rank), tec_flag_value(e, 0), stream);
+    if (st)
+        fail(c, tr(c, st));
+    return e;
 }
 
 static tec_status begin(tec_comm *c, const char *op)
@@ -342,7 +376,7 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
     if (!a->out || !a->b || a->n <= 0 || !ces || a->ldc < a->n)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm: missing B or out, or bad n/ldc", c->name);
     const int r = c->rank, n = c->size;
-    const uint64_t e = ++c->epoch, v = tec_flag_value(e, mk_tag(OP_AG, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_AG, chunk));
     const void *local = a->a_local ? a->a_local : slot(c, r, r, chunk);
     char *out = a->out;
     const int64_t orow = a->rows * a->ldc * (int64_t)ces;
@@ -423,7 +457,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     if (!a->out || !a->b || !a->a || a->k <= 0 || a->lda < a->k)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: missing A, B or out, or bad k/lda", c->name);
     const int r = c->rank, n = c->size;
-    const uint64_t e = ++c->epoch, v = tec_flag_value(e, mk_tag(OP_RS, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_RS, chunk));
     const char *A = a->a;
     const int64_t arow = a->rows * a->lda * (int64_t)es;
     if (n == 1) {
@@ -464,7 +498,7 @@ tec_status tec_comm_bulk_ag_start(tec_comm *c, const void *src, size_t chunk, vo
                              "(call its finish first)", c->name);
     if ((st = check_chunk(c, "bulk_ag", chunk, 1, 1, TEC_F32)))
         return st;
-    const uint64_t e = ++c->epoch, v = tec_flag_value(e, mk_tag(OP_BULK_AG, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_AG, chunk));
     if (c->size == 1) {
         void *M = c->ops->comm_stream(c->t);
         TRY(c->ops->event_record(c->t, EV_START, stream));
@@ -520,7 +554,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
         return tec_set_error(TEC_ERR_INVALID_ARG,
                              "communicator '%s': bulk_rs: the input lies in the communicator's own buffer; "
                              "reduce-scatter needs it elsewhere", c->name);
-    const uint64_t e = ++c->epoch, v = tec_flag_value(e, mk_tag(OP_BULK_RS, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_RS, chunk));
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
     if (n == 1) {

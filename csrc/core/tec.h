@@ -203,7 +203,9 @@ tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream);
 #define TEC_COMM_HANDLE_MAX 256 /* bytes of a transport's local handle */
 #define TEC_COMM_NEVENTS (TEC_COMM_MAX_RANKS + 8)
 
-enum { TEC_FLAG_READY = 0, TEC_FLAG_CONSUMED = 1, TEC_FLAG_FREE = 2, TEC_COMM_NFLAGS = 3 };
+/* ARRIVED[rank] (own region): the last epoch this rank started; read by the
+ * core on the CPU to name the peers that never arrived after a timeout. */
+enum { TEC_FLAG_READY = 0, TEC_FLAG_CONSUMED = 1, TEC_FLAG_FREE = 2, TEC_FLAG_ARRIVED = 3, TEC_COMM_NFLAGS = 4 };
 
 typedef enum { TEC_TRANSPORT_SHM = 0, TEC_TRANSPORT_CUDA_IPC = 1 } tec_transport_kind;
 
@@ -304,7 +306,7 @@ static inline int tec_format_wait_error(char *buf, size_t n, tec_status st, tec_
     if (st == TEC_ERR_TIMEOUT)
         return snprintf(buf, n,
             "communicator '%s' rank %d: %s step %d timed out after %.3g s waiting for peer %d "
-            "(%s, epoch %llu; the peer is at epoch %llu): the peer did not arrive",
+            "(%s for epoch %llu; the flag is at epoch %llu)",
             s.comm, s.rank, s.op, s.step, timeout_s, s.peer, s.what,
             (unsigned long long)(want >> 32), (unsigned long long)(seen >> 32));
     unsigned st_op = (unsigned)(seen & 0xffffffffu) >> 29, want_op = (unsigned)(want & 0xffffffffu) >> 29;

@@ -205,7 +205,8 @@ static tec_status run_op(tec_transport *t, const op_t *o)
                 return tec_set_error(TEC_ERR_CLOSED, "transport closed");
             backoff(&n);
         }
-        return TEC_OK;
+        /* The records run even after a failure: report it here. */
+        return get_err(t);
     }
     case OP_REDUCE:
         if (o->rows && !o->dst)
