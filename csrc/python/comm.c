@@ -1,6 +1,458 @@
-/* comm.c - the CommOverlap type (to be written). */
+/* comm.c - the CommOverlap heap type: owns a tec_comm, exposes its buffer
+ * (buffer protocol on the CPU; _pin/_unpin for device views), and the
+ * overlap schedules as positional METH_FASTCALL methods with addresses as
+ * ints. The friendly class is transformer_engine_c.userbuffers.CommOverlap;
+ * tests/test_comm*.py and tests/distributed/ (the overlap runners) exercise this file. */
 #include "module.h"
 
-int tec_comm_exec(PyObject *module) { (void)module; return 0; }
-int tec_comm_traverse(tec_module_state *st, visitproc visit, void *arg) { (void)st; (void)visit; (void)arg; return 0; }
-void tec_comm_clear(tec_module_state *st) { (void)st; }
+#define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
+#define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
+#define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
+#define DBL(i, v) if (!tec_arg_double(args, i, &(v))) return NULL
+#define CALL(expr) do { Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS } while (0)
+
+typedef struct {
+    PyObject_HEAD
+    tec_comm *comm;
+    int closed;
+    Py_ssize_t exports; /* live buffer views: the mapping outlives close() until 0 */
+    int device;
+    char name[96]; /* kept for messages after close() */
+} CommObject;
+
+/* The module that defined the CommOverlap base type (works for subclasses). */
+static PyObject *defining_module(PyObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    while (tp && !PyType_GetModule(tp)) {
+        PyErr_Clear();
+        tp = tp->tp_base;
+    }
+    return tp ? PyType_GetModule(tp) : NULL;
+}
+
+static PyObject *raise(PyObject *self, tec_status st) { return tec_raise(defining_module(self), st); }
+
+static void destroy_now(CommObject *o)
+{
+    tec_comm *c = o->comm;
+    o->comm = NULL;
+    if (c) {
+        Py_BEGIN_ALLOW_THREADS
+        tec_comm_destroy(c);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+/* The communicator, or NULL with "closed"/"not created" set. */
+static tec_comm *live(CommObject *o)
+{
+    if (o->closed || !o->comm) {
+        tec_module_state *s = tec_state(defining_module((PyObject *)o));
+        PyErr_Format(s->EngineError, "communicator '%s' is %s", o->name[0] ? o->name : "?",
+                     o->closed ? "closed" : "not created");
+        return NULL;
+    }
+    return o->comm;
+}
+
+#define LIVE(c) tec_comm *c = live((CommObject *)self); if (!c) return NULL
+
+static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    CommObject *o = (CommObject *)type->tp_alloc(type, 0);
+    if (o)
+        o->device = TEC_DEVICE_CPU;
+    return (PyObject *)o;
+}
+
+static void comm_dealloc(PyObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    destroy_now((CommObject *)self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int comm_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+/* _create(transport, device, rank, tp_size, buffer_bytes, name, timeout_s) */
+static PyObject *py_create(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    CommObject *o = (CommObject *)self;
+    ARGC("_create", 7);
+    int64_t kind, dev, rank, tp, nbytes;
+    double timeout;
+    I64(0, kind); I64(1, dev); I64(2, rank); I64(3, tp); I64(4, nbytes);
+    const char *name = PyUnicode_AsUTF8(args[5]);
+    if (!name)
+        return NULL;
+    DBL(6, timeout);
+    if (o->comm || o->closed)
+        return PyErr_Format(PyExc_RuntimeError, "_create() called twice");
+    if (nbytes <= 0)
+        return PyErr_Format(PyExc_ValueError, "buffer_bytes must be positive");
+    tec_status st;
+    tec_comm *c = NULL;
+    CALL(tec_comm_create(&c, (tec_transport_kind)kind, (int)dev, (int)rank, (int)tp, (size_t)nbytes, name, timeout));
+    if (st)
+        return raise(self, st);
+    o->comm = c;
+    o->device = (int)dev;
+    snprintf(o->name, sizeof o->name, "%s", tec_comm_name(c));
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_local_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_local_handle", 0);
+    LIVE(c);
+    char buf[TEC_COMM_HANDLE_MAX + 128];
+    size_t len = 0;
+    tec_status st = tec_comm_local_handle(c, buf, sizeof buf, &len);
+    if (st)
+        return raise(self, st);
+    return PyBytes_FromStringAndSize(buf, (Py_ssize_t)len);
+}
+
+/* _open_peers(handles: sequence of bytes, one per rank in rank order) */
+static PyObject *py_open_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_open_peers", 1);
+    LIVE(c);
+    PyObject *seq = PySequence_Fast(args[0], "_open_peers() expects a sequence of bytes");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n != tec_comm_size(c)) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "_open_peers() got %zd handles for %d ranks", n, tec_comm_size(c));
+    }
+    const void *h[TEC_COMM_MAX_RANKS];
+    size_t l[TEC_COMM_MAX_RANKS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyBytes_Check(b)) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_TypeError, "handle %zd is not bytes", i);
+        }
+        h[i] = PyBytes_AS_STRING(b);
+        l[i] = (size_t)PyBytes_GET_SIZE(b);
+    }
+    tec_status st;
+    CALL(tec_comm_open_peers(c, h, l));
+    Py_DECREF(seq);
+    if (st)
+        return raise(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_release_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_release_handle", 0);
+    LIVE(c);
+    tec_status st = tec_comm_release_handle(c);
+    if (st)
+        return raise(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *done(PyObject *self, tec_status st)
+{
+    if (st)
+        return raise(self, st);
+    Py_RETURN_NONE;
+}
+
+/* _acquire(stream) */
+static PyObject *py_acquire(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_acquire", 1);
+    LIVE(c);
+    void *stream;
+    PTR(0, stream);
+    tec_status st;
+    CALL(tec_comm_acquire(c, stream));
+    return done(self, st);
+}
+
+/* _ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, stream) */
+static PyObject *py_ag_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_ag_gemm", 13);
+    LIVE(c);
+    tec_ag_gemm_args a = {0};
+    int64_t dt, odt, tb;
+    void *stream;
+    PTR(0, a.a_local); I64(1, a.rows); I64(2, a.k); I64(3, a.n); I64(4, dt); I64(5, odt);
+    PTR(6, a.b); I64(7, a.ldb); I64(8, tb); PTR(9, a.out); I64(10, a.ldc); PTR(11, a.bias); PTR(12, stream);
+    a.dtype = (tec_dtype)dt;
+    a.out_dtype = (tec_dtype)odt;
+    a.transb = (int)tb;
+    tec_status st;
+    CALL(tec_comm_ag_gemm(c, &a, stream));
+    return done(self, st);
+}
+
+/* _gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream) */
+static PyObject *py_gemm_rs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_gemm_rs", 12);
+    LIVE(c);
+    tec_gemm_rs_args a = {0};
+    int64_t dt, tb;
+    void *stream;
+    PTR(0, a.a); I64(1, a.lda); I64(2, a.rows); I64(3, a.k); I64(4, a.n); I64(5, dt);
+    PTR(6, a.b); I64(7, a.ldb); I64(8, tb); PTR(9, a.out); PTR(10, a.bias); PTR(11, stream);
+    a.dtype = (tec_dtype)dt;
+    a.transb = (int)tb;
+    tec_status st;
+    CALL(tec_comm_gemm_rs(c, &a, stream));
+    return done(self, st);
+}
+
+/* _bulk_ag_start(src, chunk_bytes, stream) */
+static PyObject *py_bulk_ag_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_bulk_ag_start", 3);
+    LIVE(c);
+    void *src, *stream;
+    int64_t nbytes;
+    PTR(0, src); I64(1, nbytes); PTR(2, stream);
+    if (nbytes < 0)
+        return PyErr_Format(PyExc_ValueError, "chunk_bytes must be >= 0");
+    tec_status st;
+    CALL(tec_comm_bulk_ag_start(c, src, (size_t)nbytes, stream));
+    return done(self, st);
+}
+
+/* _bulk_rs_start(src, rows, cols, dtype, out, stream) */
+static PyObject *py_bulk_rs_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_bulk_rs_start", 6);
+    LIVE(c);
+    void *src, *out, *stream;
+    int64_t rows, cols, dt;
+    PTR(0, src); I64(1, rows); I64(2, cols); I64(3, dt); PTR(4, out); PTR(5, stream);
+    tec_status st;
+    CALL(tec_comm_bulk_rs_start(c, src, rows, cols, (tec_dtype)dt, out, stream));
+    return done(self, st);
+}
+
+static PyObject *py_bulk_ag_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_bulk_ag_finish", 1);
+    LIVE(c);
+    void *stream;
+    PTR(0, stream);
+    tec_status st;
+    CALL(tec_comm_bulk_ag_finish(c, stream));
+    return done(self, st);
+}
+
+static PyObject *py_bulk_rs_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_bulk_rs_finish", 1);
+    LIVE(c);
+    void *stream;
+    PTR(0, stream);
+    tec_status st;
+    CALL(tec_comm_bulk_rs_finish(c, stream));
+    return done(self, st);
+}
+
+static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_synchronize", 1);
+    LIVE(c);
+    void *stream;
+    PTR(0, stream);
+    tec_status st;
+    CALL(tec_comm_synchronize(c, stream));
+    return done(self, st);
+}
+
+/* buffer_ranges() -> [(ptr, nbytes), ...]: own region first, then peers. */
+static PyObject *py_buffer_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("buffer_ranges", 0);
+    CommObject *o = (CommObject *)self;
+    if (!o->comm)
+        return PyList_New(0);
+    void *p[TEC_COMM_MAX_RANKS];
+    size_t b[TEC_COMM_MAX_RANKS];
+    int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS);
+    int r = tec_comm_rank(o->comm);
+    PyObject *list = PyList_New(0);
+    for (int k = 0; list && k < n; k++) {
+        int i = k == 0 ? r : (k <= r ? k - 1 : k); /* own range first */
+        PyObject *t = Py_BuildValue("(NK)", PyLong_FromVoidPtr(p[i]), (unsigned long long)b[i]);
+        if (!t || PyList_Append(list, t) < 0) {
+            Py_XDECREF(t);
+            Py_CLEAR(list);
+            break;
+        }
+        Py_DECREF(t);
+    }
+    return list;
+}
+
+static PyObject *py_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("stats", 0);
+    CommObject *o = (CommObject *)self;
+    tec_comm_stats s = {0};
+    if (o->comm)
+        tec_comm_get_stats(o->comm, &s);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "ag_overlap", (unsigned long long)s.ag_overlap,
+                         "rs_overlap", (unsigned long long)s.rs_overlap, "bulk_ag", (unsigned long long)s.bulk_ag,
+                         "bulk_rs", (unsigned long long)s.bulk_rs, "non_overlap", (unsigned long long)s.non_overlap,
+                         "chunks_sent", (unsigned long long)s.chunks_sent, "bytes_sent",
+                         (unsigned long long)s.bytes_sent, "waits", (unsigned long long)s.waits);
+}
+
+/* close(): idempotent; the mapping lives on while buffer views exist. */
+static PyObject *py_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("close", 0);
+    CommObject *o = (CommObject *)self;
+    o->closed = 1;
+    if (o->exports == 0)
+        destroy_now(o);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_pin", 0);
+    LIVE(c);
+    ((CommObject *)self)->exports++;
+    return PyLong_FromVoidPtr(tec_comm_base(c, tec_comm_rank(c)));
+}
+
+static void unpin(CommObject *o)
+{
+    if (--o->exports == 0 && o->closed)
+        destroy_now(o);
+}
+
+static PyObject *py_unpin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_unpin", 0);
+    CommObject *o = (CommObject *)self;
+    if (o->exports > 0)
+        unpin(o);
+    Py_RETURN_NONE;
+}
+
+static int comm_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    CommObject *o = (CommObject *)self;
+    tec_comm *c = live(o);
+    if (!c) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_BufferError, "the communicator is closed");
+        return -1;
+    }
+    if (o->device != TEC_DEVICE_CPU || !tec_comm_base(c, tec_comm_rank(c))) {
+        PyErr_SetString(PyExc_BufferError, "only an opened CPU communicator exports its buffer to Python");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, self, tec_comm_base(c, tec_comm_rank(c)), (Py_ssize_t)tec_comm_buffer_bytes(c), 0,
+                          flags) < 0)
+        return -1;
+    o->exports++;
+    return 0;
+}
+
+static void comm_releasebuffer(PyObject *self, Py_buffer *view) { unpin((CommObject *)self); }
+
+static PyObject *get_rank(PyObject *self, void *x) { LIVE(c); return PyLong_FromLong(tec_comm_rank(c)); }
+static PyObject *get_size(PyObject *self, void *x) { LIVE(c); return PyLong_FromLong(tec_comm_size(c)); }
+static PyObject *get_name(PyObject *self, void *x) { LIVE(c); return PyUnicode_FromString(tec_comm_name(c)); }
+static PyObject *get_nbytes(PyObject *self, void *x) { LIVE(c); return PyLong_FromSize_t(tec_comm_buffer_bytes(c)); }
+static PyObject *get_ptr(PyObject *self, void *x)
+{
+    LIVE(c);
+    return PyLong_FromVoidPtr(tec_comm_base(c, tec_comm_rank(c)));
+}
+static PyObject *get_closed(PyObject *self, void *x) { return PyBool_FromLong(((CommObject *)self)->closed); }
+
+static PyGetSetDef comm_getset[] = {
+    {"rank", get_rank, NULL, "This rank in the group.", NULL},
+    {"tp_size", get_size, NULL, "Ranks in the group.", NULL},
+    {"name", get_name, NULL, "Name used in error messages.", NULL},
+    {"buffer_bytes", get_nbytes, NULL, "Bytes of the user-visible buffer.", NULL},
+    {"buffer_ptr", get_ptr, NULL, "Address of this rank's buffer.", NULL},
+    {"closed", get_closed, NULL, "Whether close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+#define M(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
+static PyMethodDef comm_methods[] = {
+    M("_create", py_create, "_create(transport, device, rank, tp_size, buffer_bytes, name, timeout_s)"),
+    M("_local_handle", py_local_handle, "_local_handle() -> bytes for the peers"),
+    M("_open_peers", py_open_peers, "_open_peers(handles in rank order)"),
+    M("_release_handle", py_release_handle, "_release_handle(): every peer mapped us (unlink the name)"),
+    M("_acquire", py_acquire, "_acquire(stream): wait until peers read our slot"),
+    M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, stream)"),
+    M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream)"),
+    M("_bulk_ag_start", py_bulk_ag_start, "_bulk_ag_start(src, chunk_bytes, stream)"),
+    M("_bulk_ag_finish", py_bulk_ag_finish, "_bulk_ag_finish(stream)"),
+    M("_bulk_rs_start", py_bulk_rs_start, "_bulk_rs_start(src, rows, cols, dtype, out, stream)"),
+    M("_bulk_rs_finish", py_bulk_rs_finish, "_bulk_rs_finish(stream)"),
+    M("_synchronize", py_synchronize, "_synchronize(stream)"),
+    M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a device view"),
+    M("_unpin", py_unpin, "_unpin(): drop a _pin"),
+    M("buffer_ranges", py_buffer_ranges, "buffer_ranges() -> [(ptr, nbytes)]: own and mapped peers' regions"),
+    M("stats", py_stats, "stats() -> dict of counters"),
+    M("close", py_close, "close(): release the communicator (idempotent)"),
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot comm_slots[] = {
+    {Py_tp_new, comm_new},
+    {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_traverse, comm_traverse},
+    {Py_tp_methods, comm_methods},
+    {Py_tp_getset, comm_getset},
+    {Py_bf_getbuffer, comm_getbuffer},
+    {Py_bf_releasebuffer, comm_releasebuffer},
+    {Py_tp_doc, "A userbuffers communicator (engine side); use transformer_engine_c.CommOverlap."},
+    {0, NULL},
+};
+
+static PyType_Spec comm_spec = {
+    .name = "transformer_engine_c._C.CommOverlap",
+    .basicsize = sizeof(CommObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = comm_slots,
+};
+
+/* extra[0] of the module state: the CommOverlap type. */
+int tec_comm_exec(PyObject *module)
+{
+    PyObject *type = PyType_FromModuleAndSpec(module, &comm_spec, NULL);
+    if (!type)
+        return -1;
+    tec_state(module)->extra[0] = type;
+    if (PyModule_AddObjectRef(module, "CommOverlap", type) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "TRANSPORT_SHM", TEC_TRANSPORT_SHM) < 0 ||
+        PyModule_AddIntConstant(module, "TRANSPORT_CUDA_IPC", TEC_TRANSPORT_CUDA_IPC) < 0)
+        return -1;
+    return 0;
+}
+
+int tec_comm_traverse(tec_module_state *st, visitproc visit, void *arg)
+{
+    Py_VISIT(st->extra[0]);
+    return 0;
+}
+
+void tec_comm_clear(tec_module_state *st) { Py_CLEAR(st->extra[0]); }

@@ -63,11 +63,86 @@ class TPConfig:
         return in_features, out_features
 
 
-def check_ub_flags(layer, flags):
-    on = [k for k in UB_FLAGS if flags.get(k)]
-    if on or flags.get("ub_name") is not None:
-        raise NotImplementedError(f"{type(layer).__name__}: userbuffers overlap ({', '.join(on) or 'ub_name'}) "
-                                  "is not available in this build yet")
+_UB_VALID = {"column": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
+             "row": ("ub_overlap_rs", "ub_overlap_ag")}
+
+
+class UBConfig:
+    """Which userbuffers overlaps a layer runs and on which communicators.
+
+    Roles: "fprop" (column: input all-gather + GEMM; row: GEMM + output
+    reduce-scatter), "dgrad" (column: dgrad reduce-scatter, or the bulk
+    all-gather of the saved input; row: grad_output all-gather + dgrad) and
+    "wgrad" (column: bulk reduce-scatter of dgrad during wgrad). Communicators
+    come from ub_comm (a CommOverlap for every role, or {role: CommOverlap})
+    or from the registry as f"{ub_name}_{role}"."""
+
+    def __init__(self, layer, flags, ub_name, ub_comm, tp):
+        self.flags = {k: bool(flags.get(k)) for k in UB_FLAGS}
+        on = [k for k, v in self.flags.items() if v]
+        self.enabled = bool(on)
+        self.comms = {}
+        cls = type(layer).__name__
+        if not on:
+            if ub_name is not None or ub_comm is not None:
+                raise ValueError(f"{cls}: ub_name/ub_comm given but no ub_* overlap flag is set")
+            return
+        mode = tp.mode
+        if mode is None:
+            raise ValueError(f"{cls}: {', '.join(on)} need parallel_mode='column' or 'row'")
+        bad = [k for k in on if k not in _UB_VALID[mode]]
+        if bad:
+            raise ValueError(f"{cls}: {', '.join(bad)} do not apply to a {mode}-parallel layer "
+                             f"(valid: {', '.join(_UB_VALID[mode])})")
+        if tp.size > 1 and not tp.sp:
+            raise ValueError(f"{cls}: {', '.join(on)} overlap the sequence-parallel collectives and need "
+                             "sequence_parallel=True")
+        f = self.flags
+        if f["ub_overlap_rs_dgrad"] and (f["ub_bulk_dgrad"] or f["ub_bulk_wgrad"]):
+            raise ValueError(f"{cls}: ub_overlap_rs_dgrad already overlaps the dgrad reduce-scatter (with the "
+                             "dgrad GEMM); it cannot be combined with ub_bulk_dgrad/ub_bulk_wgrad, which use the "
+                             "dgrad and wgrad communicators for the bulk all-gather / reduce-scatter")
+        roles = set()
+        if mode == "column":
+            if f["ub_overlap_ag"]:
+                roles.add("fprop")
+            if f["ub_overlap_rs_dgrad"] or f["ub_bulk_dgrad"]:
+                roles.add("dgrad")
+            if f["ub_bulk_wgrad"]:
+                roles.add("wgrad")
+        else:
+            if f["ub_overlap_rs"]:
+                roles.add("fprop")
+            if f["ub_overlap_ag"]:
+                roles.add("dgrad")
+        for role in sorted(roles):
+            if isinstance(ub_comm, dict):
+                c = ub_comm.get(role)
+                if c is None:
+                    raise ValueError(f"{cls}: ub_comm has no communicator for role {role!r} "
+                                     f"(needed by {', '.join(on)})")
+            elif ub_comm is not None:
+                c = ub_comm
+            elif ub_name is not None:
+                from ..userbuffers import get_ub
+                c = get_ub(f"{ub_name}_{role}")
+            else:
+                raise ValueError(f"{cls}: {', '.join(on)} need ub_name (registry, see initialize_ub) or ub_comm")
+            if c.tp_size != tp.size:
+                raise ValueError(f"{cls}: communicator '{c.name}' has {c.tp_size} ranks, the layer's tp group "
+                                 f"{tp.size}")
+            self.comms[role] = c
+        if f["ub_bulk_dgrad"] and f["ub_bulk_wgrad"] and self.comms["dgrad"] is self.comms["wgrad"]:
+            raise ValueError(f"{cls}: ub_bulk_dgrad and ub_bulk_wgrad run at the same time (the wgrad GEMM reads "
+                             "the gathered input from the dgrad communicator while the wgrad one "
+                             "reduce-scatters): give two communicators (ub_comm={'dgrad': a, 'wgrad': b})")
+
+    def __getitem__(self, k):
+        return self.flags[k]
+
+
+def check_ub_flags(layer, flags, ub_comm=None, tp=None):
+    return UBConfig(layer, flags, flags.get("ub_name"), ub_comm, tp if tp is not None else layer.tp)
 
 
 def make_weight(out_local, in_local, dtype, device, init_method):
@@ -141,3 +216,55 @@ def dgrad(dy_total, w, tp):
 def wgrad(dy_total, x_total, with_bias):
     """dW = dY^T X, and the bias gradient (sum of dY over tokens)."""
     return _engine.gemm(dy_total, x_total, transa=True, bias_grad=with_bias)
+
+
+# ------------------------------------------------------ userbuffers steps
+
+
+def ub_fprop(x, w, bias, tp, ub):
+    """fprop through a communicator when the layer's flags say so, else None."""
+    if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"]:
+        return ub.comms["fprop"].ag_gemm(x, w, bias=bias)
+    if tp.mode == "row" and ub.enabled and ub["ub_overlap_rs"]:
+        return ub.comms["fprop"].gemm_rs(x, w, bias=bias)
+    return None
+
+
+def column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
+    """Column layer backward (dy: [S, out/tp]; x_local: the saved local input).
+    Returns (dx, (dw, db) or None), running the ub overlaps the flags ask for."""
+    f = ub.flags if ub.enabled else dict.fromkeys(UB_FLAGS, False)
+    if f["ub_bulk_dgrad"]:
+        ub.comms["dgrad"].bulk_ag_start(x_local)
+    dx = dx_partial = None
+    if need_dx:
+        if f["ub_overlap_rs_dgrad"]:
+            dx = ub.comms["dgrad"].gemm_rs(dy, w, transb=False)
+        elif f["ub_bulk_wgrad"]:
+            dx_partial = _engine.gemm(dy, w)
+        else:
+            dx = dgrad(dy, w, tp)
+    x_total = ub.comms["dgrad"].bulk_ag_finish() if f["ub_bulk_dgrad"] else None
+    if dx_partial is not None:
+        ub.comms["wgrad"].bulk_rs_start(dx_partial)
+    res = None
+    if need_w:
+        if x_total is None:
+            x_total = gather_input(x_local, tp)
+        res = wgrad(dy, x_total, with_bias)
+        res = res if with_bias else (res, None)
+    if dx_partial is not None:
+        dx = ub.comms["wgrad"].bulk_rs_finish()
+    return dx, res
+
+
+def row_backward(dy_local, w, tp, ub, need_dx):
+    """Row layer: (dx or None, dy_total for wgrad). With ub_overlap_ag the
+    grad_output all-gather overlaps dgrad; dy_total is then a buffer view,
+    valid until the communicator's next use (wgrad runs right after)."""
+    if ub.enabled and ub["ub_overlap_ag"] and need_dx:
+        c = ub.comms["dgrad"]
+        dx = c.ag_gemm(dy_local, w, transb=False)
+        return dx, c.get_buffer(shape=(dy_local.shape[0] * c.tp_size, dy_local.shape[1]), dtype=dy_local.dtype)
+    dy = gather_grad_output(dy_local, tp)
+    return (dgrad(dy, w, tp) if need_dx else None), dy

@@ -16,13 +16,26 @@ class _LayerNormLinearFn(torch.autograd.Function):
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias, layer):
         tp = layer.tp
         x = base.check_input(inp, layer.in_features, weight, tp)
-        ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma)
         w = weight_for_compute(weight)
-        y = base.fprop(base.gather_input(ln_out, tp), w, bias, tp)
+        ub = layer.ub
+        if ub.enabled and ub["ub_overlap_ag"]:
+            # The norm writes straight into this rank's slot of the buffer;
+            # what is saved (and returned) is a copy, never the buffer.
+            comm = ub.comms["fprop"]
+            slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
+            ln_view, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma,
+                                                   out=slot)
+            y = comm.ag_gemm(ln_view, w, bias=bias)
+            ln_out = ln_view.clone()
+            del slot, ln_view
+        else:
+            ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma)
+            y = base.fprop(base.gather_input(ln_out, tp), w, bias, tp)
         saved, ctx.objects = prepare_for_saving(x, ln_out, mu, rsigma, ln_weight, weight)
         ctx.save_for_backward(*saved)
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.zero_centered_gamma = layer.zero_centered_gamma
+        ctx.ub = ub
         y = y.view(base.out_shape(inp.shape, y.shape[0], y.shape[1]))
         if layer.return_layernorm_output:
             return y, ln_out.view(inp.shape)
@@ -35,13 +48,13 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.objects = None
         w = weight_for_compute(weight)
         dy = dout.reshape(-1, dout.shape[-1]).contiguous()
-        dln = base.dgrad(dy, w, tp)
+        need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dln, res = base.column_backward(dy, ln_out, w, tp, ctx.ub, True, need_w, ctx.has_bias)
         if dln_out is not None:
             dln = dln + dln_out.reshape(dln.shape)
         dw = db = None
-        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            res = base.wgrad(dy, base.gather_input(ln_out, tp), ctx.has_bias)
-            dw, db = res if ctx.has_bias else (res, None)
+        if res is not None:
+            dw, db = res
             dw = weight_grad(weight, dw)
         dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, ln_weight, ctx.zero_centered_gamma,
                                              with_dbeta=mu is not None)
@@ -69,7 +82,7 @@ class LayerNormLinear(torch.nn.Module):
                  parallel_mode=None, sequence_parallel=False, tp_group=None, tp_size=1,
                  ub_overlap_ag=False, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
                  ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, return_bias=False,
-                 init_method=None):
+                 init_method=None, ub_comm=None):
         super().__init__()
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
@@ -81,9 +94,9 @@ class LayerNormLinear(torch.nn.Module):
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
         self.tp = base.TPConfig(parallel_mode, sequence_parallel, tp_group, tp_size)
-        base.check_ub_flags(self, dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+        self.ub = base.check_ub_flags(self, dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                                        ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name))
+                                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name), ub_comm)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
         dtype, device = base.default_dtype(params_dtype), base.default_device(device)
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones

@@ -13,12 +13,14 @@ class _LinearFn(torch.autograd.Function):
         tp = layer.tp
         x = base.check_input(inp, layer.in_local, weight, tp)
         w = weight_for_compute(weight)
-        x_total = base.gather_input(x, tp)
-        y = base.fprop(x_total, w, bias, tp)
+        y = base.ub_fprop(x, w, bias, tp, layer.ub)
+        if y is None:
+            y = base.fprop(base.gather_input(x, tp), w, bias, tp)
         # Save the local (not gathered) input: column + SP re-gathers it in backward.
         saved, ctx.objects = prepare_for_saving(x, weight)
         ctx.save_for_backward(*saved)
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
+        ctx.ub = layer.ub
         return y.view(base.out_shape(inp.shape, y.shape[0], y.shape[1]))
 
     @staticmethod
@@ -27,12 +29,19 @@ class _LinearFn(torch.autograd.Function):
         x, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
         w = weight_for_compute(weight)
-        dy = base.gather_grad_output(dout.reshape(-1, dout.shape[-1]).contiguous(), tp)
-        dx = base.dgrad(dy, w, tp) if ctx.needs_input_grad[0] else None
+        dy_local = dout.reshape(-1, dout.shape[-1]).contiguous()
+        need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         dw = db = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            res = base.wgrad(dy, base.gather_input(x, tp), ctx.has_bias)
-            dw, db = res if ctx.has_bias else (res, None)
+        if tp.mode == "column":
+            dx, res = base.column_backward(dy_local, x, w, tp, ctx.ub, need_dx, need_w, ctx.has_bias)
+            if res is not None:
+                dw, db = res
+        else:
+            dx, dy = base.row_backward(dy_local, w, tp, ctx.ub, need_dx)
+            if need_w:
+                res = base.wgrad(dy, base.gather_input(x, tp), ctx.has_bias)
+                dw, db = res if ctx.has_bias else (res, None)
+        if dw is not None:
             dw = weight_grad(weight, dw)
         return (dx.view(ctx.inp_shape) if dx is not None else None), dw, db, None
 
@@ -51,13 +60,13 @@ class Linear(torch.nn.Module):
                  parallel_mode=None, sequence_parallel=False, tp_group=None, tp_size=1,
                  ub_overlap_ag=False, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
                  ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, return_bias=False,
-                 init_method=None):
+                 init_method=None, ub_comm=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.tp = base.TPConfig(parallel_mode, sequence_parallel, tp_group, tp_size)
-        base.check_ub_flags(self, dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+        self.ub = base.check_ub_flags(self, dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                                        ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name))
+                                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name), ub_comm)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
         dtype, device = base.default_dtype(params_dtype), base.default_device(device)
         self.return_bias = return_bias

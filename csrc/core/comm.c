@@ -1,0 +1,581 @@
+/* comm.c - the communicator (tec_comm) and the comm-GEMM overlap schedules
+ * (AG+GEMM, GEMM+RS, bulk AG / RS), written once against tec_transport_ops.
+ * Exercised by tests/distributed/run_gemm_with_overlap.py (CPU transport). */
+#include "tec.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+enum { OP_AG = 1, OP_RS = 2, OP_BULK_AG = 3, OP_BULK_RS = 4 };
+enum { EV_START = 0, EV_END = 1, EV_BULK = 2, EV_CHUNK = 3 };
+enum { PENDING_NONE = 0, PENDING_AG = 1, PENDING_RS = 2 };
+
+#define HANDLE_MAGIC 0x7465636f6d6d3031ull /* "tecomm01" */
+
+struct tec_comm {
+    const tec_transport_ops *ops;
+    tec_transport *t;
+    tec_transport_kind kind;
+    int device, rank, size;
+    char name[96];
+    double timeout;
+    size_t data_bytes, region_bytes, flags_off;
+    void *bases[TEC_COMM_MAX_RANKS];
+    int mapped;
+    uint64_t epoch;        /* last epoch used */
+    uint64_t last_publish; /* epoch of the last all-gather of our own slot */
+    int pending;           /* a bulk operation between start and finish */
+    tec_status broken;     /* sticky failure */
+    char broken_msg[768];
+    tec_comm_stats stats;
+};
+
+typedef struct {
+    uint64_t magic;
+    int32_t rank, size, kind, pad;
+    uint64_t data_bytes, region_bytes, tlen;
+} handle_header;
+
+/* -------------------------------------------------------------- helpers */
+
+static tec_status tr(tec_comm *c, tec_status st)
+{
+    if (st != TEC_OK && c->ops->last_error && c->ops != &tec_shm_transport)
+        tec_set_error(st, "%s", c->ops->last_error());
+    return st;
+}
+
+/* A failure in the middle of a schedule leaves peers' flags and the comm
+ * stream in an unknown state: remember it, report it again next time. */
+static uint64_t *flag(tec_comm *c, int owner, int kind, int src);
+
+/* After a timeout on the CPU: name the peers that never started this
+ * operation (the peer a wait names may itself be waiting on them). */
+static void name_absent(tec_comm *c)
+{
+    if (c->device != TEC_DEVICE_CPU || !c->mapped)
+        return;
+    char list[256] = "";
+    size_t n = 0;
+    for (int p = 0; p < c->size; p++) {
+        uint64_t seen = __atomic_load_n(flag(c, p, TEC_FLAG_ARRIVED, p), __ATOMIC_ACQUIRE);
+        if (p != c->rank && (seen >> 32) < c->epoch && n < sizeof list - 16)
+            n += (size_t)snprintf(list + n, sizeof list - n, "%speer %d", n ? ", " : "", p);
+    }
+    if (n) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s; not yet at this operation: %s", tec_last_error(), list);
+        tec_set_error(TEC_ERR_TIMEOUT, "%s", msg);
+    }
+}
+
+static tec_status fail(tec_comm *c, tec_status st)
+{
+    if (st == TEC_ERR_TIMEOUT && !c->broken)
+        name_absent(c);
+    if (st != TEC_OK && !c->broken) {
+        c->broken = st;
+        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", tec_last_error());
+    }
+    return st;
+}
+
+#define TRY(expr) do { tec_status st_ = tr(c, (expr)); if (st_ != TEC_OK) return fail(c, st_); } while (0)
+
+static uint64_t *flag(tec_comm *c, int owner, int kind, int src)
+{
+    return (uint64_t *)((char *)c->bases[owner] + c->flags_off) + (size_t)kind * TEC_COMM_MAX_RANKS + src;
+}
+
+static char *slot(tec_comm *c, int owner, int p, size_t chunk)
+{
+    return (char *)c->bases[owner] + (size_t)p * chunk;
+}
+
+static char *staging(tec_comm *c, int p, size_t chunk)
+{
+    return (char *)c->bases[c->rank] + c->data_bytes + (size_t)p * chunk;
+}
+
+static uint32_t mk_tag(int op, size_t chunk)
+{
+    return ((uint32_t)op << 29) | (uint32_t)(chunk & 0x1fffffffu);
+}
+
+static tec_wait_site site(tec_comm *c, const char *op, const char *what, int peer, int step)
+{
+    tec_wait_site s = {c->name, op, what, c->rank, peer, step};
+    return s;
+}
+
+static tec_status wait_flag(tec_comm *c, int kind, int src, uint64_t value, tec_wait_site s, void *stream)
+{
+    c->stats.waits++;
+    return c->ops->wait(c->t, flag(c, c->rank, kind, src), value, c->timeout, s, stream);
+}
+
+/* Make `stream` wait until every peer finished pulling our own slot. */
+static tec_status wait_consumed(tec_comm *c, const char *op, void *stream)
+{
+    if (!c->last_publish)
+        return TEC_OK;
+    for (int q = 0; q < c->size; q++)
+        if (q != c->rank)
+            TRY(wait_flag(c, TEC_FLAG_CONSUMED, q, tec_flag_value(c->last_publish, 0),
+                          site(c, op, "chunk consumed", q, 0), stream));
+    return TEC_OK;
+}
+
+/* Take the next epoch and say so in our own region. */
+static uint64_t next_epoch(tec_comm *c, void *stream)
+{
+    uint64_t e = ++c->epoch;
+    tec_status st = c->ops->signal(c->t, flag(c, c->rank, TEC_FLAG_ARRIVED, c->rank), tec_flag_value(e, 0), stream);
+    if (st)
+        fail(c, tr(c, st));
+    return e;
+}
+
+static tec_status begin(tec_comm *c, const char *op)
+{
+    if (!c->mapped)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s before the peers were opened", c->name, op);
+    if (c->broken)
+        return tec_set_error(c->broken, "communicator '%s' is unusable after an earlier failure (close it): %s",
+                             c->name, c->broken_msg);
+    tec_status st = tr(c, c->ops->check(c->t));
+    return st ? fail(c, st) : TEC_OK;
+}
+
+static tec_status check_chunk(tec_comm *c, const char *op, size_t chunk, int64_t rows, int64_t cols, tec_dtype dt)
+{
+    if (rows < 0 || cols <= 0 || !tec_dtype_size(dt))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: bad chunk [%lld, %lld] of dtype %d",
+                             c->name, op, (long long)rows, (long long)cols, (int)dt);
+    if (chunk * (size_t)c->size > c->data_bytes)
+        return tec_set_error(TEC_ERR_INVALID_ARG,
+                             "communicator '%s': %s: buffer too small for the input: %d chunks of [%lld, %lld] "
+                             "(%zu bytes each) need %zu bytes, the buffer has %zu",
+                             c->name, op, c->size, (long long)rows, (long long)cols, chunk,
+                             chunk * (size_t)c->size, c->data_bytes);
+    if (chunk > 0x1fffffffu)
+        return tec_set_error(TEC_ERR_NOT_SUPPORTED, "communicator '%s': %s: chunks over 512 MiB are not supported",
+                             c->name, op);
+    return TEC_OK;
+}
+
+static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64_t k, int64_t n, tec_dtype dt,
+                       const void *b, int64_t ldb, int transb, void *out, int64_t ldc, tec_dtype cdt,
+                       const void *bias, void *stream)
+{
+    tec_gemm_args g = {0};
+    g.transb = transb;
+    g.m = m; g.n = n; g.k = k;
+    g.a = a; g.lda = lda; g.b = b; g.ldb = ldb; g.c = out; g.ldc = ldc;
+    g.ab_dtype = dt; g.c_dtype = cdt; g.bias = bias;
+    return tec_gemm(c->device, &g, stream);
+}
+
+/* ------------------------------------------------------------ lifetime */
+
+tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, int rank, int tp_size,
+                           size_t buffer_bytes, const char *name, double timeout_s)
+{
+    *out = NULL;
+    if (tp_size < 1 || tp_size > TEC_COMM_MAX_RANKS || rank < 0 || rank >= tp_size)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: rank %d of tp_size %d (1..%d ranks supported)",
+                             rank, tp_size, TEC_COMM_MAX_RANKS);
+    if (!buffer_bytes)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: empty buffer");
+    if (!(timeout_s > 0))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: timeout must be > 0 seconds");
+    const tec_transport_ops *ops = NULL;
+    if (kind == TEC_TRANSPORT_SHM) {
+        if (device != TEC_DEVICE_CPU)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: the shared-memory transport is CPU only");
+        ops = &tec_shm_transport;
+    } else if (kind == TEC_TRANSPORT_CUDA_IPC) {
+        tec_cuda_transport_get_fn get = (tec_cuda_transport_get_fn)tec_cuda_symbol("tec_cuda_transport_get");
+        ops = get ? get() : NULL;
+        if (!ops)
+            return tec_set_error(TEC_ERR_NOT_SUPPORTED,
+                                 "communicator: the CUDA IPC transport is not available (CUDA backend not "
+                                 "loaded, or built without tec_cuda_transport_get)");
+    } else {
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: unknown transport %d", (int)kind);
+    }
+    if (ops->abi_version != TEC_TRANSPORT_ABI)
+        return tec_set_error(TEC_ERR_NOT_SUPPORTED, "communicator: transport %s has ABI %d, expected %d",
+                             ops->name, ops->abi_version, TEC_TRANSPORT_ABI);
+    tec_status st;
+    tec_comm *c = calloc(1, sizeof *c);
+    if (!c)
+        return tec_set_error(TEC_ERR_NO_MEMORY, "communicator: no memory");
+    c->ops = ops;
+    c->kind = kind;
+    c->device = device;
+    c->rank = rank;
+    c->size = tp_size;
+    c->timeout = timeout_s;
+    snprintf(c->name, sizeof c->name, "%s", name && name[0] ? name : "comm");
+    c->data_bytes = (buffer_bytes + 255) & ~(size_t)255;
+    c->flags_off = 2 * c->data_bytes;
+    c->region_bytes = c->flags_off + (((size_t)TEC_COMM_NFLAGS * TEC_COMM_MAX_RANKS * 8 + 255) & ~(size_t)255);
+    st = tr(c, ops->create(&c->t, device, rank, tp_size, c->region_bytes));
+    if (st)
+        goto fail;
+    *out = c;
+    return TEC_OK;
+fail:
+    free(c);
+    return st;
+}
+
+void tec_comm_destroy(tec_comm *c)
+{
+    if (!c)
+        return;
+    if (c->t)
+        c->ops->destroy(c->t);
+    free(c);
+}
+
+tec_status tec_comm_local_handle(tec_comm *c, void *out, size_t cap, size_t *len)
+{
+    unsigned char th[TEC_COMM_HANDLE_MAX];
+    size_t tlen = sizeof th;
+    tec_status st = tr(c, c->ops->local_handle(c->t, th, &tlen));
+    if (st)
+        return st;
+    if (tlen > TEC_COMM_HANDLE_MAX || cap < sizeof(handle_header) + tlen)
+        return tec_set_error(TEC_ERR_INTERNAL, "communicator '%s': handle of %zu bytes does not fit", c->name, tlen);
+    handle_header h = {HANDLE_MAGIC, c->rank, c->size, (int32_t)c->kind, 0, c->data_bytes, c->region_bytes, tlen};
+    memcpy(out, &h, sizeof h);
+    memcpy((char *)out + sizeof h, th, tlen);
+    *len = sizeof h + tlen;
+    return TEC_OK;
+}
+
+tec_status tec_comm_open_peers(tec_comm *c, const void *const *handles, const size_t *lens)
+{
+    if (c->mapped)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': peers are already open", c->name);
+    const void *th[TEC_COMM_MAX_RANKS];
+    size_t tl[TEC_COMM_MAX_RANKS];
+    for (int i = 0; i < c->size; i++) {
+        handle_header h;
+        if (!handles[i] || lens[i] < sizeof h)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': handle of rank %d is not a handle", c->name, i);
+        memcpy(&h, handles[i], sizeof h);
+        if (h.magic != HANDLE_MAGIC || lens[i] != sizeof h + h.tlen)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': handle of rank %d is not a handle", c->name, i);
+        if (h.rank != i || h.size != c->size || h.kind != (int32_t)c->kind)
+            return tec_set_error(TEC_ERR_INVALID_ARG,
+                                 "communicator '%s': rank %d's handle says rank %d of %d (transport %d); here rank "
+                                 "%d of %d (transport %d): handles out of order or groups differ",
+                                 c->name, i, h.rank, h.size, h.kind, c->rank, c->size, (int)c->kind);
+        if (h.data_bytes != c->data_bytes || h.region_bytes != c->region_bytes)
+            return tec_set_error(TEC_ERR_INVALID_ARG,
+                                 "communicator '%s': rank %d has a buffer of %llu bytes, this rank %zu "
+                                 "(mismatched shapes across ranks)",
+                                 c->name, i, (unsigned long long)h.data_bytes, c->data_bytes);
+        th[i] = (const char *)handles[i] + sizeof h;
+        tl[i] = h.tlen;
+    }
+    tec_status st = tr(c, c->ops->map_peers(c->t, th, tl, c->bases));
+    if (st)
+        return st;
+    c->mapped = 1;
+    return TEC_OK;
+}
+
+tec_status tec_comm_release_handle(tec_comm *c)
+{
+    return c->ops->release_handle ? tr(c, c->ops->release_handle(c->t)) : TEC_OK;
+}
+
+int tec_comm_rank(const tec_comm *c) { return c->rank; }
+int tec_comm_size(const tec_comm *c) { return c->size; }
+const char *tec_comm_name(const tec_comm *c) { return c->name; }
+size_t tec_comm_buffer_bytes(const tec_comm *c) { return c->data_bytes; }
+void *tec_comm_base(const tec_comm *c, int r) { return c->mapped && r >= 0 && r < c->size ? c->bases[r] : NULL; }
+void tec_comm_get_stats(const tec_comm *c, tec_comm_stats *s) { *s = c->stats; }
+
+int tec_comm_ranges(const tec_comm *c, void **ptrs, size_t *bytes, int max)
+{
+    int n = 0;
+    for (int r = 0; r < c->size && c->mapped && n < max; r++) {
+        ptrs[n] = c->bases[r];
+        bytes[n] = c->region_bytes;
+        n++;
+    }
+    return n;
+}
+
+tec_status tec_comm_synchronize(tec_comm *c, void *stream)
+{
+    TRY(c->ops->synchronize(c->t, c->ops->comm_stream(c->t)));
+    TRY(c->ops->synchronize(c->t, stream));
+    return TEC_OK;
+}
+
+tec_status tec_comm_acquire(tec_comm *c, void *stream)
+{
+    tec_status st = begin(c, "acquire");
+    if (st)
+        return st;
+    if (c->pending)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': acquire while a bulk operation is pending", c->name);
+    return wait_consumed(c, "acquire", stream);
+}
+
+/* ------------------------------------------------------------ AG + GEMM */
+
+/* Publish our own slot for epoch e (after `stream`'s work so far), then
+ * pull every peer's chunk into its slot, own chunk order (rank - i).
+ * Records EV_CHUNK + i after chunk i arrived (when ev_chunks). */
+static tec_status gather(tec_comm *c, const char *op, const void *src, size_t chunk, uint64_t v, int ev_chunks,
+                         void *stream)
+{
+    void *M = c->ops->comm_stream(c->t);
+    const int r = c->rank, n = c->size;
+    TRY(c->ops->event_record(c->t, EV_START, stream));
+    TRY(c->ops->event_wait(c->t, EV_START, M));
+    if (src && src != slot(c, r, r, chunk)) {
+        TRY(wait_consumed(c, op, M));
+        TRY(c->ops->copy(c->t, slot(c, r, r, chunk), src, chunk, M));
+    }
+    c->last_publish = v >> 32;
+    for (int q = 0; q < n; q++)
+        if (q != r)
+            TRY(c->ops->signal(c->t, flag(c, q, TEC_FLAG_READY, r), v, M));
+    for (int i = 1; i < n; i++) {
+        const int p = (r - i + n) % n;
+        TRY(wait_flag(c, TEC_FLAG_READY, p, v, site(c, op, "chunk ready", p, i), M));
+        TRY(c->ops->copy(c->t, slot(c, r, p, chunk), slot(c, p, p, chunk), chunk, M));
+        c->stats.chunks_sent++;
+        c->stats.bytes_sent += chunk;
+        if (ev_chunks)
+            TRY(c->ops->event_record(c->t, EV_CHUNK + i, M));
+        TRY(c->ops->signal(c->t, flag(c, p, TEC_FLAG_CONSUMED, r), tec_flag_value(v >> 32, 0), M));
+    }
+    return TEC_OK;
+}
+
+tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream)
+{
+    tec_status st = begin(c, "ag_gemm");
+    if (st)
+        return st;
+    if (c->pending)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm while a bulk operation is pending", c->name);
+    const size_t es = tec_dtype_size(a->dtype), ces = tec_dtype_size(a->out_dtype);
+    const size_t chunk = (size_t)a->rows * (size_t)a->k * es;
+    if ((st = check_chunk(c, "ag_gemm", chunk, a->rows, a->k, a->dtype)))
+        return st;
+    if (!a->out || !a->b || a->n <= 0 || !ces || a->ldc < a->n)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm: missing B or out, or bad n/ldc", c->name);
+    const int r = c->rank, n = c->size;
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_AG, chunk));
+    const void *local = a->a_local ? a->a_local : slot(c, r, r, chunk);
+    char *out = a->out;
+    const int64_t orow = a->rows * a->ldc * (int64_t)ces;
+    if (n == 1) {
+        TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
+                 a->out_dtype, a->bias, stream));
+        c->stats.non_overlap++;
+        return TEC_OK;
+    }
+    TRY(gather(c, "ag_gemm", a->a_local, chunk, v, 1, stream));
+    /* Local chunk first, straight from where it is. */
+    TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
+             a->out_dtype, a->bias, stream));
+    for (int i = 1; i < n; i++) {
+        const int p = (r - i + n) % n;
+        TRY(c->ops->event_wait(c->t, EV_CHUNK + i, stream));
+        TRY(gemm(c, slot(c, r, p, chunk), a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+                 out + p * orow, a->ldc, a->out_dtype, a->bias, stream));
+    }
+    void *M = c->ops->comm_stream(c->t);
+    TRY(c->ops->event_record(c->t, EV_END, M));
+    TRY(c->ops->event_wait(c->t, EV_END, stream));
+    c->stats.ag_overlap++;
+    return TEC_OK;
+}
+
+/* ------------------------------------------------------------ GEMM + RS */
+
+/* Tell every peer its slot in our buffer may be written for epoch v. */
+static tec_status announce_free(tec_comm *c, uint64_t v, void *stream)
+{
+    void *M = c->ops->comm_stream(c->t);
+    TRY(c->ops->event_record(c->t, EV_START, stream));
+    TRY(c->ops->event_wait(c->t, EV_START, M));
+    for (int q = 0; q < c->size; q++)
+        if (q != c->rank)
+            TRY(c->ops->signal(c->t, flag(c, q, TEC_FLAG_FREE, c->rank), v, M));
+    return TEC_OK;
+}
+
+/* On M: once peer p freed its slot, push `src` (our partial for p) into it. */
+static tec_status push(tec_comm *c, const char *op, int p, int step, const void *src, size_t chunk, uint64_t v)
+{
+    void *M = c->ops->comm_stream(c->t);
+    TRY(wait_flag(c, TEC_FLAG_FREE, p, v, site(c, op, "slot free", p, step), M));
+    TRY(c->ops->copy(c->t, slot(c, p, c->rank, chunk), src, chunk, M));
+    TRY(c->ops->signal(c->t, flag(c, p, TEC_FLAG_READY, c->rank), v, M));
+    c->stats.chunks_sent++;
+    c->stats.bytes_sent += chunk;
+    return TEC_OK;
+}
+
+/* On `stream`: wait for every peer's partial, sum all in rank order. */
+static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, size_t chunk, int64_t rows, int64_t cols,
+                               tec_dtype dt, void *out, const void *bias, uint64_t v, void *stream)
+{
+    const void *srcs[TEC_COMM_MAX_RANKS];
+    for (int q = 0; q < c->size; q++) {
+        srcs[q] = q == c->rank ? own : slot(c, c->rank, q, chunk);
+        if (q != c->rank)
+            TRY(wait_flag(c, TEC_FLAG_READY, q, v, site(c, op, "partial ready", q, c->size), stream));
+    }
+    TRY(c->ops->reduce(c->t, out, srcs, c->size, rows, cols, dt, bias, stream));
+    return TEC_OK;
+}
+
+tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream)
+{
+    tec_status st = begin(c, "gemm_rs");
+    if (st)
+        return st;
+    if (c->pending)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs while a bulk operation is pending", c->name);
+    const size_t es = tec_dtype_size(a->dtype);
+    const size_t chunk = (size_t)a->rows * (size_t)a->n * es;
+    if ((st = check_chunk(c, "gemm_rs", chunk, a->rows, a->n, a->dtype)))
+        return st;
+    if (!a->out || !a->b || !a->a || a->k <= 0 || a->lda < a->k)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: missing A, B or out, or bad k/lda", c->name);
+    const int r = c->rank, n = c->size;
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_RS, chunk));
+    const char *A = a->a;
+    const int64_t arow = a->rows * a->lda * (int64_t)es;
+    if (n == 1) {
+        TRY(gemm(c, A, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, a->out, a->n, a->dtype,
+                 a->bias, stream));
+        c->stats.non_overlap++;
+        return TEC_OK;
+    }
+    void *M = c->ops->comm_stream(c->t);
+    TRY(announce_free(c, v, stream));
+    /* Peers' partials first (each pushed while the next is computed), ours last. */
+    for (int i = 1; i < n; i++) {
+        const int p = (r + i) % n;
+        TRY(gemm(c, A + p * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+                 staging(c, p, chunk), a->n, a->dtype, NULL, stream));
+        TRY(c->ops->event_record(c->t, EV_CHUNK + i, stream));
+        TRY(c->ops->event_wait(c->t, EV_CHUNK + i, M));
+        TRY(push(c, "gemm_rs", p, i, staging(c, p, chunk), chunk, v));
+    }
+    TRY(gemm(c, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+             staging(c, r, chunk), a->n, a->dtype, NULL, stream));
+    TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias, v, stream));
+    TRY(c->ops->event_record(c->t, EV_END, M));
+    TRY(c->ops->event_wait(c->t, EV_END, stream));
+    c->stats.rs_overlap++;
+    return TEC_OK;
+}
+
+/* ----------------------------------------------------------------- bulk */
+
+tec_status tec_comm_bulk_ag_start(tec_comm *c, const void *src, size_t chunk, void *stream)
+{
+    tec_status st = begin(c, "bulk_ag");
+    if (st)
+        return st;
+    if (c->pending)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': bulk_ag_start while a bulk operation is pending "
+                             "(call its finish first)", c->name);
+    if ((st = check_chunk(c, "bulk_ag", chunk, 1, 1, TEC_F32)))
+        return st;
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_AG, chunk));
+    if (c->size == 1) {
+        void *M = c->ops->comm_stream(c->t);
+        TRY(c->ops->event_record(c->t, EV_START, stream));
+        TRY(c->ops->event_wait(c->t, EV_START, M));
+        if (src && src != slot(c, 0, 0, chunk))
+            TRY(c->ops->copy(c->t, slot(c, 0, 0, chunk), src, chunk, M));
+        c->last_publish = e;
+        c->stats.non_overlap++;
+    } else {
+        TRY(gather(c, "bulk_ag", src, chunk, v, 0, stream));
+    }
+    TRY(c->ops->event_record(c->t, EV_BULK, c->ops->comm_stream(c->t)));
+    c->pending = PENDING_AG;
+    return TEC_OK;
+}
+
+static tec_status bulk_finish(tec_comm *c, int kind, const char *op, void *stream)
+{
+    if (!c->mapped)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s before the peers were opened", c->name, op);
+    if (c->pending != kind)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s without a matching start", c->name, op);
+    c->pending = PENDING_NONE;
+    TRY(c->ops->event_wait(c->t, EV_BULK, stream));
+    if (c->size > 1) {
+        if (kind == PENDING_AG) c->stats.bulk_ag++;
+        else c->stats.bulk_rs++;
+    }
+    return TEC_OK;
+}
+
+tec_status tec_comm_bulk_ag_finish(tec_comm *c, void *stream)
+{
+    return bulk_finish(c, PENDING_AG, "bulk_ag_finish", stream);
+}
+
+tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, int64_t cols, tec_dtype dtype,
+                                  void *out, void *stream)
+{
+    tec_status st = begin(c, "bulk_rs");
+    if (st)
+        return st;
+    if (c->pending)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': bulk_rs_start while a bulk operation is pending "
+                             "(call its finish first)", c->name);
+    const size_t chunk = (size_t)rows * (size_t)cols * tec_dtype_size(dtype);
+    if ((st = check_chunk(c, "bulk_rs", chunk, rows, cols, dtype)))
+        return st;
+    if (!src || !out)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': bulk_rs: missing src or out", c->name);
+    const char *s = src, *base = c->bases[c->rank];
+    if (s < base + c->region_bytes && s + chunk * (size_t)c->size > base)
+        return tec_set_error(TEC_ERR_INVALID_ARG,
+                             "communicator '%s': bulk_rs: the input lies in the communicator's own buffer; "
+                             "reduce-scatter needs it elsewhere", c->name);
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_RS, chunk));
+    void *M = c->ops->comm_stream(c->t);
+    const int r = c->rank, n = c->size;
+    if (n == 1) {
+        TRY(c->ops->event_record(c->t, EV_START, stream));
+        TRY(c->ops->event_wait(c->t, EV_START, M));
+        TRY(c->ops->copy(c->t, out, src, chunk, M));
+        c->stats.non_overlap++;
+    } else {
+        TRY(announce_free(c, v, stream));
+        for (int i = 1; i < n; i++) {
+            const int p = (r + i) % n;
+            TRY(push(c, "bulk_rs", p, i, s + p * chunk, chunk, v));
+        }
+        TRY(reduce_slots(c, "bulk_rs", s + r * chunk, chunk, rows, cols, dtype, out, NULL, v, M));
+    }
+    TRY(c->ops->event_record(c->t, EV_BULK, M));
+    c->pending = PENDING_RS;
+    return TEC_OK;
+}
+
+tec_status tec_comm_bulk_rs_finish(tec_comm *c, void *stream)
+{
+    return bulk_finish(c, PENDING_RS, "bulk_rs_finish", stream);
+}

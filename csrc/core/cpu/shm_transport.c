@@ -1,0 +1,512 @@
+/* shm_transport.c - the CPU transport of tec_comm: POSIX shared memory
+ * regions (random names, mode 0600, unlinked once every rank mapped them),
+ * flags as C11 atomics in the region, and a comm thread as the "copy
+ * engine" executing the comm stream's FIFO. Exercised by tests/test_comm*.py
+ * and tests/distributed/run_gemm_with_overlap.py. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../tec.h"
+#include "cpu_dtype.h"
+
+enum { OP_COPY, OP_SIGNAL, OP_WAIT, OP_EVREC, OP_EVWAIT, OP_REDUCE };
+enum { QCAP = 512 };
+
+typedef struct {
+    int kind;
+    void *dst;
+    const void *src;
+    size_t bytes;
+    uint64_t value;
+    int event;
+    double timeout;
+    tec_wait_site site;
+    /* reduce */
+    const void *srcs[TEC_COMM_MAX_RANKS];
+    int nsrc;
+    int64_t rows, cols;
+    tec_dtype dtype;
+    const void *bias;
+} op_t;
+
+typedef struct {
+    char name[64];
+    uint64_t bytes;
+    int64_t uid;
+} shm_handle;
+
+struct tec_transport {
+    int rank, size;
+    size_t bytes;
+    char name[64];
+    int named; /* the name still exists in /dev/shm */
+    void *base;
+    void *peer[TEC_COMM_MAX_RANKS];
+
+    pthread_t thread;
+    int thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t work, idle;
+    op_t *ring;
+    uint64_t head, tail; /* tail: next to run; head: next free (under mu) */
+    int running;         /* the thread is executing an op popped from the ring */
+    atomic_int stop;
+
+    atomic_int err; /* sticky tec_status of the comm thread (or a failed wait) */
+    char errmsg[1024];
+
+    atomic_uint_fast64_t ev_done[TEC_COMM_NEVENTS];
+    uint64_t ev_target[TEC_COMM_NEVENTS];
+};
+
+static void *const COMM_STREAM_TAG = (void *)&tec_shm_transport;
+static int is_comm(tec_transport *t, void *stream) { (void)t; return stream == COMM_STREAM_TAG; }
+
+/* ------------------------------------------------------------ waiting */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Spin, then yield, then sleep (we may share 2 cores with 8 threads). */
+static void backoff(unsigned *n)
+{
+    unsigned k = (*n)++;
+    if (k < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else if (k < 256) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, k < 2048 ? 20000 : 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void set_err(tec_transport *t, tec_status st, const char *msg)
+{
+    int expected = 0;
+    pthread_mutex_lock(&t->mu);
+    if (atomic_load(&t->err) == 0) {
+        snprintf(t->errmsg, sizeof t->errmsg, "%s", msg);
+        atomic_compare_exchange_strong(&t->err, &expected, (int)st);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+static tec_status get_err(tec_transport *t)
+{
+    int e = atomic_load(&t->err);
+    if (!e)
+        return TEC_OK;
+    pthread_mutex_lock(&t->mu);
+    tec_status st = tec_set_error((tec_status)e, "%s", t->errmsg);
+    pthread_mutex_unlock(&t->mu);
+    return st;
+}
+
+static tec_status do_wait(tec_transport *t, const uint64_t *flag, uint64_t value, double timeout, tec_wait_site s)
+{
+    _Atomic uint64_t *f = (_Atomic uint64_t *)flag;
+    const double deadline = now_s() + timeout;
+    unsigned n = 0;
+    for (;;) {
+        uint64_t seen = atomic_load_explicit(f, memory_order_acquire);
+        if ((seen >> 32) > (value >> 32))
+            return TEC_OK;
+        if ((seen >> 32) == (value >> 32)) {
+            if ((uint32_t)seen == (uint32_t)value)
+                return TEC_OK;
+            char msg[768];
+            tec_format_wait_error(msg, sizeof msg, TEC_ERR_INVALID_ARG, s, timeout, seen, value);
+            return tec_set_error(TEC_ERR_INVALID_ARG, "%s", msg);
+        }
+        if (atomic_load(&t->stop))
+            return tec_set_error(TEC_ERR_CLOSED, "communicator '%s' was closed during a wait", s.comm);
+        if ((n & 63) == 0 && now_s() > deadline) {
+            char msg[768];
+            tec_format_wait_error(msg, sizeof msg, TEC_ERR_TIMEOUT, s, timeout, seen, value);
+            return tec_set_error(TEC_ERR_TIMEOUT, "%s", msg);
+        }
+        if (n == 0 && atomic_load(&t->err))
+            return get_err(t);
+        backoff(&n);
+    }
+}
+
+static void do_reduce(const op_t *o)
+{
+    const int64_t rows = o->rows, cols = o->cols;
+    const size_t es = tec_dtype_size(o->dtype);
+    float *acc = malloc((size_t)cols * 2 * sizeof(float));
+    float *tmp = acc + cols;
+    if (!acc)
+        return;
+    for (int64_t r = 0; r < rows; r++) {
+        const size_t off = (size_t)r * (size_t)cols * es;
+        tec_load_row(acc, (const char *)o->srcs[0] + off, cols, o->dtype);
+        for (int i = 1; i < o->nsrc; i++) {
+            tec_load_row(tmp, (const char *)o->srcs[i] + off, cols, o->dtype);
+            for (int64_t j = 0; j < cols; j++) acc[j] += tmp[j];
+        }
+        if (o->bias) {
+            tec_load_row(tmp, o->bias, cols, o->dtype);
+            for (int64_t j = 0; j < cols; j++) acc[j] += tmp[j];
+        }
+        tec_store_row((char *)o->dst + off, acc, cols, o->dtype);
+    }
+    free(acc);
+}
+
+static void ev_set(tec_transport *t, int ev, uint64_t target)
+{
+    uint64_t cur = atomic_load(&t->ev_done[ev]);
+    while (cur < target && !atomic_compare_exchange_weak(&t->ev_done[ev], &cur, target)) {
+    }
+}
+
+/* Run one op; on the comm thread failures become the sticky error. */
+static tec_status run_op(tec_transport *t, const op_t *o)
+{
+    switch (o->kind) {
+    case OP_COPY:
+        memcpy(o->dst, o->src, o->bytes);
+        atomic_thread_fence(memory_order_release);
+        return TEC_OK;
+    case OP_SIGNAL:
+        atomic_store_explicit((_Atomic uint64_t *)o->dst, o->value, memory_order_release);
+        return TEC_OK;
+    case OP_WAIT:
+        return do_wait(t, o->src, o->value, o->timeout, o->site);
+    case OP_EVREC:
+        ev_set(t, o->event, o->value);
+        return TEC_OK;
+    case OP_EVWAIT: {
+        unsigned n = 0;
+        while (atomic_load(&t->ev_done[o->event]) < o->value) {
+            if (atomic_load(&t->err))
+                return get_err(t);
+            if (atomic_load(&t->stop))
+                return tec_set_error(TEC_ERR_CLOSED, "transport closed");
+            backoff(&n);
+        }
+        /* The records run even after a failure: report it here. */
+        return get_err(t);
+    }
+    case OP_REDUCE:
+        if (o->rows && !o->dst)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "reduce: no output");
+        do_reduce(o);
+        return TEC_OK;
+    }
+    return tec_set_error(TEC_ERR_INTERNAL, "unknown comm op %d", o->kind);
+}
+
+static void *comm_thread(void *arg)
+{
+    tec_transport *t = arg;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (t->tail == t->head && !atomic_load(&t->stop))
+            pthread_cond_wait(&t->work, &t->mu);
+        if (atomic_load(&t->stop))
+            break;
+        op_t o = t->ring[t->tail % QCAP];
+        t->running = 1;
+        pthread_mutex_unlock(&t->mu);
+        /* After a failure only event records run, so waiters wake up. */
+        if (!atomic_load(&t->err) || o.kind == OP_EVREC) {
+            tec_status st = run_op(t, &o);
+            if (st != TEC_OK)
+                set_err(t, st, tec_last_error());
+        }
+        pthread_mutex_lock(&t->mu);
+        t->tail++;
+        t->running = 0;
+        pthread_cond_broadcast(&t->idle);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+static tec_status enqueue(tec_transport *t, const op_t *o)
+{
+    pthread_mutex_lock(&t->mu);
+    while (t->head - t->tail >= QCAP)
+        pthread_cond_wait(&t->idle, &t->mu);
+    t->ring[t->head % QCAP] = *o;
+    t->head++;
+    pthread_cond_signal(&t->work);
+    pthread_mutex_unlock(&t->mu);
+    return TEC_OK;
+}
+
+static tec_status submit(tec_transport *t, const op_t *o, void *stream)
+{
+    if (is_comm(t, stream))
+        return enqueue(t, o);
+    return run_op(t, o);
+}
+
+/* ------------------------------------------------------------ interface */
+
+static void shm_unmap_peers(tec_transport *t)
+{
+    for (int i = 0; i < t->size; i++) {
+        if (i != t->rank && t->peer[i])
+            munmap(t->peer[i], t->bytes);
+        t->peer[i] = NULL;
+    }
+}
+
+static void shm_destroy(tec_transport *t)
+{
+    if (!t)
+        return;
+    if (t->thread_started) {
+        pthread_mutex_lock(&t->mu);
+        atomic_store(&t->stop, 1);
+        pthread_cond_broadcast(&t->work);
+        pthread_mutex_unlock(&t->mu);
+        pthread_join(t->thread, NULL);
+    }
+    shm_unmap_peers(t);
+    if (t->base)
+        munmap(t->base, t->bytes);
+    if (t->named)
+        shm_unlink(t->name);
+    pthread_cond_destroy(&t->work);
+    pthread_cond_destroy(&t->idle);
+    pthread_mutex_destroy(&t->mu);
+    free(t->ring);
+    free(t);
+}
+
+static tec_status shm_create(tec_transport **out, int device, int rank, int size, size_t bytes)
+{
+    *out = NULL;
+    tec_status st = TEC_OK;
+    int fd = -1;
+    tec_transport *t = calloc(1, sizeof *t);
+    if (!t)
+        return tec_set_error(TEC_ERR_NO_MEMORY, "shm transport: no memory");
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->work, NULL);
+    pthread_cond_init(&t->idle, NULL);
+    t->rank = rank;
+    t->size = size;
+    t->bytes = bytes;
+    t->ring = calloc(QCAP, sizeof(op_t));
+    if (!t->ring) {
+        st = tec_set_error(TEC_ERR_NO_MEMORY, "shm transport: no memory for the comm queue");
+        goto fail;
+    }
+    unsigned char rnd[16];
+    for (int tries = 0;; tries++) {
+        if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
+            st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: getrandom: %s", strerror(errno));
+            goto fail;
+        }
+        int n = snprintf(t->name, sizeof t->name, "/tec-%d-", (int)getpid());
+        for (int i = 0; i < 16; i++)
+            n += snprintf(t->name + n, sizeof t->name - (size_t)n, "%02x", rnd[i]);
+        fd = shm_open(t->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST || tries > 8)
+            break;
+    }
+    if (fd < 0) {
+        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: shm_open(%s): %s", t->name, strerror(errno));
+        goto fail;
+    }
+    t->named = 1;
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)bytes) != 0) {
+        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: sizing %s to %zu bytes: %s", t->name, bytes, strerror(errno));
+        goto fail;
+    }
+    t->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (t->base == MAP_FAILED) {
+        t->base = NULL;
+        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: mmap of %zu bytes: %s", bytes, strerror(errno));
+        goto fail;
+    }
+    close(fd);
+    fd = -1;
+    t->peer[rank] = t->base;
+    int rc = pthread_create(&t->thread, NULL, comm_thread, t);
+    if (rc) {
+        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: cannot start the comm thread: %s", strerror(rc));
+        goto fail;
+    }
+    t->thread_started = 1;
+    *out = t;
+    return TEC_OK;
+fail:
+    if (fd >= 0)
+        close(fd);
+    shm_destroy(t);
+    return st;
+}
+
+static tec_status shm_local_handle(tec_transport *t, void *out, size_t *len)
+{
+    shm_handle h;
+    memset(&h, 0, sizeof h);
+    snprintf(h.name, sizeof h.name, "%s", t->name);
+    h.bytes = t->bytes;
+    h.uid = (int64_t)getuid();
+    memcpy(out, &h, sizeof h);
+    *len = sizeof h;
+    return TEC_OK;
+}
+
+static tec_status shm_map_peers(tec_transport *t, const void *const *handles, const size_t *lens, void **bases)
+{
+    for (int i = 0; i < t->size; i++) {
+        if (i == t->rank) {
+            bases[i] = t->base;
+            continue;
+        }
+        shm_handle h;
+        if (lens[i] != sizeof h) {
+            shm_unmap_peers(t);
+            return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: rank %d's handle has %zu bytes", i, lens[i]);
+        }
+        memcpy(&h, handles[i], sizeof h);
+        h.name[sizeof h.name - 1] = 0;
+        int fd = shm_open(h.name, O_RDWR | O_CLOEXEC, 0);
+        if (fd < 0) {
+            int e = errno;
+            shm_unmap_peers(t);
+            return tec_set_error(TEC_ERR_SYSTEM, "shm transport: opening rank %d's region: %s (not on this host?)",
+                                 i, strerror(e));
+        }
+        struct stat sb;
+        if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < t->bytes || sb.st_uid != getuid() ||
+            (sb.st_mode & 0077)) {
+            close(fd);
+            shm_unmap_peers(t);
+            return tec_set_error(TEC_ERR_INVALID_ARG,
+                                 "shm transport: rank %d's region is not a private region of %zu bytes", i, t->bytes);
+        }
+        void *p = mmap(NULL, t->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        int e = errno;
+        close(fd);
+        if (p == MAP_FAILED) {
+            shm_unmap_peers(t);
+            return tec_set_error(TEC_ERR_SYSTEM, "shm transport: mapping rank %d's region: %s", i, strerror(e));
+        }
+        t->peer[i] = p;
+        bases[i] = p;
+    }
+    return TEC_OK;
+}
+
+static tec_status shm_release_handle(tec_transport *t)
+{
+    if (t->named && shm_unlink(t->name) != 0 && errno != ENOENT)
+        return tec_set_error(TEC_ERR_SYSTEM, "shm transport: shm_unlink(%s): %s", t->name, strerror(errno));
+    t->named = 0;
+    return TEC_OK;
+}
+
+static void *shm_comm_stream(tec_transport *t) { (void)t; return COMM_STREAM_TAG; }
+
+static tec_status shm_copy(tec_transport *t, void *dst, const void *src, size_t bytes, void *stream)
+{
+    op_t o = {.kind = OP_COPY, .dst = dst, .src = src, .bytes = bytes};
+    return submit(t, &o, stream);
+}
+
+static tec_status shm_signal(tec_transport *t, uint64_t *flag, uint64_t value, void *stream)
+{
+    op_t o = {.kind = OP_SIGNAL, .dst = flag, .value = value};
+    return submit(t, &o, stream);
+}
+
+static tec_status shm_wait(tec_transport *t, const uint64_t *flag, uint64_t value, double timeout, tec_wait_site s,
+                           void *stream)
+{
+    op_t o = {.kind = OP_WAIT, .src = flag, .value = value, .timeout = timeout, .site = s};
+    tec_status st = submit(t, &o, stream);
+    if (st != TEC_OK && !is_comm(t, stream))
+        set_err(t, st, tec_last_error());
+    return st;
+}
+
+static tec_status shm_event_record(tec_transport *t, int ev, void *stream)
+{
+    if (ev < 0 || ev >= TEC_COMM_NEVENTS)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: event %d out of range", ev);
+    op_t o = {.kind = OP_EVREC, .event = ev, .value = ++t->ev_target[ev]};
+    return submit(t, &o, stream);
+}
+
+static tec_status shm_event_wait(tec_transport *t, int ev, void *stream)
+{
+    if (ev < 0 || ev >= TEC_COMM_NEVENTS)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: event %d out of range", ev);
+    op_t o = {.kind = OP_EVWAIT, .event = ev, .value = t->ev_target[ev]};
+    return submit(t, &o, stream);
+}
+
+static tec_status shm_reduce(tec_transport *t, void *out, const void *const *srcs, int nsrc, int64_t rows,
+                             int64_t cols, tec_dtype dtype, const void *bias, void *stream)
+{
+    if (nsrc < 1 || nsrc > TEC_COMM_MAX_RANKS)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: reduce of %d sources", nsrc);
+    op_t o = {.kind = OP_REDUCE, .dst = out, .nsrc = nsrc, .rows = rows, .cols = cols, .dtype = dtype, .bias = bias};
+    for (int i = 0; i < nsrc; i++)
+        o.srcs[i] = srcs[i];
+    return submit(t, &o, stream);
+}
+
+static tec_status shm_check(tec_transport *t) { return get_err(t); }
+
+static tec_status shm_synchronize(tec_transport *t, void *stream)
+{
+    if (is_comm(t, stream)) {
+        pthread_mutex_lock(&t->mu);
+        while (t->tail != t->head)
+            pthread_cond_wait(&t->idle, &t->mu);
+        pthread_mutex_unlock(&t->mu);
+    }
+    return get_err(t);
+}
+
+static const char *shm_last_error(void) { return tec_last_error(); }
+
+const tec_transport_ops tec_shm_transport = {
+    .abi_version = TEC_TRANSPORT_ABI,
+    .name = "shm",
+    .create = shm_create,
+    .destroy = shm_destroy,
+    .local_handle = shm_local_handle,
+    .map_peers = shm_map_peers,
+    .release_handle = shm_release_handle,
+    .unmap_peers = shm_unmap_peers,
+    .comm_stream = shm_comm_stream,
+    .copy = shm_copy,
+    .signal = shm_signal,
+    .wait = shm_wait,
+    .event_record = shm_event_record,
+    .event_wait = shm_event_wait,
+    .reduce = shm_reduce,
+    .synchronize = shm_synchronize,
+    .check = shm_check,
+    .last_error = shm_last_error,
+};

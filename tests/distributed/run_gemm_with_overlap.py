@@ -1,0 +1,231 @@
+"""Comm-GEMM overlap schedules against torch.distributed collectives + matmul,
+and their failure paths. Run under torchrun (gloo on CPU):
+  torchrun --nproc_per_node=2 tests/distributed/run_gemm_with_overlap.py --check numerics
+Prints "PASS run_gemm_with_overlap" and exits 0 when every check passed."""
+import argparse
+import glob
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import transformer_engine_c as tec
+
+TOL = {torch.float32: None, torch.bfloat16: (0.025, 0.00125)}
+
+
+def close(out, ref, what):
+    if out.dtype == torch.float32:
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err <= 1e-5, f"{what}: relative error {err:.3g} > 1e-5"
+    else:
+        rtol, atol = TOL[out.dtype]
+        d = (out.float() - ref.float()).abs()
+        bad = d > atol + rtol * ref.float().abs()
+        assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {d.max().item():.3g}"
+
+
+def gather(x):
+    out = torch.empty(x.shape[0] * dist.get_world_size(), *x.shape[1:], dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+def reduce_scatter(x):
+    """The reference sums in float32 (as the engine does), then rounds."""
+    out = torch.empty(x.shape[0] // dist.get_world_size(), *x.shape[1:], dtype=torch.float32)
+    dist.reduce_scatter_tensor(out, x.float().contiguous())
+    return out.to(x.dtype)
+
+
+def check_numerics(rank, tp):
+    rows, K, N = 6, 32, 24
+    S = rows * tp
+    for dtype in (torch.float32, torch.bfloat16):
+        comm = tec.CommOverlap((S, max(K, N)), dtype, name=f"num_{dtype}")
+        g = torch.Generator().manual_seed(1234)
+        w = (torch.randn(N, K, generator=g) * 0.1 / K ** 0.5).to(dtype)      # shared
+        bias = (torch.randn(N, generator=g) * 0.1).to(dtype)
+        gl = torch.Generator().manual_seed(100 + rank)
+        for it in range(3):  # reuse the buffer: the consumed/free handshakes
+            x = torch.randn(rows, K, generator=gl).to(dtype)
+            full = gather(x)
+            # column fprop, input copied by the schedule
+            out = comm.ag_gemm(x, w, bias=bias)
+            close(out, full @ w.T + bias, f"ag_gemm {dtype} it{it}")
+            assert torch.equal(comm.get_buffer(shape=(S, K)), full), "buffer does not hold the gathered input"
+            # column fprop, input written straight into this rank's slot (the norm's path)
+            slot = comm.get_buffer(local_chunk=True, shape=(rows, K))
+            slot.copy_(x * 2)
+            out = comm.ag_gemm(slot, w)
+            close(out, (full * 2) @ w.T, f"ag_gemm in-buffer {dtype} it{it}")
+            del slot
+            # row dgrad: gathered grad_output [S, N] @ W [N, K]
+            dy = torch.randn(rows, N, generator=gl).to(dtype)
+            out = comm.ag_gemm(dy, w, transb=False)
+            close(out, gather(dy) @ w, f"ag_gemm dgrad {dtype} it{it}")
+            # row fprop: GEMM + reduce-scatter
+            a = torch.randn(S, K, generator=gl).to(dtype)
+            out = comm.gemm_rs(a, w, bias=bias)
+            close(out, reduce_scatter(a @ w.T) + bias, f"gemm_rs {dtype} it{it}")
+            # column dgrad: dY [S, N] @ W [N, K]
+            a2 = torch.randn(S, N, generator=gl).to(dtype)
+            out = comm.gemm_rs(a2, w, transb=False)
+            close(out, reduce_scatter(a2 @ w), f"gemm_rs dgrad {dtype} it{it}")
+            # bulk all-gather overlapped with a GEMM on the caller's side
+            comm.bulk_ag_start(x)
+            other = a @ w.T
+            got = comm.bulk_ag_finish()
+            assert torch.equal(got, full), "bulk all-gather differs"
+            close(other, a.float().matmul(w.float().T).to(dtype), "gemm during bulk_ag")
+            # bulk reduce-scatter
+            comm.bulk_rs_start(a)
+            other = x @ w.T
+            got = comm.bulk_rs_finish()
+            close(got, reduce_scatter(a), f"bulk_rs {dtype} it{it}")
+        st = comm.stats()
+        for k, want in [("ag_overlap", 9), ("rs_overlap", 6), ("bulk_ag", 3), ("bulk_rs", 3)]:
+            assert st[k] == want, f"stats {k}={st[k]}, expected {want}: {st}"
+        assert st["non_overlap"] == 0, st
+        # the buffer ranges: own first, then every peer's
+        r = comm.buffer_ranges()
+        assert len(r) == tp and r[0][0] == comm.buffer_ptr and all(n >= comm.buffer_bytes for _, n in r), r
+        comm.close()
+    # names unlinked once every rank mapped them
+    dist.barrier()
+    mine = glob.glob(f"/dev/shm/tec-{os.getpid()}-*")
+    assert not mine, f"shared-memory names left behind: {mine}"
+
+
+def check_registry(rank, tp):
+    tec.initialize_ub((4 * tp, 16), tp, dtype=torch.float32,
+                      ub_cfgs={"qkv_fprop": {"method": "ring_exchange", "num_splits": 2}})
+    try:
+        a, b = tec.get_ub("qkv_fprop"), tec.get_ub("fc2_fprop")
+        assert a.name == "qkv_fprop" and a.method == "ring_exchange" and b.method == "pipeline"
+        x = torch.randn(4, 16)
+        w = torch.randn(8, 16)
+        close(a.ag_gemm(x, w), gather(x) @ w.T, "registry ag_gemm")
+        try:
+            tec.get_ub("nope")
+            raise AssertionError("get_ub of an unknown name did not raise")
+        except KeyError as e:
+            assert "nope" in str(e)
+    finally:
+        tec.destroy_ub()
+    for bad, word in [({"qkv_fprop": {"bogus_key": 1}}, "bogus_key"), ({"qkv_fprop": {"method": "x"}}, "method"),
+                      ({"nolayer": {}}, "nolayer")]:
+        try:
+            tec.initialize_ub((4 * tp, 16), tp, ub_cfgs=bad)
+            raise AssertionError(f"ub_cfgs {bad} did not raise")
+        except ValueError as e:
+            assert word in str(e), e
+
+
+def check_timeout(rank, tp):
+    """Rank tp-1 never arrives: the others raise CommTimeoutError in time."""
+    comm = tec.CommOverlap((4 * tp, 8), torch.float32, timeout=2.0, name="late")
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    late = tp - 1
+    for op in ("ag_gemm", "gemm_rs"):
+        if rank != late:
+            t0 = time.monotonic()
+            try:
+                if op == "ag_gemm":
+                    comm.ag_gemm(x, w)
+                else:
+                    comm.gemm_rs(torch.randn(4 * tp, 8), w)
+                raise AssertionError(f"{op} returned although rank {late} never arrived")
+            except tec.CommTimeoutError as e:
+                dt = time.monotonic() - t0
+                msg = str(e)
+                assert dt < 2.0 + 3.0, f"{op}: timed out after {dt:.1f} s, limit 2 s"
+                assert dt > 1.5, f"{op}: raised after {dt:.2f} s, before the 2 s timeout"
+                assert f"peer {late}" in msg and "step" in msg and "'late'" in msg, msg
+                assert isinstance(e, TimeoutError) and isinstance(e, RuntimeError)
+            # the communicator is broken now and says so
+            try:
+                comm.ag_gemm(x, w)
+                raise AssertionError("a broken communicator accepted work")
+            except tec.CommTimeoutError as e:
+                assert "earlier failure" in str(e), e
+        dist.barrier()
+        comm.close()
+        comm = tec.CommOverlap((4 * tp, 8), torch.float32, timeout=2.0, name="late")
+
+
+def check_mismatch(rank, tp):
+    # shapes of the buffer differ across ranks: caught at construction
+    try:
+        tec.CommOverlap((4 * tp, 8 + rank), torch.float32, name="mm_ctor")
+        raise AssertionError("mismatched buffers across ranks were accepted")
+    except ValueError as e:
+        assert "mismatched shapes" in str(e), e
+    # same buffer, different chunk shapes per rank: caught by the handshake
+    comm = tec.CommOverlap((8 * tp, 8), torch.float32, timeout=10.0, name="mm")
+    rows = 4 + 2 * (rank % 2)
+    t0 = time.monotonic()
+    try:
+        comm.ag_gemm(torch.randn(rows, 8), torch.randn(8, 8))
+        raise AssertionError("mismatched chunk shapes across ranks were accepted")
+    except ValueError as e:
+        assert "mismatched shapes" in str(e) and "peer" in str(e), e
+    assert time.monotonic() - t0 < 5.0, "mismatch detected only by the timeout"
+    comm.close()
+
+
+def check_small(rank, tp):
+    comm = tec.CommOverlap((2 * tp, 8), torch.float32, name="small")
+    for fn in (lambda: comm.ag_gemm(torch.randn(3, 8), torch.randn(8, 8)),
+               lambda: comm.gemm_rs(torch.randn(3 * tp, 8), torch.randn(8, 8)),
+               lambda: comm.get_buffer(local_chunk=True, shape=(3, 8)),
+               lambda: comm.bulk_rs_start(torch.randn(3 * tp, 8))):
+        try:
+            fn()
+            raise AssertionError("an input larger than the buffer was accepted")
+        except ValueError as e:
+            assert "buffer too small for the input" in str(e), e
+    # the engine checks too (bypassing the Python checks)
+    try:
+        x, w, out = torch.randn(16, 8), torch.randn(8, 8), torch.empty(16 * tp, 8)
+        comm._ag_gemm(x.data_ptr(), 16, 8, 8, 0, 0, w.data_ptr(), 8, 1, out.data_ptr(), 8, 0, 0)
+        raise AssertionError("the engine accepted an input larger than the buffer")
+    except ValueError as e:
+        assert "buffer too small for the input" in str(e), e
+    view = comm.get_buffer()
+    comm.close()
+    comm.close()  # idempotent
+    view.fill_(1.0)  # the mapping outlives close() while a view exists
+    for fn in (lambda: comm.ag_gemm(torch.randn(1, 8), torch.randn(8, 8)), lambda: comm.get_buffer(),
+               lambda: comm.stats() and comm.rank):
+        try:
+            fn()
+            raise AssertionError("a closed communicator accepted work")
+        except tec.EngineError as e:
+            assert "closed" in str(e) and "'small'" in str(e), e
+    del view
+    dist.barrier()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--check", default="numerics,registry,mismatch,small,timeout")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    for name in args.check.split(","):
+        globals()[f"check_{name}"](rank, tp)
+        dist.barrier()
+        if rank == 0:
+            print(f"ok {name} tp={tp}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        print("PASS run_gemm_with_overlap", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Linear / LayerNormLinear with userbuffers overlap vs the same layers
+without overlap, and a two-block model, under torchrun on CPU (gloo + the
+shared-memory transport). One launch per TP size runs every configuration
+(row rs/ag, column rs_dgrad, column bulk, LayerNormLinear ag+bulk and
+ag+rs_dgrad with both norms, fp32 and bf16)."""
+import pytest
+
+from launch import run_torchrun
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_comm_gemm_overlap(nproc):
+    out = run_torchrun("run_layer_with_overlap.py", nproc, ["--dtypes", "float32,bfloat16"], timeout=300,
+                       pass_line="PASS run_layer_with_overlap")
+    for check in ("construction", "layers", "model"):
+        assert f"ok {check} tp={nproc}" in out

@@ -1,0 +1,18 @@
+"""The overlap schedules (AG+GEMM, GEMM+RS, bulk) and their failure paths
+under torchrun on CPU (gloo + the shared-memory transport)."""
+import pytest
+
+from launch import run_torchrun
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_gemm_with_overlap(nproc):
+    run_torchrun("run_gemm_with_overlap.py", nproc, ["--check", "numerics,registry,mismatch,small"], timeout=240,
+                 pass_line="PASS run_gemm_with_overlap")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_comm_timeout(nproc):
+    out = run_torchrun("run_gemm_with_overlap.py", nproc, ["--check", "timeout"], timeout=120,
+                       pass_line="PASS run_gemm_with_overlap")
+    assert "ok timeout" in out

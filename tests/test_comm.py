@@ -1,0 +1,143 @@
+"""Single-process communicator tests (tp_size 1): lifetime and leaks over 200
+create/destroy cycles, shared-memory naming and permissions, buffer views,
+closed-communicator errors and the ub_cfgs checks."""
+import gc
+import os
+import re
+import stat
+
+import pytest
+import torch
+
+import transformer_engine_c as tec
+from transformer_engine_c import _C
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _shm():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("tec-"))
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _rss_kb():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+def _cycle(i):
+    c = tec.CommOverlap((64, 32), torch.float32, name=f"leak{i}")
+    x, w = torch.randn(64, 32), torch.randn(16, 32)
+    v = c.get_buffer(local_chunk=True)
+    v.copy_(x)
+    c.ag_gemm(v, w)
+    c.gemm_rs(x, w)
+    c.bulk_ag_start(x)
+    c.bulk_ag_finish()
+    del v
+    c.close()
+
+
+def test_create_destroy_200_no_leak():
+    for i in range(5):  # warm up allocators and torch's lazy state
+        _cycle(i)
+    gc.collect()
+    fds, shm, threads, rss = _fds(), _shm(), _threads(), _rss_kb()
+    for i in range(200):
+        _cycle(i)
+    gc.collect()
+    assert _fds() == fds, f"file descriptors: {fds} -> {_fds()}"
+    assert _shm() == shm, f"/dev/shm entries: {shm} -> {_shm()}"
+    assert _threads() == threads, f"threads: {threads} -> {_threads()}"
+    assert _rss_kb() - rss < 8 * 1024, f"RSS grew {rss} -> {_rss_kb()} kB"
+
+
+def test_several_communicators_coexist():
+    a = tec.CommOverlap((8, 4), torch.float32, name="a")
+    b = tec.CommOverlap((8, 4), torch.float32, name="b")
+    va = a.get_buffer()
+    va.fill_(3.0)
+    b.get_buffer().fill_(5.0)
+    b.close()
+    del b
+    gc.collect()
+    assert torch.all(va == 3.0) and torch.all(a.get_buffer() == 3.0)
+    x, w = torch.randn(8, 4), torch.randn(2, 4)
+    torch.testing.assert_close(a.ag_gemm(x, w), x @ w.T)
+    a.close()
+
+
+def test_shm_names_private_and_unlinked():
+    before = set(_shm())
+    objs = []
+    for _ in range(2):
+        c = _C.CommOverlap()
+        c._create(_C.TRANSPORT_SHM, -1, 0, 1, 4096, "naming", 5.0)
+        objs.append(c)
+    new = sorted(set(_shm()) - before)
+    assert len(new) == 2, new
+    for n in new:
+        m = re.fullmatch(rf"tec-{os.getpid()}-([0-9a-f]{{32}})", n)
+        assert m, f"{n} does not end in 128 random bits"
+        st = os.stat(f"/dev/shm/{n}")
+        assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    suffixes = {n.rsplit("-", 1)[1] for n in new}
+    assert len(suffixes) == 2
+    for c in objs:
+        c._open_peers([c._local_handle()])
+        c._release_handle()  # every rank has mapped it: the name goes
+    assert set(_shm()) == before
+    for c in objs:
+        c.close()
+
+
+def test_buffer_views_and_ranges():
+    c = tec.CommOverlap((8, 4), torch.bfloat16, name="views")
+    full = c.get_buffer()
+    assert full.shape == (8, 4) and full.dtype == torch.bfloat16
+    (ptr, nbytes), = c.buffer_ranges()
+    assert ptr == full.data_ptr() and nbytes >= 64
+    t = torch.randn(8, 4).to(torch.bfloat16)
+    c.copy_into_buffer(t)
+    assert torch.equal(full, t)
+    chunk = c.get_buffer(local_chunk=True)
+    assert chunk.data_ptr() == full.data_ptr() and chunk.shape == (8, 4)
+    with pytest.raises(ValueError, match="buffer too small for the input"):
+        c.get_buffer(shape=(9, 4))
+    c.close()
+    full.fill_(1.0)  # still mapped while a view lives
+    with pytest.raises(tec.EngineError, match="'views' is closed"):
+        c.get_buffer()
+    with pytest.raises(tec.EngineError, match="closed"):
+        c.ag_gemm(t, t)
+
+
+def test_timeout_setting(monkeypatch):
+    monkeypatch.setenv("TEC_COMM_TIMEOUT", "7.5")
+    c = tec.CommOverlap((8, 4), torch.float32)
+    assert c.timeout == 7.5
+    assert re.fullmatch(r"comm\d+", c.name)
+    c.close()
+    monkeypatch.setenv("TEC_COMM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="TEC_COMM_TIMEOUT"):
+        tec.CommOverlap((8, 4), torch.float32)
+
+
+def test_registry_single_rank():
+    tec.initialize_ub((16, 8), 1, dtype=torch.float32, ub_cfgs={"fc1_fprop": {"method": "pipeline"}})
+    try:
+        assert tec.get_ub("fc1_fprop").method == "pipeline"
+        assert tec.get_ub("qkv_fprop").method == "ring_exchange"
+        with pytest.raises(RuntimeError, match="already"):
+            tec.initialize_ub((16, 8), 1)
+    finally:
+        tec.destroy_ub()
+    with pytest.raises(RuntimeError, match="initialize_ub"):
+        tec.get_ub("fc1_fprop")
+    with pytest.raises(ValueError, match="'num_sms'"):
+        tec.initialize_ub((16, 8), 1, ub_cfgs={"fc1_fprop": {"num_sms": 4}})

@@ -1,0 +1,405 @@
+"""Userbuffers: communicators whose buffers are mapped into every rank of a
+tensor-parallel group, and the comm-GEMM overlap schedules that run on them.
+
+`CommOverlap` is one communicator (explicit object first); `initialize_ub`,
+`get_ub` and `destroy_ub` are a thin TE-compatible registry of them, keyed by
+TE's layer names. The schedules, flags and transports live in C
+(csrc/core/comm.c, csrc/core/cpu/shm_transport.c); this module checks
+arguments, allocates outputs with PyTorch and does the handle exchange through
+torch.distributed.
+
+Lifetime: `get_buffer()` returns a non-owning view; the next operation on the
+communicator overwrites it. Save copies or local chunks for backward, never a
+buffer view.
+"""
+import itertools
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of
+
+__all__ = ["CommOverlap", "CommTimeoutError", "initialize_ub", "get_ub", "destroy_ub", "LAYER_NAMES"]
+
+CommTimeoutError = _C.CommTimeoutError
+
+_TRANSPORTS = {"shm": _C.TRANSPORT_SHM, "cpu": _C.TRANSPORT_SHM, "cuda_ipc": _C.TRANSPORT_CUDA_IPC,
+               "cuda": _C.TRANSPORT_CUDA_IPC}
+_METHODS = ("ring_exchange", "pipeline", "bulk")
+_counter = itertools.count()
+
+
+def default_timeout():
+    """Seconds every communicator wait may take: $TEC_COMM_TIMEOUT or 60."""
+    v = os.environ.get("TEC_COMM_TIMEOUT")
+    if not v:
+        return 60.0
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"TEC_COMM_TIMEOUT={v!r} is not a number of seconds") from None
+    if not t > 0:
+        raise ValueError(f"TEC_COMM_TIMEOUT={v!r} must be > 0")
+    return t
+
+
+def _group_rank_size(tp_group, tp_size):
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        if tp_size is not None and tp_size != size:
+            raise ValueError(f"tp_size={tp_size} but the tp_group has {size} ranks")
+        return rank, size
+    if tp_size not in (None, 1):
+        raise ValueError(f"tp_size={tp_size} needs torch.distributed to be initialized")
+    return 0, 1
+
+
+class _DeviceView:
+    """A non-owning __cuda_array_interface__ over a communicator's buffer that
+    keeps the mapping alive (pinned) while torch holds it."""
+
+    def __init__(self, comm, nbytes):
+        self._comm = comm
+        ptr = comm._pin()
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None, "stream": None}
+
+    def __del__(self):
+        comm = getattr(self, "_comm", None)
+        if comm is not None:
+            comm._unpin()
+
+
+class CommOverlap(_C.CommOverlap):
+    """A userbuffers communicator.
+
+    shape: the buffer's (full, gathered) shape, e.g. [sequence * batch, hidden];
+    dtype its element type. One buffer per rank of tp_group, mapped into every
+    peer. timeout: seconds per wait (default $TEC_COMM_TIMEOUT or 60);
+    transport: "auto" (shared memory on CPU, CUDA IPC on CUDA), "shm" or
+    "cuda_ipc". method/num_splits are recorded (TE ub_cfgs); every method runs
+    the direct-pull all-gather and push reduce-scatter schedules.
+    Creating one is collective over tp_group.
+    """
+
+    def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
+                 transport="auto", device=None, method="pipeline", num_splits=None, _exchange=True):
+        shape = tuple(int(s) for s in shape)
+        if not shape or any(s <= 0 for s in shape):
+            raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
+        if dtype not in DTYPE_CODES:
+            raise TypeError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        if device is None:
+            device = "cuda" if transport in ("cuda", "cuda_ipc") else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if transport == "auto":
+            transport = "shm" if device.type == "cpu" else "cuda_ipc"
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be 'auto', 'shm' or 'cuda_ipc', got {transport!r}")
+        if (device.type == "cpu") != (_TRANSPORTS[transport] == _C.TRANSPORT_SHM):
+            raise ValueError(f"transport {transport!r} does not serve device {device}")
+        timeout = default_timeout() if timeout is None else float(timeout)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        rank, size = _group_rank_size(tp_group, tp_size)
+        if shape[0] % size:
+            raise ValueError(f"the buffer's first dimension {shape[0]} is not divisible by tp_size {size}")
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.tp_group = tp_group
+        self.method = method
+        self.num_splits = num_splits
+        self.timeout = timeout
+        self._pending = None
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
+        name = name or f"comm{next(_counter)}"
+        self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
+        if _exchange:
+            CommOverlap._exchange([self], tp_group)
+
+    @staticmethod
+    def _exchange(comms, tp_group):
+        """Collective: exchange handles of `comms` (same order on every rank),
+        map peers, and unlink names once everyone has mapped."""
+        size = comms[0].tp_size if comms else 1
+        mine = [c._local_handle() for c in comms]
+        if size == 1:
+            everyone = [mine]
+        else:
+            everyone = [None] * size
+            dist.all_gather_object(everyone, mine, group=tp_group)
+        for i, c in enumerate(comms):
+            c._open_peers([everyone[r][i] for r in range(size)])
+        if size > 1:
+            dist.barrier(group=tp_group)
+        for c in comms:
+            c._release_handle()
+
+    # ---------------------------------------------------------- buffer
+
+    def _live(self):
+        if self.closed:
+            self.rank  # noqa: B018 -- the engine raises EngineError naming the closed communicator
+
+    def _stream(self):
+        return stream_of(self.device)
+
+    def _flat(self, dtype):
+        if self.device.type == "cpu":
+            flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
+        else:
+            flat = torch.as_tensor(_DeviceView(self, self.nbytes), device=self.device)
+        return flat.view(dtype)
+
+    def _too_small(self, what, shape, dtype, need, have):
+        return ValueError(f"communicator '{self.name}': buffer too small for the input: {what} of shape "
+                          f"{tuple(shape)} ({dtype}) needs {need} bytes, the buffer has {have}")
+
+    def get_buffer(self, local_chunk=False, shape=None, dtype=None):
+        """A non-owning view of the buffer ([full shape]) or of this rank's
+        chunk (local_chunk=True: rows rank*S/tp.., waits until peers have read
+        its previous contents, so it can be written, e.g. by a norm).
+        shape/dtype reinterpret the buffer (the chunk's shape with local_chunk)."""
+        self._live()
+        dtype = dtype or self.dtype
+        es = torch.empty((), dtype=dtype).element_size()
+        if shape is None:
+            shape = list(self.shape)
+            if local_chunk:
+                shape[0] //= self.tp_size
+        shape = tuple(int(s) for s in shape)
+        numel = math.prod(shape)
+        parts = self.tp_size if local_chunk else 1
+        if numel * es * parts > self.nbytes:
+            raise self._too_small("the local chunk" if local_chunk else "a view", shape, dtype,
+                                  numel * es * parts, self.nbytes)
+        flat = self._flat(dtype)
+        if local_chunk:
+            self._acquire(self._stream())
+            return flat[self.rank * numel:(self.rank + 1) * numel].view(shape)
+        return flat[:numel].view(shape)
+
+    def copy_into_buffer(self, t, local_chunk=False):
+        """Copy t into this rank's chunk (local_chunk=True) or the whole buffer."""
+        check_tensor(t, "tensor", device=self.device)
+        view = self.get_buffer(local_chunk, shape=t.shape, dtype=t.dtype)
+        if not local_chunk:
+            self._acquire(self._stream())
+        view.copy_(t)
+        return view
+
+    # ------------------------------------------------------- schedules
+
+    def _check_mat(self, t, name, dtype=None):
+        check_tensor(t, name, ndim=2, device=self.device, dtype=dtype)
+        if t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dimension")
+        return t
+
+    def _check_idle(self, op):
+        self._live()
+        if self._pending is not None:
+            raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
+                               f"(call {self._pending[0]}_finish first)")
+
+    def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None):
+        """out[tp*rows, n] = all_gather(a_local) @ op(weight) (+ bias), the
+        gather overlapped with the GEMM. a_local: this rank's [rows, k] chunk
+        (a tensor, or the view get_buffer(local_chunk=True) returned: then no
+        copy). weight: [n, k] with transb (fprop) or [k, n] (dgrad).
+        Afterwards get_buffer() holds the gathered input."""
+        self._check_idle("ag_gemm")
+        self._check_mat(a_local, "input")
+        self._check_mat(weight, "weight", dtype=a_local.dtype)
+        rows, k = a_local.shape
+        n, kw = weight.shape if transb else weight.shape[::-1]
+        if kw != k:
+            raise ValueError(f"ag_gemm: input is [{rows}, {k}] but op(weight) is [{kw}, {n}]")
+        es = a_local.element_size()
+        if rows * k * es * self.tp_size > self.nbytes:
+            raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
+                                  rows * k * es * self.tp_size, self.nbytes)
+        if bias is not None:
+            check_tensor(bias, "bias", dtype=a_local.dtype, device=self.device, shape=(n,))
+        if out is None:
+            out = torch.empty(rows * self.tp_size, n, dtype=out_dtype or a_local.dtype, device=self.device)
+        else:
+            self._check_mat(out, "out")
+            if tuple(out.shape) != (rows * self.tp_size, n):
+                raise ValueError(f"out has shape {tuple(out.shape)}; expected {(rows * self.tp_size, n)}")
+        self._ag_gemm(a_local.data_ptr(), rows, k, n, DTYPE_CODES[a_local.dtype], DTYPE_CODES[out.dtype],
+                      weight.data_ptr(), weight.stride(0), int(transb), out.data_ptr(), out.stride(0),
+                      bias.data_ptr() if bias is not None else 0, self._stream())
+        return out
+
+    def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None):
+        """out[S/tp, n] = reduce_scatter(a[S, k] @ op(weight)) (+ bias once),
+        each peer's partial sent while the next is computed, partials summed
+        in float32."""
+        self._check_idle("gemm_rs")
+        self._check_mat(a, "input")
+        self._check_mat(weight, "weight", dtype=a.dtype)
+        S, k = a.shape
+        n, kw = weight.shape if transb else weight.shape[::-1]
+        if kw != k:
+            raise ValueError(f"gemm_rs: input is [{S}, {k}] but op(weight) is [{kw}, {n}]")
+        if S % self.tp_size:
+            raise ValueError(f"gemm_rs: the input's {S} rows are not divisible by tp_size {self.tp_size}")
+        rows = S // self.tp_size
+        es = a.element_size()
+        if S * n * es > self.nbytes:
+            raise self._too_small("the GEMM output", (S, n), a.dtype, S * n * es, self.nbytes)
+        if bias is not None:
+            check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
+        if out is None:
+            out = torch.empty(rows, n, dtype=a.dtype, device=self.device)
+        else:
+            check_tensor(out, "out", dtype=a.dtype, device=self.device, shape=(rows, n))
+        self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[a.dtype], weight.data_ptr(),
+                      weight.stride(0), int(transb), out.data_ptr(),
+                      bias.data_ptr() if bias is not None else 0, self._stream())
+        return out
+
+    def bulk_ag_start(self, t):
+        """Start all-gathering this rank's chunk t ([rows, ...]) into the buffer
+        on the comm side; run your GEMM, then bulk_ag_finish()."""
+        self._check_idle("bulk_ag_start")
+        check_tensor(t, "input", device=self.device)
+        nbytes = t.numel() * t.element_size()
+        if nbytes * self.tp_size > self.nbytes:
+            raise self._too_small("the gathered input", (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype,
+                                  nbytes * self.tp_size, self.nbytes)
+        self._bulk_ag_start(t.data_ptr(), nbytes, self._stream())
+        self._pending = ("bulk_ag", t, (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype)
+
+    def bulk_ag_finish(self):
+        """Wait for the bulk all-gather; returns the gathered tensor as a
+        non-owning view of the buffer (valid until the next use)."""
+        if self._pending is None or self._pending[0] != "bulk_ag":
+            raise RuntimeError(f"communicator '{self.name}': bulk_ag_finish without bulk_ag_start")
+        _, _, shape, dtype = self._pending
+        self._pending = None
+        self._bulk_ag_finish(self._stream())
+        numel = math.prod(shape)
+        return self._flat(dtype)[:numel].view(shape)
+
+    def bulk_rs_start(self, t, out=None):
+        """Start reduce-scattering t ([S, ...], not a buffer view) on the comm
+        side into out ([S/tp, ...]); run your GEMM, then bulk_rs_finish()."""
+        self._check_idle("bulk_rs_start")
+        check_tensor(t, "input", device=self.device)
+        if t.dim() < 1 or t.shape[0] % self.tp_size:
+            raise ValueError(f"bulk_rs: the input's first dimension ({tuple(t.shape)}) is not divisible by "
+                             f"tp_size {self.tp_size}")
+        rows = t.shape[0] // self.tp_size
+        cols = t.numel() // t.shape[0] if t.shape[0] else 1
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.nbytes:
+            raise self._too_small("the reduce-scatter input", t.shape, t.dtype, nbytes, self.nbytes)
+        oshape = (rows, *t.shape[1:])
+        if out is None:
+            out = torch.empty(oshape, dtype=t.dtype, device=self.device)
+        else:
+            check_tensor(out, "out", dtype=t.dtype, device=self.device, shape=oshape)
+        self._bulk_rs_start(t.data_ptr(), rows, cols, DTYPE_CODES[t.dtype], out.data_ptr(), self._stream())
+        self._pending = ("bulk_rs", t, out)
+
+    def bulk_rs_finish(self):
+        """Wait for the bulk reduce-scatter; returns its output."""
+        if self._pending is None or self._pending[0] != "bulk_rs":
+            raise RuntimeError(f"communicator '{self.name}': bulk_rs_finish without bulk_rs_start")
+        out = self._pending[2]
+        self._pending = None
+        self._bulk_rs_finish(self._stream())
+        return out
+
+    def synchronize(self):
+        self._synchronize(self._stream())
+
+    def __repr__(self):
+        if self.closed:
+            return "CommOverlap(closed)"
+        return (f"CommOverlap(name={self.name!r}, rank={self.rank}, tp_size={self.tp_size}, "
+                f"shape={self.shape}, dtype={self.dtype}, device={self.device})")
+
+
+# ------------------------------------------------------------ the registry
+
+LAYER_NAMES = ("qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad", "proj_wgrad",
+               "fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad", "fc2_wgrad")
+_DEFAULT_METHOD = {
+    "qkv_fprop": "ring_exchange", "fc1_fprop": "ring_exchange", "proj_dgrad": "ring_exchange",
+    "fc2_dgrad": "ring_exchange", "proj_fprop": "pipeline", "fc2_fprop": "pipeline",
+}
+# TE's ub_cfgs keys. Those tuning SMs/CGAs/priorities of TE's kernels have no
+# meaning for copy-engine / comm-thread transports and are accepted, ignored.
+_CFG_KEYS = {"method", "num_splits", "is_reduce_scatter", "num_sm", "cga_size", "set_sm_margin", "aggregate",
+             "use_ce", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm", "atomic_gemm",
+             "fp8_buf", "timeout"}
+_registry = {}
+
+
+def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_group=None, transport="auto",
+                  device=None, timeout=None, use_fp8=False):
+    """Create one communicator per TE layer name (collective over tp_group).
+    shape: [sequence * batch, hidden] of the full (gathered) activations.
+    ub_cfgs: {layer name: {method, num_splits, ...}} as in TE."""
+    if _registry:
+        raise RuntimeError("initialize_ub() was already called; call destroy_ub() first")
+    if use_fp8:
+        raise NotImplementedError("FP8 userbuffers are not supported")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 2:
+        raise ValueError(f"shape must be [sequence * batch, hidden], got {shape}")
+    ub_cfgs = dict(ub_cfgs or {})
+    for layer, cfg in ub_cfgs.items():
+        if layer not in LAYER_NAMES:
+            raise ValueError(f"ub_cfgs: unknown layer name {layer!r} (known: {', '.join(LAYER_NAMES)})")
+        for key, val in cfg.items():
+            if key not in _CFG_KEYS:
+                raise ValueError(f"ub_cfgs[{layer!r}]: unknown key {key!r}")
+        if cfg.get("method", "bulk") not in _METHODS:
+            raise ValueError(f"ub_cfgs[{layer!r}]['method'] must be one of {_METHODS}, got {cfg['method']!r}")
+        if cfg.get("atomic_gemm") or cfg.get("fp8_buf"):
+            raise ValueError(f"ub_cfgs[{layer!r}]: atomic_gemm and fp8_buf are not supported")
+    comms = []
+    try:
+        for layer in LAYER_NAMES:
+            cfg = ub_cfgs.get(layer, {})
+            c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
+                            timeout=cfg.get("timeout", timeout), transport=transport, device=device,
+                            method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
+                            num_splits=cfg.get("num_splits"), _exchange=False)
+            comms.append(c)
+        CommOverlap._exchange(comms, tp_group)
+    except BaseException:
+        for c in comms:
+            c.close()
+        raise
+    _registry.update(zip(LAYER_NAMES, comms))
+
+
+def get_ub(name):
+    """The communicator of a TE layer name created by initialize_ub()."""
+    if not _registry:
+        raise RuntimeError("userbuffers are not initialized: call initialize_ub() first")
+    try:
+        return _registry[name]
+    except KeyError:
+        raise KeyError(f"no communicator named {name!r} (known: {', '.join(_registry)})") from None
+
+
+def destroy_ub():
+    """Close every registered communicator."""
+    for c in _registry.values():
+        c.close()
+    _registry.clear()
