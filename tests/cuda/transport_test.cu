@@ -246,6 +246,36 @@ static void test_pingpong(tec_transport *t, void **bases, int q, int epochs)
         dt * 1e6 / epochs);
 }
 
+/* Flags only (no data): the round trip of a signal/wait handshake, READY on
+ * the comm stream and FREE on a compute stream, continuing the epochs of
+ * test_pingpong (its last FREE was epoch `first - 1`, tag 0). Informational;
+ * it includes the host's launch rate. */
+static void test_latency(tec_transport *t, void **bases, int q, int first, int epochs)
+{
+    const int r = g_rank;
+    void *own = bases[r], *peer = bases[q];
+    void *M = ops->comm_stream(t);
+    cudaStream_t S;
+    CK(cudaStreamCreateWithFlags(&S, cudaStreamNonBlocking));
+    barrier();
+    const double t0 = now_s();
+    for (int e = first; e < first + epochs; e++) {
+        TK(ops->wait(t, flag(own, TEC_FLAG_FREE, q), tec_flag_value(e - 1, 0), WAIT_S,
+                     site("latency", "slot free", q, e), M));
+        TK(ops->signal(t, flag(peer, TEC_FLAG_READY, r), tec_flag_value(e, 9), M));
+        TK(ops->wait(t, flag(own, TEC_FLAG_READY, q), tec_flag_value(e, 9), WAIT_S,
+                     site("latency", "chunk ready", q, e), S));
+        TK(ops->signal(t, flag(peer, TEC_FLAG_FREE, r), tec_flag_value(e, 0), S));
+    }
+    TK(ops->synchronize(t, S));
+    TK(ops->synchronize(t, M));
+    const double dt = now_s() - t0;
+    CK(cudaStreamDestroy(S));
+    barrier();
+    say("flag-only handshake: %.1f us per epoch over %d epochs (2 signals + 2 waits per rank)", dt * 1e6 / epochs,
+        epochs);
+}
+
 /* ---- reduce */
 
 static float round_to(tec_dtype dt, float v)
@@ -476,7 +506,7 @@ static void test_failures(tec_transport *t, void **bases, int q)
 {
     void *own = bases[g_rank], *peer = bases[q];
     void *M = ops->comm_stream(t);
-    const uint64_t E = 1000;
+    const uint64_t E = (uint64_t)1 << 20; /* past every epoch used before */
     if (g_rank == 1) {
         TK(ops->signal(t, flag(peer, TEC_FLAG_READY, 1), tec_flag_value(E, mk_tag(2, 4096)), M));
         TK(ops->synchronize(t, M));
@@ -592,6 +622,7 @@ static int child(int rank)
 
     test_copy(t, bases, q);
     test_pingpong(t, bases, q, 200);
+    test_latency(t, bases, q, 201, 1000);
     test_reduce(t, bases, q);
     if (rank == 0)
         test_same_process(ndev);
