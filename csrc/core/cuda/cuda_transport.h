@@ -1,0 +1,42 @@
+/* cuda_transport.h - private header of the CUDA IPC transport of tec_comm
+ * (csrc/core/cuda/cuda_transport.cu): the exported table getter and the
+ * layout of the handle a rank passes to its peers. Used by the transport and
+ * by tests/cuda/transport_test.cu (build line in that file). */
+#ifndef TEC_CUDA_TRANSPORT_H
+#define TEC_CUDA_TRANSPORT_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "tec.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The table of the CUDA IPC transport (see tec.h, "communicators"). Found
+ * by the core with tec_cuda_symbol("tec_cuda_transport_get"). */
+__attribute__((visibility("default"))) const tec_transport_ops *tec_cuda_transport_get(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* What local_handle() writes (opaque to everyone else). A peer in another
+ * process opens `ipc`; a peer in the same process (same pid and process
+ * token) uses `base` directly, since CUDA IPC handles cannot be opened by the
+ * process that exported them. */
+#define TEC_CUDA_HANDLE_MAGIC 0x7463697063763031ull /* "tcipcv01" */
+typedef struct {
+    uint64_t magic;
+    uint64_t bytes;        /* region bytes requested at create */
+    uint64_t alloc_bytes;  /* bytes actually allocated (>= bytes) */
+    uint64_t proc_token;   /* random per process (with pid: "same process") */
+    uint64_t base;         /* region address in the owner's process */
+    int32_t pid;
+    int32_t device;        /* CUDA ordinal in the owner's process */
+    char pci_bus_id[32];   /* to find the owner's device in this process */
+    cudaIpcMemHandle_t ipc;
+} tec_cuda_handle;
+
+#endif /* TEC_CUDA_TRANSPORT_H */
