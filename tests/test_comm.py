@@ -1,6 +1,7 @@
 """Single-process communicator tests (tp_size 1): lifetime and leaks over 200
 create/destroy cycles, shared-memory naming and permissions, buffer views,
 closed-communicator errors and the ub_cfgs checks."""
+import functools
 import gc
 import os
 import re
@@ -11,6 +12,11 @@ import torch
 
 import transformer_engine_c as tec
 from transformer_engine_c import _C
+
+# These are tests of the shared-memory transport: keep them on the CPU also
+# where a GPU would be the default device.
+CommOverlapCPU = functools.partial(tec.CommOverlap, device="cpu")
+initialize_ub_cpu = functools.partial(tec.initialize_ub, device="cpu")
 
 
 def _fds():
@@ -31,7 +37,7 @@ def _rss_kb():
 
 
 def _cycle(i):
-    c = tec.CommOverlap((64, 32), torch.float32, name=f"leak{i}")
+    c = CommOverlapCPU((64, 32), torch.float32, name=f"leak{i}")
     x, w = torch.randn(64, 32), torch.randn(16, 32)
     v = c.get_buffer(local_chunk=True)
     v.copy_(x)
@@ -58,8 +64,8 @@ def test_create_destroy_200_no_leak():
 
 
 def test_several_communicators_coexist():
-    a = tec.CommOverlap((8, 4), torch.float32, name="a")
-    b = tec.CommOverlap((8, 4), torch.float32, name="b")
+    a = CommOverlapCPU((8, 4), torch.float32, name="a")
+    b = CommOverlapCPU((8, 4), torch.float32, name="b")
     va = a.get_buffer()
     va.fill_(3.0)
     b.get_buffer().fill_(5.0)
@@ -97,7 +103,7 @@ def test_shm_names_private_and_unlinked():
 
 
 def test_buffer_views_and_ranges():
-    c = tec.CommOverlap((8, 4), torch.bfloat16, name="views")
+    c = CommOverlapCPU((8, 4), torch.bfloat16, name="views")
     full = c.get_buffer()
     assert full.shape == (8, 4) and full.dtype == torch.bfloat16
     (ptr, nbytes), = c.buffer_ranges()
@@ -119,25 +125,25 @@ def test_buffer_views_and_ranges():
 
 def test_timeout_setting(monkeypatch):
     monkeypatch.setenv("TEC_COMM_TIMEOUT", "7.5")
-    c = tec.CommOverlap((8, 4), torch.float32)
+    c = CommOverlapCPU((8, 4), torch.float32)
     assert c.timeout == 7.5
     assert re.fullmatch(r"comm\d+", c.name)
     c.close()
     monkeypatch.setenv("TEC_COMM_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="TEC_COMM_TIMEOUT"):
-        tec.CommOverlap((8, 4), torch.float32)
+        CommOverlapCPU((8, 4), torch.float32)
 
 
 def test_registry_single_rank():
-    tec.initialize_ub((16, 8), 1, dtype=torch.float32, ub_cfgs={"fc1_fprop": {"method": "pipeline"}})
+    initialize_ub_cpu((16, 8), 1, dtype=torch.float32, ub_cfgs={"fc1_fprop": {"method": "pipeline"}})
     try:
         assert tec.get_ub("fc1_fprop").method == "pipeline"
         assert tec.get_ub("qkv_fprop").method == "ring_exchange"
         with pytest.raises(RuntimeError, match="already"):
-            tec.initialize_ub((16, 8), 1)
+            initialize_ub_cpu((16, 8), 1)
     finally:
         tec.destroy_ub()
     with pytest.raises(RuntimeError, match="initialize_ub"):
         tec.get_ub("fc1_fprop")
     with pytest.raises(ValueError, match="'num_sms'"):
-        tec.initialize_ub((16, 8), 1, ub_cfgs={"fc1_fprop": {"num_sms": 4}})
+        initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": {"num_sms": 4}})

@@ -94,8 +94,9 @@ class CommOverlap(_C.CommOverlap):
             raise TypeError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-        if device is None:
-            device = "cuda" if transport in ("cuda", "cuda_ipc") else "cpu"
+        if device is None:  # like the layers: the current GPU where there is one
+            device = ("cpu" if transport == "shm" else "cuda") if transport != "auto" else (
+                "cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -12,6 +12,17 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_c as tec
+from transformer_engine_c._launch import init_rank
+
+DEV = torch.device("cpu")  # --device cuda: NCCL + the CUDA IPC transport
+
+
+def _comm(*args, **kw):
+    return tec.CommOverlap(*args, device=DEV, **kw)
+
+
+def _init_ub(*args, **kw):
+    return tec.initialize_ub(*args, device=DEV, **kw)
 
 TOL = {torch.float32: None, torch.bfloat16: (0.025, 0.00125)}
 
@@ -44,11 +55,11 @@ def check_numerics(rank, tp):
     rows, K, N = 6, 32, 24
     S = rows * tp
     for dtype in (torch.float32, torch.bfloat16):
-        comm = tec.CommOverlap((S, max(K, N)), dtype, name=f"num_{dtype}")
-        g = torch.Generator().manual_seed(1234)
+        comm = _comm((S, max(K, N)), dtype, name=f"num_{dtype}")
+        g = torch.Generator(DEV).manual_seed(1234)
         w = (torch.randn(N, K, generator=g) * 0.1 / K ** 0.5).to(dtype)      # shared
         bias = (torch.randn(N, generator=g) * 0.1).to(dtype)
-        gl = torch.Generator().manual_seed(100 + rank)
+        gl = torch.Generator(DEV).manual_seed(100 + rank)
         for it in range(3):  # reuse the buffer: the consumed/free handshakes
             x = torch.randn(rows, K, generator=gl).to(dtype)
             full = gather(x)
@@ -100,7 +111,7 @@ def check_numerics(rank, tp):
 
 
 def check_registry(rank, tp):
-    tec.initialize_ub((4 * tp, 16), tp, dtype=torch.float32,
+    _init_ub((4 * tp, 16), tp, dtype=torch.float32,
                       ub_cfgs={"qkv_fprop": {"method": "ring_exchange", "num_splits": 2}})
     try:
         a, b = tec.get_ub("qkv_fprop"), tec.get_ub("fc2_fprop")
@@ -118,7 +129,7 @@ def check_registry(rank, tp):
     for bad, word in [({"qkv_fprop": {"bogus_key": 1}}, "bogus_key"), ({"qkv_fprop": {"method": "x"}}, "method"),
                       ({"nolayer": {}}, "nolayer")]:
         try:
-            tec.initialize_ub((4 * tp, 16), tp, ub_cfgs=bad)
+            _init_ub((4 * tp, 16), tp, ub_cfgs=bad)
             raise AssertionError(f"ub_cfgs {bad} did not raise")
         except ValueError as e:
             assert word in str(e), e
@@ -126,7 +137,7 @@ def check_registry(rank, tp):
 
 def check_timeout(rank, tp):
     """Rank tp-1 never arrives: the others raise CommTimeoutError in time."""
-    comm = tec.CommOverlap((4 * tp, 8), torch.float32, timeout=2.0, name="late")
+    comm = _comm((4 * tp, 8), torch.float32, timeout=2.0, name="late")
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     late = tp - 1
     for op in ("ag_gemm", "gemm_rs"):
@@ -153,18 +164,18 @@ def check_timeout(rank, tp):
                 assert "earlier failure" in str(e), e
         dist.barrier()
         comm.close()
-        comm = tec.CommOverlap((4 * tp, 8), torch.float32, timeout=2.0, name="late")
+        comm = _comm((4 * tp, 8), torch.float32, timeout=2.0, name="late")
 
 
 def check_mismatch(rank, tp):
     # shapes of the buffer differ across ranks: caught at construction
     try:
-        tec.CommOverlap((4 * tp, 8 + rank), torch.float32, name="mm_ctor")
+        _comm((4 * tp, 8 + rank), torch.float32, name="mm_ctor")
         raise AssertionError("mismatched buffers across ranks were accepted")
     except ValueError as e:
         assert "mismatched shapes" in str(e), e
     # same buffer, different chunk shapes per rank: caught by the handshake
-    comm = tec.CommOverlap((8 * tp, 8), torch.float32, timeout=10.0, name="mm")
+    comm = _comm((8 * tp, 8), torch.float32, timeout=10.0, name="mm")
     rows = 4 + 2 * (rank % 2)
     t0 = time.monotonic()
     try:
@@ -177,7 +188,7 @@ def check_mismatch(rank, tp):
 
 
 def check_small(rank, tp):
-    comm = tec.CommOverlap((2 * tp, 8), torch.float32, name="small")
+    comm = _comm((2 * tp, 8), torch.float32, name="small")
     for fn in (lambda: comm.ag_gemm(torch.randn(3, 8), torch.randn(8, 8)),
                lambda: comm.gemm_rs(torch.randn(3 * tp, 8), torch.randn(8, 8)),
                lambda: comm.get_buffer(local_chunk=True, shape=(3, 8)),
@@ -212,8 +223,11 @@ def check_small(rank, tp):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--check", default="numerics,registry,mismatch,small,timeout")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    global DEV
+    _, _, DEV = init_rank(args.device)
+    torch.set_default_device(DEV)
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     for name in args.check.split(","):

@@ -10,6 +10,17 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_c as tec
+from transformer_engine_c._launch import init_rank
+
+DEV = torch.device("cpu")  # --device cuda: NCCL + the CUDA IPC transport
+
+
+def _comm(*args, **kw):
+    return tec.CommOverlap(*args, device=DEV, **kw)
+
+
+def _init_ub(*args, **kw):
+    return tec.initialize_ub(*args, device=DEV, **kw)
 
 SEQ, BATCH, HID, FFN = 4, 2, 32, 64  # SEQ: tokens per rank along the sequence
 
@@ -32,7 +43,7 @@ def close(out, ref, what, tensorwise=False):
 
 
 def comms(tp, dtype, names):
-    return {n: tec.CommOverlap((SEQ * BATCH * tp, HID), dtype, name=n) for n in names}
+    return {n: _comm((SEQ * BATCH * tp, HID), dtype, name=n) for n in names}
 
 
 def run_pair(make, inp_shape, dtype, what, seed, tensorwise=False, scale=0.1):
@@ -41,7 +52,7 @@ def run_pair(make, inp_shape, dtype, what, seed, tensorwise=False, scale=0.1):
     ub_layer = make(True)
     ref_layer = make(False)
     ref_layer.load_state_dict(ub_layer.state_dict())
-    g = torch.Generator().manual_seed(1000 + dist.get_rank() + seed)
+    g = torch.Generator(DEV).manual_seed(1000 + dist.get_rank() + seed)
     with torch.no_grad():  # make biases and norm params non-trivial
         for p1, p2 in zip(ub_layer.parameters(), ref_layer.parameters()):
             p1.add_(torch.randn(p1.shape, generator=g).to(dtype) * 0.1)
@@ -54,7 +65,7 @@ def run_pair(make, inp_shape, dtype, what, seed, tensorwise=False, scale=0.1):
     for layer in (ub_layer, ref_layer):
         xi = x.clone().requires_grad_(True)
         y = layer(xi)
-        dy = (torch.randn(y.shape, generator=torch.Generator().manual_seed(7 + dist.get_rank())) * 0.1).to(dtype)
+        dy = (torch.randn(y.shape, generator=torch.Generator(DEV).manual_seed(7 + dist.get_rank())) * 0.1).to(dtype)
         y.backward(dy)
         outs.append((y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
     (y1, dx1, g1), (y2, dx2, g2) = outs
@@ -82,7 +93,7 @@ def snapshot(cs):
 
 
 def check_layers(tp, dtype):
-    kw = dict(params_dtype=dtype, device="cpu", sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    kw = dict(params_dtype=dtype, device=DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
     c = comms(tp, dtype, ["fprop", "dgrad", "wgrad"])
     # Linear row: GEMM+RS in fprop, AG+GEMM in dgrad (one communicator for both)
     s0 = snapshot(c)
@@ -137,8 +148,8 @@ class Block(torch.nn.Module):
 
 def check_model(tp, dtype):
     """Two blocks sharing the registry's communicators, fwd + bwd."""
-    kw = dict(params_dtype=dtype, device="cpu", sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
-    tec.initialize_ub((SEQ * BATCH * tp, HID), tp, dtype=dtype)
+    kw = dict(params_dtype=dtype, device=DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    _init_ub((SEQ * BATCH * tp, HID), tp, dtype=dtype)
     try:
         names = ["fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad"]
         s0 = {n: tec.get_ub(n).stats() for n in names}
@@ -152,8 +163,8 @@ def check_model(tp, dtype):
 
 
 def check_construction(tp):
-    kw = dict(device="cpu", sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
-    c = tec.CommOverlap((SEQ * BATCH * tp, HID), torch.float32, name="ctor")
+    kw = dict(device=DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    c = _comm((SEQ * BATCH * tp, HID), torch.float32, name="ctor")
     bad = [
         (lambda: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_rs=True, ub_comm=c, **kw), "do not apply"),
         (lambda: tec.Linear(HID, FFN, parallel_mode="row", ub_bulk_dgrad=True, ub_comm=c, **kw), "do not apply"),
@@ -163,7 +174,7 @@ def check_construction(tp):
                             ub_comm=c, **kw), "two communicators"),
         (lambda: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=True, **kw), "ub_name"),
         (lambda: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=True, ub_comm=c,
-                            device="cpu", tp_group=dist.group.WORLD, tp_size=tp), "sequence_parallel"),
+                            device=DEV, tp_group=dist.group.WORLD, tp_size=tp), "sequence_parallel"),
     ]
     for fn, word in bad:
         try:
@@ -178,8 +189,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--checks", default="construction,layers,model")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    global DEV
+    _, _, DEV = init_rank(args.device)
+    torch.set_default_device(DEV)
     tp = dist.get_world_size()
     for check in args.checks.split(","):
         if check == "construction":

@@ -5,12 +5,22 @@ shared-memory transport). One launch per TP size runs every configuration
 ag+rs_dgrad with both norms, fp32 and bf16)."""
 import pytest
 
-from launch import run_torchrun
+from launch import gpu_count, run_torchrun
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_comm_gemm_overlap(nproc):
     out = run_torchrun("run_layer_with_overlap.py", nproc, ["--dtypes", "float32,bfloat16"], timeout=300,
                        pass_line="PASS run_layer_with_overlap")
+    for check in ("construction", "layers", "model"):
+        assert f"ok {check} tp={nproc}" in out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_comm_gemm_overlap_cuda(nproc):
+    if gpu_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {gpu_count()}")
+    out = run_torchrun("run_layer_with_overlap.py", nproc, ["--device", "cuda", "--dtypes", "float32,bfloat16"],
+                       timeout=300, pass_line="PASS run_layer_with_overlap")
     for check in ("construction", "layers", "model"):
         assert f"ok {check} tp={nproc}" in out

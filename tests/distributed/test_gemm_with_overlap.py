@@ -2,7 +2,7 @@
 under torchrun on CPU (gloo + the shared-memory transport)."""
 import pytest
 
-from launch import run_torchrun
+from launch import gpu_count, run_torchrun
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -16,3 +16,11 @@ def test_comm_timeout(nproc):
     out = run_torchrun("run_gemm_with_overlap.py", nproc, ["--check", "timeout"], timeout=120,
                        pass_line="PASS run_gemm_with_overlap")
     assert "ok timeout" in out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_gemm_with_overlap_cuda(nproc):
+    if gpu_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {gpu_count()}")
+    run_torchrun("run_gemm_with_overlap.py", nproc, ["--device", "cuda", "--check", "numerics,registry,mismatch,small,timeout"],
+                 timeout=300, pass_line="PASS run_gemm_with_overlap")
