@@ -16,11 +16,23 @@ t0=$(date +%s)
 TEC_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 log "build ok in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu \
+    csrc/core/cuda/cuda_transport.cu -o "$OUT/transport_test" -lcudart > "$OUT/transport_test.log" 2>&1 \
+  && timeout 300 "$OUT/transport_test" >> "$OUT/transport_test.log" 2>&1
+log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"; rm -f "$OUT/transport_test"
 sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
 python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 rc=$?
-log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
+log "pytest ${sel[*]}: if [ -n "${BENCH:-}" ]; then  # BENCH="--shapes ... --cases ..." runs the benchmark too
+  timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  log "bench: exit $?"; grep -E "^\|" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+exit $rc: $(tail -1 "$OUT/pytest.log")"
 grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
 timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
 log "main job: exit $?"; cat "$OUT/mainjob.log" | grep -v Warning | tail -12 | tee -a "$OUT/summary.txt"
+if [ -n "${BENCH:-}" ]; then  # BENCH="--shapes ... --cases ..." runs the benchmark too
+  timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  log "bench: exit $?"; grep -E "^\|" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
 exit $rc
