@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build with the CUDA backend and run the GPU validation in one go (used on
-# the lent GPU machines): the kernel/layer tests on cuda, the torchrun tests
-# with NCCL on every GPU count present, the main job, and any extra command
-# given as arguments. Logs go to ${OUT:-out}/.
+# the lent GPU machines): the CUDA transport test, the kernel/layer tests on
+# cuda, the torchrun tests with NCCL on every GPU count present, the main job,
+# and the benchmark when BENCH is set. Logs go to ${OUT:-out}/.
 #   bash scripts/gpu_validate.sh [pytest selection...]
+#   BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -19,19 +20,16 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu \
     csrc/core/cuda/cuda_transport.cu -o "$OUT/transport_test" -lcudart > "$OUT/transport_test.log" 2>&1 \
   && timeout 300 "$OUT/transport_test" >> "$OUT/transport_test.log" 2>&1
-log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"; rm -f "$OUT/transport_test"
+log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"
+rm -f "$OUT/transport_test"
 sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
 python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 rc=$?
-log "pytest ${sel[*]}: if [ -n "${BENCH:-}" ]; then  # BENCH="--shapes ... --cases ..." runs the benchmark too
-  timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench" > "$OUT/bench.log" 2>&1
-  log "bench: exit $?"; grep -E "^\|" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
-fi
-exit $rc: $(tail -1 "$OUT/pytest.log")"
-grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
+log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
+grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
 timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
-log "main job: exit $?"; cat "$OUT/mainjob.log" | grep -v Warning | tail -12 | tee -a "$OUT/summary.txt"
-if [ -n "${BENCH:-}" ]; then  # BENCH="--shapes ... --cases ..." runs the benchmark too
+log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"
+if [ -n "${BENCH:-}" ]; then
   timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench" > "$OUT/bench.log" 2>&1
   log "bench: exit $?"; grep -E "^\|" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 fi

@@ -299,8 +299,13 @@ class _Linear(torch.autograd.Function):
 
 
 def _offload_hooks():
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone().to("cpu"),
-                                                    lambda t: t.clone())
+    def pack(t):
+        return t.device, t.detach().to("cpu", copy=True)
+
+    def unpack(packed):
+        device, t = packed
+        return t.to(device, copy=True)
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _identity_hooks():
@@ -405,15 +410,34 @@ def test_checkpoint_kwargs():
 
 # -- torch.compile ----------------------------------------------------------------------------
 
-def test_compile_with_distributed_weight_raises():
+def _compiled_or_refused(fn, x, w):
+    """torch.compile of fn(x) using DistributedWeight w: either our error is
+    raised (PyTorch 2.13 traces into the subclass and meets the guard) or the
+    compiler does not put w into a graph and the call runs eagerly (PyTorch
+    2.11 falls back for the subclass), which is seen as a gather at run time
+    and the eager result. Tracing it into a graph is what must never happen."""
     torch._dynamo.reset()
+    gathers = w.gather_count
+    try:
+        out = torch.compile(fn, backend="eager")(x)
+    except RuntimeError as e:
+        assert "DistributedWeight cannot be used under torch.compile" in str(e), e
+        return "raised"
+    finally:
+        torch._dynamo.reset()
+    assert w.gather_count > gathers, "the compiled call did not gather at run time: w was traced into a graph"
+    torch.testing.assert_close(out, fn(x))
+    return "eager"
+
+
+def test_compile_with_distributed_weight_raises():
     w = tec.DistributedWeight(torch.randn(5, 3))
     x = torch.randn(4, 3)
-    with pytest.raises(RuntimeError, match="DistributedWeight cannot be used under torch.compile"):
-        torch.compile(lambda a: _Linear.apply(a, w), backend="eager")(x)
-    torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match="DistributedWeight cannot be used under torch.compile"):
-        torch.compile(lambda a: a @ w.materialize().t(), backend="eager")(x)
+    _compiled_or_refused(lambda a: _Linear.apply(a, w), x, w)
+    _compiled_or_refused(lambda a: a @ w.materialize().t(), x, w)
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13):
+        with pytest.raises(RuntimeError, match="DistributedWeight cannot be used under torch.compile"):
+            torch.compile(lambda a: a @ w.materialize().t(), backend="eager")(x)
     torch._dynamo.reset()
     # a plain weight still compiles
     p = torch.nn.Parameter(torch.randn(5, 3))
@@ -424,17 +448,17 @@ def test_compile_with_distributed_weight_raises():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
-def test_layers_with_distributed_weight(kind, mode):
+def test_layers_with_distributed_weight(kind, mode, device):
     torch.manual_seed(0)
     cls = getattr(tec, kind)
-    ref = cls(16, 12)
+    ref = cls(16, 12, device=device)
     with torch.no_grad():
         for p in ref.parameters():
-            p.copy_(torch.randn(p.shape) * 0.3)
-    m = cls(16, 12)
+            p.copy_(torch.randn(p.shape, device=device) * 0.3)
+    m = cls(16, 12, device=device)
     m.load_state_dict(ref.state_dict())
     m.weight = tec.DistributedWeight.from_full(ref.weight)
-    x = torch.randn(6, 2, 16)
+    x = torch.randn(6, 2, 16, device=device)
     xr, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr = ref(xr)
     yr.square().sum().backward()
@@ -457,7 +481,7 @@ def test_layers_with_distributed_weight(kind, mode):
 
 def test_layer_with_distributed_weight_under_compile_raises():
     torch._dynamo.reset()
-    m = tec.Linear(16, 12)
+    m = tec.Linear(16, 12, device="cpu")
     m.weight = tec.DistributedWeight.from_full(m.weight)
     with pytest.raises(RuntimeError, match="DistributedWeight cannot be used under torch.compile"):
         torch.compile(m, backend="eager")(torch.randn(4, 16))

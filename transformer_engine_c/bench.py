@@ -60,7 +60,7 @@ def parse():
 
 class Timer:
     def __init__(self, device, group, warmup, iters):
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         self.group, self.warmup, self.iters = group, warmup, iters
 
     def __call__(self, fn):
@@ -87,7 +87,7 @@ class Timer:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.item()
 

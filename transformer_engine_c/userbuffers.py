@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of
+from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of, workspace
 
 __all__ = ["CommOverlap", "CommTimeoutError", "initialize_ub", "get_ub", "destroy_ub", "LAYER_NAMES"]
 
@@ -124,6 +124,9 @@ class CommOverlap(_C.CommOverlap):
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
         self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
+        ws_bytes = _C.gemm_workspace_bytes(device_code(device))
+        self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
+        self._set_gemm_workspace(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes)
         if _exchange:
             CommOverlap._exchange([self], tp_group)
 

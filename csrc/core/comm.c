@@ -28,6 +28,8 @@ struct tec_comm {
     tec_status broken;     /* sticky failure */
     char broken_msg[768];
     tec_comm_stats stats;
+    void *gemm_ws;         /* tec_comm_set_gemm_workspace */
+    size_t gemm_ws_bytes;
 };
 
 typedef struct {
@@ -40,7 +42,7 @@ typedef struct {
 
 static tec_status tr(tec_comm *c, tec_status st)
 {
-    if (st != TEC_OK && c->ops->last_error && c->ops != &tec_shm_transport)
+    if (st != TEC_OK && c->ops->last_error && c->ops != &tec_shm_transport && c->ops->last_error()[0])
         tec_set_error(st, "%s", c->ops->last_error());
     return st;
 }
@@ -173,6 +175,7 @@ static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64
     g.m = m; g.n = n; g.k = k;
     g.a = a; g.lda = lda; g.b = b; g.ldb = ldb; g.c = out; g.ldc = ldc;
     g.ab_dtype = dt; g.c_dtype = cdt; g.bias = bias;
+    g.workspace = c->gemm_ws; g.workspace_bytes = c->gemm_ws_bytes;
     return tec_gemm(c->device, &g, stream);
 }
 
@@ -287,6 +290,12 @@ tec_status tec_comm_open_peers(tec_comm *c, const void *const *handles, const si
         return st;
     c->mapped = 1;
     return TEC_OK;
+}
+
+void tec_comm_set_gemm_workspace(tec_comm *c, void *ptr, size_t bytes)
+{
+    c->gemm_ws = ptr;
+    c->gemm_ws_bytes = ptr ? bytes : 0;
 }
 
 tec_status tec_comm_release_handle(tec_comm *c)

@@ -162,6 +162,19 @@ static PyObject *py_release_handle(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* _set_gemm_workspace(ptr, nbytes): the caller keeps the memory alive */
+static PyObject *py_set_gemm_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_set_gemm_workspace", 2);
+    LIVE(c);
+    void *ptr;
+    int64_t n;
+    if (!tec_arg_ptr(args, 0, &ptr) || !tec_arg_i64(args, 1, &n))
+        return NULL;
+    tec_comm_set_gemm_workspace(c, ptr, (size_t)n);
+    Py_RETURN_NONE;
+}
+
 static PyObject *done(PyObject *self, tec_status st)
 {
     if (st)
@@ -399,6 +412,7 @@ static PyMethodDef comm_methods[] = {
     M("_local_handle", py_local_handle, "_local_handle() -> bytes for the peers"),
     M("_open_peers", py_open_peers, "_open_peers(handles in rank order)"),
     M("_release_handle", py_release_handle, "_release_handle(): every peer mapped us (unlink the name)"),
+    M("_set_gemm_workspace", py_set_gemm_workspace, "_set_gemm_workspace(ptr, nbytes)"),
     M("_acquire", py_acquire, "_acquire(stream): wait until peers read our slot"),
     M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, stream)"),
     M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream)"),
