@@ -327,6 +327,10 @@ class CommOverlap(_C.CommOverlap):
         return out
 
     def synchronize(self):
+        """Wait for this communicator's work on the current stream and its comm
+        stream; raise what a wait on a peer recorded. On CUDA the waits run on
+        the GPU, so a timeout or a shape mismatch is reported here or by the
+        next operation on the communicator, not by the call that enqueued it."""
         self._synchronize(self._stream())
 
     def __repr__(self):

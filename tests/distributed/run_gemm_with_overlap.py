@@ -148,6 +148,7 @@ def check_timeout(rank, tp):
                     comm.ag_gemm(x, w)
                 else:
                     comm.gemm_rs(torch.randn(4 * tp, 8), w)
+                comm.synchronize()  # on CUDA a failed wait is reported here (waits run on the GPU)
                 raise AssertionError(f"{op} returned although rank {late} never arrived")
             except tec.CommTimeoutError as e:
                 dt = time.monotonic() - t0
@@ -180,6 +181,7 @@ def check_mismatch(rank, tp):
     t0 = time.monotonic()
     try:
         comm.ag_gemm(torch.randn(rows, 8), torch.randn(8, 8))
+        comm.synchronize()  # on CUDA a failed wait is reported here (waits run on the GPU)
         raise AssertionError("mismatched chunk shapes across ranks were accepted")
     except ValueError as e:
         assert "mismatched shapes" in str(e) and "peer" in str(e), e
