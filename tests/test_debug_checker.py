@@ -461,17 +461,37 @@ def test_non_reentrant_forward_save_is_caught_in_forward(comm):
 
 # ------------------------------------------------------------- the real communicator
 
+needs_comm_overlap = pytest.mark.skipif(not hasattr(tec, "CommOverlap"), reason="CommOverlap not built in this tree")
+
+
+@needs_comm_overlap
 def test_real_comm_overlap_buffer_is_caught():
-    ub = pytest.importorskip("transformer_engine_c.userbuffers")
-    if not hasattr(ub, "CommOverlap") or not hasattr(tec, "initialize_ub"):
-        pytest.skip("CommOverlap not built yet")
-    tec.initialize_ub([64, 16], 1, dtype=torch.float32)
+    c = tec.CommOverlap([64, 16], torch.float32, tp_size=1, name="ub_test")
     try:
-        comms = debug.live_comms()
-        assert comms, "CommOverlap must call tec.debug.register_comm(self) on creation"
-        buf = comms[0].get_buffer()
-        with pytest.raises(SavedTensorAliasError):
-            with debug.check_saved_tensors():
-                SaveInput.apply(buf.reshape(-1)[:16], torch.randn(16, dtype=buf.dtype, requires_grad=True))
+        w = torch.randn(16, requires_grad=True)
+        with pytest.raises(SavedTensorAliasError, match="'ub_test'"):
+            with debug.check_saved_tensors(c):
+                SaveInput.apply(c.get_buffer()[3:5], w)
+        with pytest.raises(SavedTensorAliasError, match="'ub_test'"):
+            with debug.check_saved_tensors(c):
+                SaveInput.apply(c.get_buffer(shape=(4, 8), dtype=torch.bfloat16)[1:], w.bfloat16())
+        with debug.check_saved_tensors(c) as chk:         # a copy is fine
+            SaveInput.apply(c.get_buffer()[3:5].clone(), w).sum().backward()
+        assert chk.violations == [] and chk.checked == 2
     finally:
-        tec.destroy_ub()
+        c.close()
+
+
+@needs_comm_overlap
+def test_real_comm_overlap_registers_itself():
+    """CommOverlap calls debug.register_comm(self) once its peers are mapped
+    and debug.unregister_comm(self) in close()."""
+    c = tec.CommOverlap([64, 16], torch.float32, tp_size=1, name="ub_registered")
+    try:
+        assert c in debug.live_comms()
+        with pytest.raises(SavedTensorAliasError, match="'ub_registered'"):
+            with debug.check_saved_tensors():
+                SaveInput.apply(c.get_buffer()[:1], torch.randn(16, requires_grad=True))
+    finally:
+        c.close()
+    assert c not in debug.live_comms()

@@ -267,15 +267,6 @@ _ACTIONS = ("raise", "warn", "record")
 _EXTENTS = ("storage", "view")
 
 
-def _default_pack(x):
-    # A leaf that requires grad (a parameter) cannot join a graph: keep it as
-    # is (identity preserved). Anything else is detached, as autograd asks of
-    # pack hooks, so that a saved output does not hold its own grad_fn.
-    if x.requires_grad and x.grad_fn is None:
-        return x
-    return x.detach()
-
-
 def _identity(x):
     return x
 
@@ -389,12 +380,21 @@ class SavedTensorChecker:
                 warnings.warn(msg, SavedTensorAliasWarning, stacklevel=2)
 
     def _compose(self, inner_pack):
-        """A pack hook that checks, then hands the tensor to `inner_pack`."""
+        """A pack hook that checks, then hands the tensor to `inner_pack`
+        (None: keep it, as autograd would)."""
         check = self._check
-
-        def pack(x):
-            check(x)
-            return inner_pack(x)
+        if inner_pack is None:
+            # Autograd asks pack hooks not to return the tensor itself where
+            # that makes a cycle (a saved output holding its own grad_fn). A
+            # tensor without grad_fn (a parameter, or one needing no grad)
+            # cannot: keep it, identity preserved. Detach the rest.
+            def pack(x):
+                check(x)
+                return x if x.grad_fn is None else x.detach()
+        else:
+            def pack(x):
+                check(x)
+                return inner_pack(x)
 
         pack._tec_checker = self
         return pack
@@ -406,7 +406,7 @@ class SavedTensorChecker:
             raise RuntimeError("check_saved_tensors(): this checker is already active")
         self._refresh()
         below = _top_hooks(True)    # compose with hooks already installed (an outer checker, save_on_cpu...)
-        pack = self._compose(below[0] if below is not None else _default_pack)
+        pack = self._compose(below[0] if below is not None else None)
         unpack = below[1] if below is not None else _identity
         _acquire(self.track_modules)
         try:
