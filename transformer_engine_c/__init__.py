@@ -11,4 +11,4 @@ from ._C import CommTimeoutError, EngineError  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.linear import Linear  # noqa: E402
 
-__all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError", "debug"]
+__all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError"]
