@@ -474,7 +474,8 @@ def test_real_comm_overlap_buffer_is_caught():
                 SaveInput.apply(c.get_buffer()[3:5], w)
         with pytest.raises(SavedTensorAliasError, match="'ub_test'"):
             with debug.check_saved_tensors(c):
-                SaveInput.apply(c.get_buffer(shape=(4, 8), dtype=torch.bfloat16)[1:], w.bfloat16())
+                SaveInput.apply(c.get_buffer(shape=(4, 8), dtype=torch.bfloat16)[1:],
+                                torch.randn(8, dtype=torch.bfloat16, requires_grad=True))
         with debug.check_saved_tensors(c) as chk:         # a copy is fine
             SaveInput.apply(c.get_buffer()[3:5].clone(), w).sum().backward()
         assert chk.violations == [] and chk.checked == 2
