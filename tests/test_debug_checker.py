@@ -416,12 +416,18 @@ class SaveBufferOnRecompute(torch.autograd.Function):
         return g * 2 + 0 * b
 
 
+CHECKPOINTS = [pytest.param(ckpt.checkpoint, id="torch"),
+               pytest.param(getattr(tec, "checkpoint", None), id="tec",
+                            marks=pytest.mark.skipif(not hasattr(tec, "checkpoint"), reason="no tec.checkpoint"))]
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_checkpoint_recomputation_is_checked(device, comm, use_reentrant):
+def test_checkpoint_recomputation_is_checked(device, comm, use_reentrant, checkpoint):
     SaveBufferOnRecompute.buffer = comm.get_buffer()
     x = torch.randn(4, 16, device=device, requires_grad=True)
     with debug.check_saved_tensors(action="record") as chk:
-        y = ckpt.checkpoint(lambda t: SaveBufferOnRecompute.apply(t.sin()), x, use_reentrant=use_reentrant)
+        y = checkpoint(lambda t: SaveBufferOnRecompute.apply(t.sin()), x, use_reentrant=use_reentrant)
         assert chk.violations == []
         y.sum().backward()
     (v,) = chk.violations
@@ -439,12 +445,13 @@ def test_checkpoint_recomputation_raises(device, comm, use_reentrant):
             y.sum().backward()
 
 
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_checkpointed_layers_pass(device, comm, use_reentrant):
+def test_checkpointed_layers_pass(device, comm, use_reentrant, checkpoint):
     model = _model(device)
     x = torch.randn(8, 4, 32, device=device, requires_grad=True)
     with debug.check_saved_tensors(model=model) as chk:
-        ckpt.checkpoint(model, x, use_reentrant=use_reentrant).sum().backward()
+        checkpoint(model, x, use_reentrant=use_reentrant).sum().backward()
     assert chk.violations == [] and chk.checked > 10
 
 
