@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, debug
 from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of, workspace
 
 __all__ = ["CommOverlap", "CommTimeoutError", "initialize_ub", "get_ub", "destroy_ub", "LAYER_NAMES"]
@@ -143,6 +143,7 @@ class CommOverlap(_C.CommOverlap):
             dist.all_gather_object(everyone, mine, group=tp_group)
         for i, c in enumerate(comms):
             c._open_peers([everyone[r][i] for r in range(size)])
+            debug.register_comm(c)  # own + peers' ranges are final now
         if size > 1:
             dist.barrier(group=tp_group)
         for c in comms:
@@ -325,6 +326,12 @@ class CommOverlap(_C.CommOverlap):
         self._pending = None
         self._bulk_rs_finish(self._stream())
         return out
+
+    def close(self):
+        """Release the communicator (idempotent); the saved-tensor checker
+        stops watching its ranges."""
+        debug.unregister_comm(self)
+        super().close()
 
     def synchronize(self):
         """Wait for this communicator's work on the current stream and its comm

@@ -42,6 +42,7 @@ int tec_arg_double(PyObject *const *args, Py_ssize_t i, double *out);
 /* Method tables of the other files, added in module exec. */
 extern PyMethodDef tec_ops_methods[];
 extern PyMethodDef tec_saving_methods[];
+extern PyMethodDef tec_ranges_methods[];
 
 /* Per-file exec hooks (types, constants); 0 on success, -1 with an exception. */
 int tec_comm_exec(PyObject *module);
