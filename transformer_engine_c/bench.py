@@ -209,6 +209,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 y = fc2(F.gelu(fc1(x)))
                 y.backward(dy)
             row["ours_overlap" if overlap else "ours"] = timer(step)
+            if overlap:  # the saved-tensor aliasing checker's cost on the same step
+                with tec.debug.check_saved_tensors():
+                    row["checked"] = timer(step)
+                row["checker_overhead_pct"] = 100 * (row["checked"] / row["ours_overlap"] - 1)
     for base in ("ours", "sequential", "async_tp", "limit"):
         if row.get("ours_overlap") and row.get(base):
             row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
@@ -217,7 +221,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
 
 COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit", "sequential", "async_tp",
            "ours", "ours_overlap", "speedup_vs_ours", "speedup_vs_sequential", "speedup_vs_async_tp",
-           "speedup_vs_limit", "ours_gemm", "norm_gbps", "copy_gbps")
+           "speedup_vs_limit", "ours_gemm", "norm_gbps", "copy_gbps", "checked", "checker_overhead_pct")
 
 
 def fmt(v):

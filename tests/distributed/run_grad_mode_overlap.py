@@ -89,11 +89,17 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     rank, tp, device = init_rank(args.device)
-    for case in CASES:
-        run_case(*case, tp, device)
-        dist.barrier()
-        if rank == 0:
-            print(f"ok {case[0]} tp={tp}", flush=True)
+    # Every tensor saved for backward in every configuration is checked
+    # against every live communicator's ranges (own and peers'): raises on aliasing.
+    with tec.debug.check_saved_tensors() as chk:
+        for case in CASES:
+            run_case(*case, tp, device)
+            dist.barrier()
+            if rank == 0:
+                print(f"ok {case[0]} tp={tp}", flush=True)
+    assert chk.checked > 0 and not chk.violations, (chk.checked, chk.violations)
+    if dist.get_rank() == 0:
+        print(f"ok saved-tensor check: {chk.checked} saved tensors, no alias of a buffer", flush=True)
     dist.destroy_process_group()
     if rank == 0:
         print("PASS run_grad_mode_overlap", flush=True)

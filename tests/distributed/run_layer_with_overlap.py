@@ -195,15 +195,21 @@ def main():
     _, _, DEV = init_rank(args.device)
     torch.set_default_device(DEV)
     tp = dist.get_world_size()
-    for check in args.checks.split(","):
-        if check == "construction":
-            check_construction(tp)
-        else:
-            for name in args.dtypes.split(","):
-                globals()[f"check_{check}"](tp, getattr(torch, name))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"ok {check} tp={tp}", flush=True)
+    # Every tensor saved for backward in every configuration is checked
+    # against every live communicator's ranges (own and peers'): raises on aliasing.
+    with tec.debug.check_saved_tensors() as chk:
+        for check in args.checks.split(","):
+            if check == "construction":
+                check_construction(tp)
+            else:
+                for name in args.dtypes.split(","):
+                    globals()[f"check_{check}"](tp, getattr(torch, name))
+            dist.barrier()
+            if dist.get_rank() == 0:
+                print(f"ok {check} tp={tp}", flush=True)
+    assert chk.checked > 0 and not chk.violations, (chk.checked, chk.violations)
+    if dist.get_rank() == 0:
+        print(f"ok saved-tensor check: {chk.checked} saved tensors, no alias of a buffer", flush=True)
     rank = dist.get_rank()
     dist.destroy_process_group()
     if rank == 0:
