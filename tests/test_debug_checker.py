@@ -472,17 +472,17 @@ needs_comm_overlap = pytest.mark.skipif(not hasattr(tec, "CommOverlap"), reason=
 
 
 @needs_comm_overlap
-def test_real_comm_overlap_buffer_is_caught():
-    c = tec.CommOverlap([64, 16], torch.float32, tp_size=1, name="ub_test")
+def test_real_comm_overlap_buffer_is_caught(device):
+    c = tec.CommOverlap([64, 16], torch.float32, tp_size=1, name="ub_test", device=device)
     try:
-        w = torch.randn(16, requires_grad=True)
+        w = torch.randn(16, requires_grad=True, device=device)
         with pytest.raises(SavedTensorAliasError, match="'ub_test'"):
             with debug.check_saved_tensors(c):
                 SaveInput.apply(c.get_buffer()[3:5], w)
         with pytest.raises(SavedTensorAliasError, match="'ub_test'"):
             with debug.check_saved_tensors(c):
                 SaveInput.apply(c.get_buffer(shape=(4, 8), dtype=torch.bfloat16)[1:],
-                                torch.randn(8, dtype=torch.bfloat16, requires_grad=True))
+                                torch.randn(8, dtype=torch.bfloat16, requires_grad=True, device=device))
         with debug.check_saved_tensors(c) as chk:         # a copy is fine
             SaveInput.apply(c.get_buffer()[3:5].clone(), w).sum().backward()
         assert chk.violations == [] and chk.checked == 2
@@ -491,15 +491,15 @@ def test_real_comm_overlap_buffer_is_caught():
 
 
 @needs_comm_overlap
-def test_real_comm_overlap_registers_itself():
+def test_real_comm_overlap_registers_itself(device):
     """CommOverlap calls debug.register_comm(self) once its peers are mapped
     and debug.unregister_comm(self) in close()."""
-    c = tec.CommOverlap([64, 16], torch.float32, tp_size=1, name="ub_registered")
+    c = tec.CommOverlap([64, 16], torch.float32, tp_size=1, name="ub_registered", device=device)
     try:
         assert c in debug.live_comms()
         with pytest.raises(SavedTensorAliasError, match="'ub_registered'"):
             with debug.check_saved_tensors():
-                SaveInput.apply(c.get_buffer()[:1], torch.randn(16, requires_grad=True))
+                SaveInput.apply(c.get_buffer()[:1], torch.randn(16, requires_grad=True, device=device))
     finally:
         c.close()
     assert c not in debug.live_comms()
