@@ -1,6 +1,8 @@
 """The main job: a tensor-parallel block (LayerNormLinear column -> GELU ->
-Linear row, sequence parallel) forward and backward on N ranks, checked
-against a single-process float64 reference, with a short report.
+Linear row, sequence parallel) forward and backward on N ranks, with and
+without userbuffers comm-GEMM overlap, each checked against a single-process
+float64 reference, with a short report (errors, time per step, which
+overlapped paths ran).
 
     python -m transformer_engine_c                 # 2 CPU ranks, or every GPU
     python -m transformer_engine_c --nproc 4 --device cpu --steps 5
@@ -28,6 +30,8 @@ def parse():
     ap.add_argument("--ffn", type=int, default=None, help="FFN width (default 4*hidden)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--overlap", choices=["both", "on", "off"], default="both",
+                    help="userbuffers comm-GEMM overlap: run the block with it, without it, or both")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if cuda and not gpus:
@@ -52,39 +56,12 @@ def worker(args):
     if S % size or F_ % size:
         raise SystemExit(f"--seq {S} and --ffn {F_} must be divisible by {size} ranks")
     group = dist.new_group(list(range(size)))
-    fc1 = tec.LayerNormLinear(H, F_, params_dtype=dtype, device=device, parallel_mode="column",
-                              sequence_parallel=True, tp_group=group)
-    fc2 = tec.Linear(F_, H, params_dtype=dtype, device=device, parallel_mode="row",
-                     sequence_parallel=True, tp_group=group)
     gen = torch.Generator().manual_seed(0)
     full = {"g": 1 + 0.1 * torch.randn(H, generator=gen), "b": 0.1 * torch.randn(H, generator=gen),
             "w1": torch.randn(F_, H, generator=gen) / H ** 0.5, "b1": 0.1 * torch.randn(F_, generator=gen),
             "w2": torch.randn(H, F_, generator=gen) / F_ ** 0.5, "b2": 0.1 * torch.randn(H, generator=gen)}
     x_full = torch.randn(S, B, H, generator=gen)
     dy_full = torch.randn(S, B, H, generator=gen)
-    with torch.no_grad():
-        fc1.layer_norm_weight.copy_(full["g"]); fc1.layer_norm_bias.copy_(full["b"])
-        fc1.weight.copy_(full["w1"].chunk(size, 0)[rank]); fc1.bias.copy_(full["b1"].chunk(size, 0)[rank])
-        fc2.weight.copy_(full["w2"].chunk(size, 1)[rank]); fc2.bias.copy_(full["b2"])
-    x = x_full.chunk(size, 0)[rank].to(dtype).to(device).requires_grad_()
-    dy = dy_full.chunk(size, 0)[rank].to(dtype).to(device)
-
-    def step():
-        x.grad = None
-        for p in (*fc1.parameters(), *fc2.parameters()):
-            p.grad = None
-        y = fc2(F.gelu(fc1(x)))
-        y.backward(dy)
-        return y
-
-    y = step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    sync()
-    ms = (time.perf_counter() - t0) / args.steps * 1e3
 
     # Reference: the whole block in float64 in one process.
     r = {k: v.double().requires_grad_() for k, v in full.items()}
@@ -96,23 +73,77 @@ def worker(args):
         a, b = a.detach().double().cpu(), b.detach().double().cpu()
         return ((a - b).abs().max() / b.abs().max()).item()
 
-    errs = torch.tensor([err(y, yr.chunk(size, 0)[rank]), err(x.grad, xr.grad.chunk(size, 0)[rank]),
-                         err(fc1.weight.grad, r["w1"].grad.chunk(size, 0)[rank]),
-                         err(fc2.weight.grad, r["w2"].grad.chunk(size, 1)[rank]),
-                         err(fc1.layer_norm_weight.grad, r["g"].grad)], dtype=torch.float64)
-    errs_all = [torch.zeros_like(errs) for _ in range(size)]
-    dist.all_gather_object(errs_all, errs)
-    worst = torch.stack(errs_all).max(0).values
+    def run(overlap):
+        """Build the block (with or without userbuffers overlap), check one
+        step against the reference, time args.steps more."""
+        ub1 = ub2 = {}
+        if overlap:
+            tec.initialize_ub([S * B, H], size, dtype=dtype, tp_group=group, device=device)
+            ub1 = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=True, ub_name="fc1")
+            ub2 = dict(ub_overlap_rs=True, ub_overlap_ag=True, ub_name="fc2")
+        fc1 = tec.LayerNormLinear(H, F_, params_dtype=dtype, device=device, parallel_mode="column",
+                                  sequence_parallel=True, tp_group=group, **ub1)
+        fc2 = tec.Linear(F_, H, params_dtype=dtype, device=device, parallel_mode="row",
+                         sequence_parallel=True, tp_group=group, **ub2)
+        with torch.no_grad():
+            fc1.layer_norm_weight.copy_(full["g"]); fc1.layer_norm_bias.copy_(full["b"])
+            fc1.weight.copy_(full["w1"].chunk(size, 0)[rank]); fc1.bias.copy_(full["b1"].chunk(size, 0)[rank])
+            fc2.weight.copy_(full["w2"].chunk(size, 1)[rank]); fc2.bias.copy_(full["b2"])
+        x = x_full.chunk(size, 0)[rank].to(dtype).to(device).requires_grad_()
+        dy = dy_full.chunk(size, 0)[rank].to(dtype).to(device)
+
+        def step():
+            x.grad = None
+            for p in (*fc1.parameters(), *fc2.parameters()):
+                p.grad = None
+            y = fc2(F.gelu(fc1(x)))
+            y.backward(dy)
+            return y
+
+        y = step()
+        errs = torch.tensor([err(y, yr.chunk(size, 0)[rank]), err(x.grad, xr.grad.chunk(size, 0)[rank]),
+                             err(fc1.weight.grad, r["w1"].grad.chunk(size, 0)[rank]),
+                             err(fc2.weight.grad, r["w2"].grad.chunk(size, 1)[rank]),
+                             err(fc1.layer_norm_weight.grad, r["g"].grad)], dtype=torch.float64)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        counts = {}
+        if overlap:
+            for name in ("fc1_fprop", "fc1_dgrad", "fc2_fprop", "fc2_dgrad"):
+                for k, v in tec.get_ub(name).stats().items():
+                    counts[k] = counts.get(k, 0) + v
+            tec.destroy_ub()
+        errs_all = [None] * size
+        dist.all_gather_object(errs_all, errs)
+        return torch.stack(errs_all).max(0).values, ms, counts
+
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    ok = bool((worst < tol).all())
+    results = {mode: run(mode == "on") for mode in (["off", "on"] if args.overlap == "both" else [args.overlap])}
+    ok = all(bool((w < tol).all()) for w, _, _ in results.values())
+    if "on" in results:  # every overlapped path ran, once per step and layer
+        c = results["on"][2]
+        ok = ok and c.get("ag_overlap", 0) >= 2 * (args.steps + 1) and c.get("rs_overlap", 0) >= 2 * (args.steps + 1)
     if rank == 0:
         print(f"transformer_engine_c main job: {size} ranks on {device.type}, {args.dtype}")
         print(f"  block: LayerNormLinear({H}->{F_}, column, SP) -> GELU -> Linear({F_}->{H}, row, SP)")
         print(f"  input [seq={S}, batch={B}, hidden={H}], {S // size} sequence rows per rank")
         names = ["output", "input grad", "fc1 weight grad", "fc2 weight grad", "layer_norm_weight grad"]
-        for n, e in zip(names, worst.tolist()):
-            print(f"  max |error| / max |ref|  {n:<24} {e:.2e}")
-        print(f"  time per forward+backward step: {ms:.3f} ms (mean of {args.steps})")
+        for mode, (worst, ms, counts) in results.items():
+            print(f"  overlap {mode}:")
+            for n, e in zip(names, worst.tolist()):
+                print(f"    max |error| / max |ref|  {n:<24} {e:.2e}")
+            print(f"    time per forward+backward step: {ms:.3f} ms (mean of {args.steps})")
+            if counts:
+                print("    overlapped paths run: " + ", ".join(f"{k}={counts[k]}" for k in
+                                                           ("ag_overlap", "rs_overlap", "bulk_ag", "bulk_rs")))
+        if len(results) == 2:
+            print(f"  overlap on vs off: {results['off'][1] / results['on'][1]:.2f}x")
         print(f"  {'PASS' if ok else 'FAIL'} (tolerance {tol:g})")
     dist.destroy_process_group()
     return 0 if ok else 1
