@@ -141,6 +141,18 @@ class UBConfig:
         return self.flags[k]
 
 
+class TPModule(torch.nn.Module):
+    """What the layers share as modules: the tensor-parallel facts TE exposes."""
+
+    @property
+    def parallel_mode(self):
+        return self.tp.mode
+
+    @property
+    def sequence_parallel(self):
+        return self.tp.sp
+
+
 def check_ub_flags(layer, flags, ub_comm=None, tp=None):
     return UBConfig(layer, flags, flags.get("ub_name"), ub_comm, tp if tp is not None else layer.tp)
 

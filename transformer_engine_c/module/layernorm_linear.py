@@ -66,7 +66,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         return dx.view(ctx.inp_shape), dgamma, dbeta, dw, db, None
 
 
-class LayerNormLinear(torch.nn.Module):
+class LayerNormLinear(base.TPModule):
     """Normalisation (LayerNorm or RMSNorm over the last dim) then y = n W^T + b.
 
     parallel_mode None or "column" (the normalised input is all-gathered along
@@ -105,14 +105,6 @@ class LayerNormLinear(torch.nn.Module):
                                 if normalization == "LayerNorm" else None)
         self.weight = base.make_weight(self.out_local, self.in_local, dtype, device, init_method)
         self.bias = torch.nn.Parameter(torch.zeros(self.out_local, dtype=dtype, device=device)) if bias else None
-
-    @property
-    def parallel_mode(self):
-        return self.tp.mode
-
-    @property
-    def sequence_parallel(self):
-        return self.tp.sp
 
     def forward(self, inp):
         out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,

@@ -46,7 +46,7 @@ class _LinearFn(torch.autograd.Function):
         return (dx.view(ctx.inp_shape) if dx is not None else None), dw, db, None
 
 
-class Linear(torch.nn.Module):
+class Linear(base.TPModule):
     """y = x W^T + b with optional tensor parallelism.
 
     parallel_mode="column": weight [out/tp, in], output features split.
@@ -73,14 +73,6 @@ class Linear(torch.nn.Module):
         self.weight = base.make_weight(self.out_local, self.in_local, dtype, device, init_method)
         bias_len = self.out_local if self.tp.mode == "column" else out_features
         self.bias = torch.nn.Parameter(torch.zeros(bias_len, dtype=dtype, device=device)) if bias else None
-
-    @property
-    def parallel_mode(self):
-        return self.tp.mode
-
-    @property
-    def sequence_parallel(self):
-        return self.tp.sp
 
     def forward(self, inp):
         if self.return_bias:
