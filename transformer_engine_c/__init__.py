@@ -6,7 +6,7 @@ from . import _C
 
 _C._init(torch.Tensor)
 
-from . import debug  # noqa: E402
+from . import debug  # noqa: E402,F401  (tec.debug)
 from ._C import CommTimeoutError, EngineError  # noqa: E402
 from ._C import prepare_for_saving, restore_from_saved  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
