@@ -413,8 +413,25 @@ def get_ub(name):
         raise KeyError(f"no communicator named {name!r} (known: {', '.join(_registry)})") from None
 
 
+def close_comms(comms, tp_group=None):
+    """Close communicators of one tensor-parallel group safely (collective:
+    every rank calls it with the same communicators): each rank finishes its
+    work and unmaps its peers, all ranks meet, then each frees its region, so
+    no region is freed while a peer still maps it. CommOverlap.close() alone is
+    local and right when the whole group is going away anyway."""
+    comms = [c for c in comms if not c.closed]
+    try:
+        for c in comms:
+            c._unmap_peers(c._stream())
+    finally:
+        if comms and comms[0].tp_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.barrier(group=tp_group if tp_group is not None else comms[0].tp_group)
+        for c in comms:
+            c.close()
+
+
 def destroy_ub():
-    """Close every registered communicator."""
-    for c in _registry.values():
-        c.close()
+    """Close every registered communicator (collective, like initialize_ub)."""
+    comms = list(_registry.values())
     _registry.clear()
+    close_comms(comms)

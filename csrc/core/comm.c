@@ -140,11 +140,13 @@ static uint64_t next_epoch(tec_comm *c, void *stream)
 
 static tec_status begin(tec_comm *c, const char *op)
 {
-    if (!c->mapped)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s before the peers were opened", c->name, op);
+    if (c->broken == TEC_ERR_CLOSED)
+        return tec_set_error(TEC_ERR_CLOSED, "communicator '%s': %s after %s", c->name, op, c->broken_msg);
     if (c->broken)
         return tec_set_error(c->broken, "communicator '%s' is unusable after an earlier failure (close it): %s",
                              c->name, c->broken_msg);
+    if (!c->mapped)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s before the peers were opened", c->name, op);
     tec_status st = tr(c, c->ops->check(c->t));
     return st ? fail(c, st) : TEC_OK;
 }
@@ -313,7 +315,9 @@ void tec_comm_get_stats(const tec_comm *c, tec_comm_stats *s) { *s = c->stats; }
 int tec_comm_ranges(const tec_comm *c, void **ptrs, size_t *bytes, int max)
 {
     int n = 0;
-    for (int r = 0; r < c->size && c->mapped && n < max; r++) {
+    for (int r = 0; r < c->size && n < max; r++) {
+        if (!c->bases[r] || (r != c->rank && !c->mapped))
+            continue;
         ptrs[n] = c->bases[r];
         bytes[n] = c->region_bytes;
         n++;
@@ -326,6 +330,25 @@ tec_status tec_comm_synchronize(tec_comm *c, void *stream)
     TRY(c->ops->synchronize(c->t, c->ops->comm_stream(c->t)));
     TRY(c->ops->synchronize(c->t, stream));
     return TEC_OK;
+}
+
+tec_status tec_comm_unmap_peers(tec_comm *c, void *stream)
+{
+    if (!c->mapped)
+        return TEC_OK;
+    tec_status st = c->broken ? TEC_OK : tec_comm_synchronize(c, stream);
+    char why[256];
+    snprintf(why, sizeof why, "%s", st ? tec_last_error() : "");
+    c->ops->unmap_peers(c->t);
+    for (int r = 0; r < c->size; r++)
+        if (r != c->rank)
+            c->bases[r] = NULL;
+    c->mapped = 0;
+    if (!c->broken) {
+        c->broken = TEC_ERR_CLOSED;
+        snprintf(c->broken_msg, sizeof c->broken_msg, "its peers were unmapped for closing");
+    }
+    return st ? tec_set_error(st, "%s", why) : TEC_OK;
 }
 
 tec_status tec_comm_acquire(tec_comm *c, void *stream)

@@ -408,6 +408,13 @@ tec_status tec_comm_bulk_rs_finish(tec_comm *c, void *stream);
 /* The host waits for the comm stream and `stream`; reports async failures. */
 tec_status tec_comm_synchronize(tec_comm *c, void *stream);
 
+/* First half of a collective close: wait for this rank's work (its pulls
+ * from and pushes to peers included), then unmap every peer's region; the
+ * communicator accepts no more work. Call on every rank, then a barrier,
+ * then tec_comm_destroy: no rank frees its region while a peer maps it
+ * (freeing an IPC-exported allocation a peer still maps is undefined). */
+tec_status tec_comm_unmap_peers(tec_comm *c, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -290,6 +290,18 @@ static PyObject *py_synchronize(PyObject *self, PyObject *const *args, Py_ssize_
     return done(self, st);
 }
 
+/* _unmap_peers(stream): first half of a collective close (tec.h) */
+static PyObject *py_unmap_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_unmap_peers", 1);
+    LIVE(c);
+    void *stream;
+    PTR(0, stream);
+    tec_status st;
+    CALL(tec_comm_unmap_peers(c, stream));
+    return done(self, st);
+}
+
 /* buffer_ranges() -> [(ptr, nbytes), ...]: own region first, then peers. */
 static PyObject *py_buffer_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -421,6 +433,7 @@ static PyMethodDef comm_methods[] = {
     M("_bulk_rs_start", py_bulk_rs_start, "_bulk_rs_start(src, rows, cols, dtype, out, stream)"),
     M("_bulk_rs_finish", py_bulk_rs_finish, "_bulk_rs_finish(stream)"),
     M("_synchronize", py_synchronize, "_synchronize(stream)"),
+    M("_unmap_peers", py_unmap_peers, "_unmap_peers(stream): wait, unmap peers (collective close, first half)"),
     M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a device view"),
     M("_unpin", py_unpin, "_unpin(): drop a _pin"),
     M("buffer_ranges", py_buffer_ranges, "buffer_ranges() -> [(ptr, nbytes)]: own and mapped peers' regions"),

@@ -222,9 +222,32 @@ def check_small(rank, tp):
     dist.barrier()
 
 
+def check_close(rank, tp):
+    """The collective close: unmap peers on every rank, meet, free."""
+    comm = _comm((4 * tp, 8), torch.float32, name="closing")
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    close(comm.ag_gemm(x, w), gather(x) @ w.T, "ag_gemm before close")
+    assert len(comm.buffer_ranges()) == tp
+    comm._unmap_peers(comm._stream())
+    assert len(comm.buffer_ranges()) == 1, "peers still listed after unmapping"
+    try:
+        comm.ag_gemm(x, w)
+        raise AssertionError("a communicator with unmapped peers accepted work")
+    except tec.EngineError as e:
+        assert "unmapped for closing" in str(e), e
+    tec.close_comms([comm])
+    assert comm.closed
+    comms = [_comm((4 * tp, 8), torch.float32, name=f"closing{i}") for i in range(3)]
+    for c in comms:
+        c.gemm_rs(torch.randn(4 * tp, 8), w)
+    tec.close_comms(comms)
+    assert all(c.closed for c in comms)
+    tec.close_comms(comms)  # idempotent
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--check", default="numerics,registry,mismatch,small,timeout")
+    p.add_argument("--check", default="numerics,registry,mismatch,small,close,timeout")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     global DEV
