@@ -147,3 +147,51 @@ def test_registry_single_rank():
         tec.get_ub("fc1_fprop")
     with pytest.raises(ValueError, match="'num_sms'"):
         initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": {"num_sms": 4}})
+
+
+def test_row_linear_ag_dgrad_with_one_rank():
+    """tp_size 1: ag_gemm's buffer holds the gathered input afterwards, so a
+    row layer's wgrad reads grad_output from it correctly."""
+    c = CommOverlapCPU((8, 16), torch.float32, name="tp1row")
+    try:
+        torch.manual_seed(0)
+        ub = tec.Linear(16, 12, device="cpu", parallel_mode="row", ub_overlap_ag=True, ub_overlap_rs=True, ub_comm=c)
+        ref = tec.Linear(16, 12, device="cpu", parallel_mode="row")
+        ref.load_state_dict(ub.state_dict())
+        x = torch.randn(8, 16)
+        dy = torch.randn(8, 12)
+        for m in (ub, ref):
+            xi = x.clone().requires_grad_()
+            m(xi).backward(dy)
+            m.dx = xi.grad
+        torch.testing.assert_close(ub.dx, ref.dx)
+        torch.testing.assert_close(ub.weight.grad, ref.weight.grad)
+        torch.testing.assert_close(ub.bias.grad, ref.bias.grad)
+    finally:
+        c.close()
+
+
+def test_dropping_a_communicator_with_a_pending_bulk_op():
+    """The finalizer waits for the comm side before the pending input is freed."""
+    c = CommOverlapCPU((1024, 1024), torch.float32, name="pending")
+    c.bulk_rs_start(torch.randn(1024, 1024))
+    del c
+    gc.collect()
+
+
+def test_linear_fed_a_buffer_view_saves_a_copy():
+    """A column Linear whose input is the zero-copy local chunk of its own
+    communicator saves a copy, not the buffer view."""
+    c = CommOverlapCPU((8, 16), torch.float32, name="inbuf")
+    try:
+        m = tec.Linear(16, 12, device="cpu", parallel_mode="column", ub_overlap_ag=True, ub_comm=c)
+        x = c.get_buffer(local_chunk=True)
+        x.copy_(torch.randn(8, 16))
+        w = m.weight.detach().clone().requires_grad_()
+        with tec.debug.check_saved_tensors(c) as chk:
+            y = m(x)
+        assert chk.checked > 0 and not chk.violations
+        torch.testing.assert_close(y, x @ w.t() + m.bias)
+        del x
+    finally:
+        c.close()

@@ -69,12 +69,21 @@ class Violation:
 
 _registry = {}          # id(comm) -> weakref, in registration order
 _registry_lock = threading.Lock()
+_dead = []              # (key, ref) of collected communicators, pruned under the lock
 _generation = 0         # bumped whenever a communicator appears, goes or changes
 
 
 def _bump():
     global _generation
     _generation += 1
+
+
+def _prune():
+    """Drop collected communicators (call with _registry_lock held)."""
+    while _dead:
+        key, ref = _dead.pop()
+        if _registry.get(key) is ref:
+            del _registry[key]
 
 
 def register_comm(comm):
@@ -88,10 +97,10 @@ def register_comm(comm):
     key = id(comm)
 
     def gone(ref, key=key):
-        with _registry_lock:
-            if _registry.get(key) is ref:
-                del _registry[key]
-                _bump()
+        # May run from the garbage collector inside a locked section: only
+        # note it (list.append is atomic); the next registry call prunes.
+        _dead.append((key, ref))
+        _bump()
 
     try:
         ref = weakref.ref(comm, gone)
@@ -99,6 +108,7 @@ def register_comm(comm):
         raise TypeError(f"register_comm(): {type(comm).__name__} must support weak references "
                         "(a C heap type needs Py_TPFLAGS_MANAGED_WEAKREF or tp_weaklistoffset)") from None
     with _registry_lock:
+        _prune()
         _registry[key] = ref
         _bump()
     return comm
@@ -108,6 +118,7 @@ def unregister_comm(comm):
     """Remove ``comm`` from the registry (its ``close()`` calls this; harmless
     if it was never registered)."""
     with _registry_lock:
+        _prune()
         ref = _registry.get(id(comm))
         if ref is not None and ref() is comm:
             del _registry[id(comm)]
@@ -117,6 +128,7 @@ def unregister_comm(comm):
 def live_comms():
     """The registered communicators that are still alive, oldest first."""
     with _registry_lock:
+        _prune()
         refs = list(_registry.values())
     return [c for c in (r() for r in refs) if c is not None]
 

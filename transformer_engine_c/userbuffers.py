@@ -62,8 +62,8 @@ class _DeviceView:
     keeps the mapping alive (pinned) while torch holds it."""
 
     def __init__(self, comm, nbytes):
-        self._comm = comm
         ptr = comm._pin()
+        self._comm = comm  # only once pinned: __del__ unpins what was pinned
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
 
@@ -141,11 +141,23 @@ class CommOverlap(_C.CommOverlap):
         else:
             everyone = [None] * size
             dist.all_gather_object(everyone, mine, group=tp_group)
-        for i, c in enumerate(comms):
-            c._open_peers([everyone[r][i] for r in range(size)])
-            debug.register_comm(c)  # own + peers' ranges are final now
+        error = None
+        try:
+            for i, c in enumerate(comms):
+                c._open_peers([everyone[r][i] for r in range(size)])
+                debug.register_comm(c)  # own + peers' ranges are final now
+        except Exception as e:  # every rank learns of it instead of waiting at a barrier
+            error = e
         if size > 1:
-            dist.barrier(group=tp_group)
+            errors = [None] * size
+            dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=tp_group)
+            failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+            if failed and error is None:
+                r, m = failed[0]
+                raise RuntimeError(f"communicator set-up failed on rank {r} of the group: {m}")
+        if error is not None:
+            raise error
         for c in comms:
             c._release_handle()
 
@@ -291,8 +303,8 @@ class CommOverlap(_C.CommOverlap):
         non-owning view of the buffer (valid until the next use)."""
         if self._pending is None or self._pending[0] != "bulk_ag":
             raise RuntimeError(f"communicator '{self.name}': bulk_ag_finish without bulk_ag_start")
-        _, _, shape, dtype = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None  # keeps the input alive until finished
+        _, _, shape, dtype = pending
         self._bulk_ag_finish(self._stream())
         numel = math.prod(shape)
         return self._flat(dtype)[:numel].view(shape)
@@ -322,10 +334,9 @@ class CommOverlap(_C.CommOverlap):
         """Wait for the bulk reduce-scatter; returns its output."""
         if self._pending is None or self._pending[0] != "bulk_rs":
             raise RuntimeError(f"communicator '{self.name}': bulk_rs_finish without bulk_rs_start")
-        out = self._pending[2]
-        self._pending = None
+        pending, self._pending = self._pending, None  # keeps the input alive until finished
         self._bulk_rs_finish(self._stream())
-        return out
+        return pending[2]
 
     def close(self):
         """Release the communicator (idempotent); the saved-tensor checker
@@ -420,14 +431,18 @@ def close_comms(comms, tp_group=None):
     no region is freed while a peer still maps it. CommOverlap.close() alone is
     local and right when the whole group is going away anyway."""
     comms = [c for c in comms if not c.closed]
-    try:
-        for c in comms:
+    first = None
+    for c in comms:  # unmap every one, even if one fails, before meeting the peers
+        try:
             c._unmap_peers(c._stream())
-    finally:
-        if comms and comms[0].tp_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.barrier(group=tp_group if tp_group is not None else comms[0].tp_group)
-        for c in comms:
-            c.close()
+        except Exception as e:
+            first = first or e
+    if comms and comms[0].tp_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier(group=tp_group if tp_group is not None else comms[0].tp_group)
+    for c in comms:
+        c.close()
+    if first is not None:
+        raise first
 
 
 def destroy_ub():

@@ -336,7 +336,14 @@ tec_status tec_comm_unmap_peers(tec_comm *c, void *stream)
 {
     if (!c->mapped)
         return TEC_OK;
-    tec_status st = c->broken ? TEC_OK : tec_comm_synchronize(c, stream);
+    /* Drain both streams before unmapping, also after a failure: the comm
+     * side may still be copying into a peer's region. */
+    tec_status st = tec_comm_synchronize(c, stream);
+    if (c->broken) {
+        c->ops->synchronize(c->t, c->ops->comm_stream(c->t));
+        c->ops->synchronize(c->t, stream);
+        st = TEC_OK;
+    }
     char why[256];
     snprintf(why, sizeof why, "%s", st ? tec_last_error() : "");
     c->ops->unmap_peers(c->t);
@@ -413,6 +420,10 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
     char *out = a->out;
     const int64_t orow = a->rows * a->ldc * (int64_t)ces;
     if (n == 1) {
+        /* The contract holds with one rank too: the buffer holds the gathered
+         * input afterwards (a row layer's wgrad reads it). */
+        if (a->a_local && a->a_local != slot(c, r, r, chunk))
+            TRY(c->ops->copy(c->t, slot(c, r, r, chunk), a->a_local, chunk, stream));
         TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
                  a->out_dtype, a->bias, stream));
         c->stats.non_overlap++;
@@ -438,11 +449,15 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
 /* ------------------------------------------------------------ GEMM + RS */
 
 /* Tell every peer its slot in our buffer may be written for epoch v. */
-static tec_status announce_free(tec_comm *c, uint64_t v, void *stream)
+static tec_status announce_free(tec_comm *c, const char *op, uint64_t v, void *stream)
 {
     void *M = c->ops->comm_stream(c->t);
     TRY(c->ops->event_record(c->t, EV_START, stream));
     TRY(c->ops->event_wait(c->t, EV_START, M));
+    /* Peers push into slots laid out by this operation's chunk size, which
+     * may overlap this rank's slot of the last all-gather: they must have
+     * finished pulling it first. */
+    TRY(wait_consumed(c, op, M));
     for (int q = 0; q < c->size; q++)
         if (q != c->rank)
             TRY(c->ops->signal(c->t, flag(c, q, TEC_FLAG_FREE, c->rank), v, M));
@@ -499,7 +514,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
         return TEC_OK;
     }
     void *M = c->ops->comm_stream(c->t);
-    TRY(announce_free(c, v, stream));
+    TRY(announce_free(c, "gemm_rs", v, stream));
     /* Peers' partials first (each pushed while the next is computed), ours last. */
     for (int i = 1; i < n; i++) {
         const int p = (r + i) % n;
@@ -595,7 +610,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
         TRY(c->ops->copy(c->t, out, src, chunk, M));
         c->stats.non_overlap++;
     } else {
-        TRY(announce_free(c, v, stream));
+        TRY(announce_free(c, "bulk_rs", v, stream));
         for (int i = 1; i < n; i++) {
             const int p = (r + i) % n;
             TRY(push(c, "bulk_rs", p, i, s + p * chunk, chunk, v));

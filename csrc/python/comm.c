@@ -9,13 +9,22 @@
 #define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
 #define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
 #define DBL(i, v) if (!tec_arg_double(args, i, &(v))) return NULL
-#define CALL(expr) do { Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS } while (0)
+/* An engine call without the GIL. `busy` counts such calls so that close()
+ * from another thread defers the destruction until the last one returns. */
+#define CALL(expr) do {                                                     \
+        CommObject *o_ = (CommObject *)self;                                \
+        o_->busy++;                                                         \
+        Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS            \
+        if (--o_->busy == 0 && o_->closed && o_->exports == 0)              \
+            destroy_now(o_);                                                \
+    } while (0)
 
 typedef struct {
     PyObject_HEAD
     tec_comm *comm;
     int closed;
     Py_ssize_t exports; /* live buffer views: the mapping outlives close() until 0 */
+    Py_ssize_t busy;    /* engine calls running without the GIL (CALL) */
     int device;
     char name[96]; /* kept for messages after close() */
 } CommObject;
@@ -347,7 +356,7 @@ static PyObject *py_close(PyObject *self, PyObject *const *args, Py_ssize_t narg
     ARGC("close", 0);
     CommObject *o = (CommObject *)self;
     o->closed = 1;
-    if (o->exports == 0)
+    if (o->exports == 0 && o->busy == 0)
         destroy_now(o);
     Py_RETURN_NONE;
 }
@@ -362,7 +371,17 @@ static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static void unpin(CommObject *o)
 {
-    if (--o->exports == 0 && o->closed)
+    if (--o->exports == 0 && o->closed && o->busy == 0)
+        destroy_now(o);
+}
+
+/* Before a subclass instance's __dict__ is cleared (it may hold tensors a
+ * pending bulk operation still reads): close, which waits for the comm side. */
+static void comm_finalize(PyObject *self)
+{
+    CommObject *o = (CommObject *)self;
+    o->closed = 1;
+    if (o->exports == 0 && o->busy == 0)
         destroy_now(o);
 }
 
@@ -445,6 +464,7 @@ static PyMethodDef comm_methods[] = {
 static PyType_Slot comm_slots[] = {
     {Py_tp_new, comm_new},
     {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_finalize, comm_finalize},
     {Py_tp_traverse, comm_traverse},
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, comm_getset},

@@ -222,6 +222,24 @@ def check_small(rank, tp):
     dist.barrier()
 
 
+def check_lifetime(rank, tp):
+    """bulk_*_start on a temporary: the communicator keeps it alive until finish."""
+    rows, cols = 256 * tp, 4096  # large enough that the comm side is still copying at finish
+    comm = _comm((rows, cols), torch.float32, name="lifetime")
+    g = torch.Generator(DEV).manual_seed(rank)
+    src = torch.randn(rows, cols, generator=g)
+    want = reduce_scatter(src)
+    comm.bulk_rs_start(src.clone())  # the only reference to the input is the communicator's
+    torch.randn(rows, cols)          # give the allocator a chance to reuse freed memory
+    close(comm.bulk_rs_finish(), want, "bulk_rs of a temporary")
+    chunk = torch.randn(rows // tp, cols, generator=g)
+    want = gather(chunk)
+    comm.bulk_ag_start(chunk.clone())
+    torch.randn(rows // tp, cols)
+    assert torch.equal(comm.bulk_ag_finish(), want), "bulk_ag of a temporary"
+    comm.close()
+
+
 def check_close(rank, tp):
     """The collective close: unmap peers on every rank, meet, free."""
     comm = _comm((4 * tp, 8), torch.float32, name="closing")
@@ -247,7 +265,7 @@ def check_close(rank, tp):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--check", default="numerics,registry,mismatch,small,close,timeout")
+    p.add_argument("--check", default="numerics,registry,mismatch,small,lifetime,close,timeout")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     global DEV

@@ -233,6 +233,18 @@ def wgrad(dy_total, x_total, with_bias):
 # ------------------------------------------------------ userbuffers steps
 
 
+def outside_buffers(t, ub):
+    """t, or a copy of it if it lives in one of the layer's communicator
+    buffers (a caller may pass get_buffer(local_chunk=True) as the input):
+    what is saved for backward must not alias a buffer the next layer reuses."""
+    if ub.enabled:
+        p = t.data_ptr()
+        for comm in ub.comms.values():
+            if any(start <= p < start + n for start, n in comm.buffer_ranges()):
+                return t.clone()
+    return t
+
+
 def ub_fprop(x, w, bias, tp, ub):
     """fprop through a communicator when the layer's flags say so, else None."""
     if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"]:

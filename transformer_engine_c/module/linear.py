@@ -17,7 +17,7 @@ class _LinearFn(torch.autograd.Function):
         if y is None:
             y = base.fprop(base.gather_input(x, tp), w, bias, tp)
         # Save the local (not gathered) input: column + SP re-gathers it in backward.
-        saved, ctx.objects = prepare_for_saving(x, weight)
+        saved, ctx.objects = prepare_for_saving(base.outside_buffers(x, layer.ub), weight)
         ctx.save_for_backward(*saved)
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.ub = layer.ub

@@ -143,20 +143,20 @@ static tec_status do_wait(tec_transport *t, const uint64_t *flag, uint64_t value
             tec_format_wait_error(msg, sizeof msg, TEC_ERR_TIMEOUT, s, timeout, seen, value);
             return tec_set_error(TEC_ERR_TIMEOUT, "%s", msg);
         }
-        if (n == 0 && atomic_load(&t->err))
+        if ((n & 63) == 0 && atomic_load(&t->err))
             return get_err(t);
         backoff(&n);
     }
 }
 
-static void do_reduce(const op_t *o)
+static tec_status do_reduce(const op_t *o)
 {
     const int64_t rows = o->rows, cols = o->cols;
     const size_t es = tec_dtype_size(o->dtype);
     float *acc = malloc((size_t)cols * 2 * sizeof(float));
-    float *tmp = acc + cols;
     if (!acc)
-        return;
+        return tec_set_error(TEC_ERR_NO_MEMORY, "reduce: no memory for %lld floats", (long long)cols * 2);
+    float *tmp = acc + cols;
     for (int64_t r = 0; r < rows; r++) {
         const size_t off = (size_t)r * (size_t)cols * es;
         tec_load_row(acc, (const char *)o->srcs[0] + off, cols, o->dtype);
@@ -171,6 +171,7 @@ static void do_reduce(const op_t *o)
         tec_store_row((char *)o->dst + off, acc, cols, o->dtype);
     }
     free(acc);
+    return TEC_OK;
 }
 
 static void ev_set(tec_transport *t, int ev, uint64_t target)
@@ -211,8 +212,7 @@ static tec_status run_op(tec_transport *t, const op_t *o)
     case OP_REDUCE:
         if (o->rows && !o->dst)
             return tec_set_error(TEC_ERR_INVALID_ARG, "reduce: no output");
-        do_reduce(o);
-        return TEC_OK;
+        return do_reduce(o);
     }
     return tec_set_error(TEC_ERR_INTERNAL, "unknown comm op %d", o->kind);
 }
