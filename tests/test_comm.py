@@ -195,3 +195,26 @@ def test_linear_fed_a_buffer_view_saves_a_copy():
         del x
     finally:
         c.close()
+
+
+def test_failed_backward_leaves_no_bulk_operation_pending():
+    """An exception between bulk_ag_start and its finish (here: the wgrad GEMM
+    fails) leaves the communicator usable."""
+    c = CommOverlapCPU((8, 16), torch.float32, name="abandon")
+    try:
+        m = tec.Linear(16, 12, device="cpu", parallel_mode="column", ub_bulk_dgrad=True, ub_bulk_wgrad=True,
+                       ub_comm={"dgrad": c, "wgrad": CommOverlapCPU((8, 16), torch.float32, name="abandon_w")})
+        x = torch.randn(8, 16, requires_grad=True)
+        y = m(x)
+        from transformer_engine_c.module import base
+        real = base.wgrad
+        base.wgrad = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                y.sum().backward()
+        finally:
+            base.wgrad = real
+        assert c._pending is None
+        m(x).sum().backward()  # usable again
+    finally:
+        c.close()

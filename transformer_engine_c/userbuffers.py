@@ -222,6 +222,17 @@ class CommOverlap(_C.CommOverlap):
             raise ValueError(f"{name} must have unit stride in its last dimension")
         return t
 
+    def _abandon(self):
+        """After an exception between a bulk *_start and its *_finish: wait
+        for the comm side (errors are the caller's already) and clear the
+        pending operation, so the communicator is usable again if it can be."""
+        if self._pending is not None:
+            try:
+                (self.bulk_ag_finish if self._pending[0] == "bulk_ag" else self.bulk_rs_finish)()
+            except Exception:
+                pass
+            self._pending = None
+
     def _check_idle(self, op):
         self._live()
         if self._pending is not None:

@@ -257,6 +257,15 @@ def ub_fprop(x, w, bias, tp, ub):
 def column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
     """Column layer backward (dy: [S, out/tp]; x_local: the saved local input).
     Returns (dx, (dw, db) or None), running the ub overlaps the flags ask for."""
+    try:
+        return _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias)
+    except BaseException:
+        for comm in ub.comms.values():  # no bulk operation is left pending
+            comm._abandon()
+        raise
+
+
+def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
     f = ub.flags if ub.enabled else dict.fromkeys(UB_FLAGS, False)
     if f["ub_bulk_dgrad"]:
         ub.comms["dgrad"].bulk_ag_start(x_local)
