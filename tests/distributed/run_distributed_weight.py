@@ -23,17 +23,13 @@ import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
+from common import rel_err  # noqa: E402
 from transformer_engine_c import _C  # noqa: E402
 from transformer_engine_c._launch import init_rank  # noqa: E402
 
 TOL = 1e-5
 DEVICE = torch.device("cpu")
 MODES = ["none", "identity", "offload", "tec_ckpt_reentrant", "tec_ckpt", "torch_ckpt_reentrant", "torch_ckpt"]
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 @contextlib.contextmanager

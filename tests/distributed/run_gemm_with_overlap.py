@@ -12,30 +12,8 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_c as tec
-from transformer_engine_c._launch import init_rank
-
-DEV = torch.device("cpu")  # --device cuda: NCCL + the CUDA IPC transport
-
-
-def _comm(*args, **kw):
-    return tec.CommOverlap(*args, device=DEV, **kw)
-
-
-def _init_ub(*args, **kw):
-    return tec.initialize_ub(*args, device=DEV, **kw)
-
-TOL = {torch.float32: None, torch.bfloat16: (0.025, 0.00125)}
-
-
-def close(out, ref, what):
-    if out.dtype == torch.float32:
-        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-        assert err <= 1e-5, f"{what}: relative error {err:.3g} > 1e-5"
-    else:
-        rtol, atol = TOL[out.dtype]
-        d = (out.float() - ref.float()).abs()
-        bad = d > atol + rtol * ref.float().abs()
-        assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {d.max().item():.3g}"
+import common
+from common import close
 
 
 def gather(x):
@@ -55,11 +33,11 @@ def check_numerics(rank, tp):
     rows, K, N = 6, 32, 24
     S = rows * tp
     for dtype in (torch.float32, torch.bfloat16):
-        comm = _comm((S, max(K, N)), dtype, name=f"num_{dtype}")
-        g = torch.Generator(DEV).manual_seed(1234)
+        comm = common.comm((S, max(K, N)), dtype, name=f"num_{dtype}")
+        g = torch.Generator(common.DEV).manual_seed(1234)
         w = (torch.randn(N, K, generator=g) * 0.1 / K ** 0.5).to(dtype)      # shared
         bias = (torch.randn(N, generator=g) * 0.1).to(dtype)
-        gl = torch.Generator(DEV).manual_seed(100 + rank)
+        gl = torch.Generator(common.DEV).manual_seed(100 + rank)
         for it in range(3):  # reuse the buffer: the consumed/free handshakes
             x = torch.randn(rows, K, generator=gl).to(dtype)
             full = gather(x)
@@ -111,7 +89,7 @@ def check_numerics(rank, tp):
 
 
 def check_registry(rank, tp):
-    _init_ub((4 * tp, 16), tp, dtype=torch.float32,
+    common.init_ub((4 * tp, 16), tp, dtype=torch.float32,
                       ub_cfgs={"qkv_fprop": {"method": "ring_exchange", "num_splits": 2}})
     try:
         a, b = tec.get_ub("qkv_fprop"), tec.get_ub("fc2_fprop")
@@ -129,7 +107,7 @@ def check_registry(rank, tp):
     for bad, word in [({"qkv_fprop": {"bogus_key": 1}}, "bogus_key"), ({"qkv_fprop": {"method": "x"}}, "method"),
                       ({"nolayer": {}}, "nolayer")]:
         try:
-            _init_ub((4 * tp, 16), tp, ub_cfgs=bad)
+            common.init_ub((4 * tp, 16), tp, ub_cfgs=bad)
             raise AssertionError(f"ub_cfgs {bad} did not raise")
         except ValueError as e:
             assert word in str(e), e
@@ -137,7 +115,7 @@ def check_registry(rank, tp):
 
 def check_timeout(rank, tp):
     """Rank tp-1 never arrives: the others raise CommTimeoutError in time."""
-    comm = _comm((4 * tp, 8), torch.float32, timeout=2.0, name="late")
+    comm = common.comm((4 * tp, 8), torch.float32, timeout=2.0, name="late")
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     late = tp - 1
     for op in ("ag_gemm", "gemm_rs"):
@@ -165,18 +143,18 @@ def check_timeout(rank, tp):
                 assert "earlier failure" in str(e), e
         dist.barrier()
         comm.close()
-        comm = _comm((4 * tp, 8), torch.float32, timeout=2.0, name="late")
+        comm = common.comm((4 * tp, 8), torch.float32, timeout=2.0, name="late")
 
 
 def check_mismatch(rank, tp):
     # shapes of the buffer differ across ranks: caught at construction
     try:
-        _comm((4 * tp, 8 + rank), torch.float32, name="mm_ctor")
+        common.comm((4 * tp, 8 + rank), torch.float32, name="mm_ctor")
         raise AssertionError("mismatched buffers across ranks were accepted")
     except ValueError as e:
         assert "mismatched shapes" in str(e), e
     # same buffer, different chunk shapes per rank: caught by the handshake
-    comm = _comm((8 * tp, 8), torch.float32, timeout=10.0, name="mm")
+    comm = common.comm((8 * tp, 8), torch.float32, timeout=10.0, name="mm")
     rows = 4 + 2 * (rank % 2)
     t0 = time.monotonic()
     try:
@@ -190,7 +168,7 @@ def check_mismatch(rank, tp):
 
 
 def check_small(rank, tp):
-    comm = _comm((2 * tp, 8), torch.float32, name="small")
+    comm = common.comm((2 * tp, 8), torch.float32, name="small")
     for fn in (lambda: comm.ag_gemm(torch.randn(3, 8), torch.randn(8, 8)),
                lambda: comm.gemm_rs(torch.randn(3 * tp, 8), torch.randn(8, 8)),
                lambda: comm.get_buffer(local_chunk=True, shape=(3, 8)),
@@ -225,8 +203,8 @@ def check_small(rank, tp):
 def check_lifetime(rank, tp):
     """bulk_*_start on a temporary: the communicator keeps it alive until finish."""
     rows, cols = 256 * tp, 4096  # large enough that the comm side is still copying at finish
-    comm = _comm((rows, cols), torch.float32, name="lifetime")
-    g = torch.Generator(DEV).manual_seed(rank)
+    comm = common.comm((rows, cols), torch.float32, name="lifetime")
+    g = torch.Generator(common.DEV).manual_seed(rank)
     src = torch.randn(rows, cols, generator=g)
     want = reduce_scatter(src)
     comm.bulk_rs_start(src.clone())  # the only reference to the input is the communicator's
@@ -242,7 +220,7 @@ def check_lifetime(rank, tp):
 
 def check_close(rank, tp):
     """The collective close: unmap peers on every rank, meet, free."""
-    comm = _comm((4 * tp, 8), torch.float32, name="closing")
+    comm = common.comm((4 * tp, 8), torch.float32, name="closing")
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     close(comm.ag_gemm(x, w), gather(x) @ w.T, "ag_gemm before close")
     assert len(comm.buffer_ranges()) == tp
@@ -255,7 +233,7 @@ def check_close(rank, tp):
         assert "unmapped for closing" in str(e), e
     tec.close_comms([comm])
     assert comm.closed
-    comms = [_comm((4 * tp, 8), torch.float32, name=f"closing{i}") for i in range(3)]
+    comms = [common.comm((4 * tp, 8), torch.float32, name=f"closing{i}") for i in range(3)]
     for c in comms:
         c.gemm_rs(torch.randn(4 * tp, 8), w)
     tec.close_comms(comms)
@@ -268,9 +246,7 @@ def main():
     p.add_argument("--check", default="numerics,registry,mismatch,small,lifetime,close,timeout")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
-    global DEV
-    _, _, DEV = init_rank(args.device)
-    torch.set_default_device(DEV)
+    common.setup(args.device)
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     for name in args.check.split(","):

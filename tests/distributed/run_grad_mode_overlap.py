@@ -16,14 +16,10 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_c as tec
+from common import rel_err
 from transformer_engine_c._launch import init_rank
 
 SEQ, HID, OUT = 8, 32, 48  # SEQ: tokens per rank
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def check(label, a, b):
@@ -53,7 +49,7 @@ def run_case(name, cls, mode, flag, counter, tp, device):
     ref.load_state_dict(ub.state_dict())
     g = torch.Generator(device).manual_seed(100 + dist.get_rank())
     rows = SEQ if mode == "column" else SEQ * tp
-    x = torch.randn(rows, ub.in_local if hasattr(ub, "in_local") else in_f, generator=g, device=device)
+    x = torch.randn(rows, ub.in_local, generator=g, device=device)
 
     def count():
         return comm.stats()[counter]

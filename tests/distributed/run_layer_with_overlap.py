@@ -10,40 +10,14 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_c as tec
-from transformer_engine_c._launch import init_rank
-
-DEV = torch.device("cpu")  # --device cuda: NCCL + the CUDA IPC transport
-
-
-def _comm(*args, **kw):
-    return tec.CommOverlap(*args, device=DEV, **kw)
-
-
-def _init_ub(*args, **kw):
-    return tec.initialize_ub(*args, device=DEV, **kw)
+import common
+from common import close
 
 SEQ, BATCH, HID, FFN = 4, 2, 32, 64  # SEQ: tokens per rank along the sequence
 
 
-def close(out, ref, what, tensorwise=False):
-    """fp32: relative error of the whole tensor <= 1e-5. bf16: TE's rtol 0.025 /
-    atol 0.00125 per element, or (tensorwise) 0.025 relative for the whole
-    tensor: used for the two-block model, whose non-overlapped reference sums
-    its reduce-scatters in bf16 (gloo), so per-element atol is below the
-    reference's own rounding there."""
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
-    if out.dtype == torch.float32 or tensorwise:
-        tol = 1e-5 if out.dtype == torch.float32 else 0.025
-        err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-        assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
-    else:
-        d = (out.float() - ref.float()).abs()
-        bad = d > 0.00125 + 0.025 * ref.float().abs()
-        assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {d.max().item():.3g}"
-
-
 def comms(tp, dtype, names):
-    return {n: _comm((SEQ * BATCH * tp, HID), dtype, name=n) for n in names}
+    return {n: common.comm((SEQ * BATCH * tp, HID), dtype, name=n) for n in names}
 
 
 def run_pair(make, inp_shape, dtype, what, seed, tensorwise=False, scale=0.1):
@@ -52,7 +26,7 @@ def run_pair(make, inp_shape, dtype, what, seed, tensorwise=False, scale=0.1):
     ub_layer = make(True)
     ref_layer = make(False)
     ref_layer.load_state_dict(ub_layer.state_dict())
-    g = torch.Generator(DEV).manual_seed(1000 + dist.get_rank() + seed)
+    g = torch.Generator(common.DEV).manual_seed(1000 + dist.get_rank() + seed)
     with torch.no_grad():  # make biases and norm params non-trivial
         for p1, p2 in zip(ub_layer.parameters(), ref_layer.parameters()):
             p1.add_(torch.randn(p1.shape, generator=g).to(dtype) * 0.1)
@@ -65,7 +39,7 @@ def run_pair(make, inp_shape, dtype, what, seed, tensorwise=False, scale=0.1):
     for layer in (ub_layer, ref_layer):
         xi = x.clone().requires_grad_(True)
         y = layer(xi)
-        dy = (torch.randn(y.shape, generator=torch.Generator(DEV).manual_seed(7 + dist.get_rank())) * 0.1).to(dtype)
+        dy = (torch.randn(y.shape, generator=torch.Generator(common.DEV).manual_seed(7 + dist.get_rank())) * 0.1).to(dtype)
         y.backward(dy)
         outs.append((y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
     (y1, dx1, g1), (y2, dx2, g2) = outs
@@ -93,7 +67,7 @@ def snapshot(cs):
 
 
 def check_layers(tp, dtype):
-    kw = dict(params_dtype=dtype, device=DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    kw = dict(params_dtype=dtype, device=common.DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
     c = comms(tp, dtype, ["fprop", "dgrad", "wgrad"])
     # Linear row: GEMM+RS in fprop, AG+GEMM in dgrad (one communicator for both)
     s0 = snapshot(c)
@@ -148,8 +122,8 @@ class Block(torch.nn.Module):
 
 def check_model(tp, dtype):
     """Two blocks sharing the registry's communicators, fwd + bwd."""
-    kw = dict(params_dtype=dtype, device=DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
-    _init_ub((SEQ * BATCH * tp, HID), tp, dtype=dtype)
+    kw = dict(params_dtype=dtype, device=common.DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    common.init_ub((SEQ * BATCH * tp, HID), tp, dtype=dtype)
     try:
         names = ["fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad"]
         s0 = {n: tec.get_ub(n).stats() for n in names}
@@ -163,8 +137,8 @@ def check_model(tp, dtype):
 
 
 def check_construction(tp):
-    kw = dict(device=DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
-    c = _comm((SEQ * BATCH * tp, HID), torch.float32, name="ctor")
+    kw = dict(device=common.DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    c = common.comm((SEQ * BATCH * tp, HID), torch.float32, name="ctor")
     bad = [
         (lambda: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_rs=True, ub_comm=c, **kw), "do not apply"),
         (lambda: tec.Linear(HID, FFN, parallel_mode="row", ub_bulk_dgrad=True, ub_comm=c, **kw), "do not apply"),
@@ -174,7 +148,7 @@ def check_construction(tp):
                             ub_comm=c, **kw), "two communicators"),
         (lambda: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=True, **kw), "ub_name"),
         (lambda: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=True, ub_comm=c,
-                            device=DEV, tp_group=dist.group.WORLD, tp_size=tp), "sequence_parallel"),
+                            device=common.DEV, tp_group=dist.group.WORLD, tp_size=tp), "sequence_parallel"),
     ]
     for fn, word in bad:
         try:
@@ -191,9 +165,7 @@ def main():
     p.add_argument("--checks", default="construction,layers,model")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
-    global DEV
-    _, _, DEV = init_rank(args.device)
-    torch.set_default_device(DEV)
+    common.setup(args.device)
     tp = dist.get_world_size()
     # Every tensor saved for backward in every configuration is checked
     # against every live communicator's ranges (own and peers'): raises on aliasing.

@@ -15,14 +15,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformer_engine_c as tec  # noqa: E402
+from common import rel_err  # noqa: E402
 from reference import layernorm_linear  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
-
-
-def rel_err(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def chunk(t, dim, rank, size):

@@ -1,0 +1,47 @@
+"""What the torchrun runners share: the device they run on (set by setup()),
+communicators on that device, and the comparisons against references."""
+import torch
+
+import transformer_engine_c as tec
+from transformer_engine_c._launch import init_rank
+
+DEV = torch.device("cpu")  # setup("cuda"): NCCL + the CUDA IPC transport
+
+
+def setup(device_type):
+    """Initialise this rank; tensors made without a device land on it."""
+    global DEV
+    rank, size, DEV = init_rank(device_type)
+    torch.set_default_device(DEV)
+    return rank, size, DEV
+
+
+def comm(*args, **kw):
+    return tec.CommOverlap(*args, device=DEV, **kw)
+
+
+def init_ub(*args, **kw):
+    return tec.initialize_ub(*args, device=DEV, **kw)
+
+
+def rel_err(a, b):
+    """Relative error of the whole tensor, in float64 on the CPU (references
+    are computed there)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def close(out, ref, what, tensorwise=False):
+    """fp32: relative error of the whole tensor <= 1e-5. bf16: TE's rtol 0.025 /
+    atol 0.00125 per element, or (tensorwise) 0.025 relative for the whole
+    tensor: used where the non-overlapped reference sums its reduce-scatters in
+    bf16 (gloo), so per-element atol is below the reference's own rounding."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    if out.dtype == torch.float32 or tensorwise:
+        tol = 1e-5 if out.dtype == torch.float32 else 0.025
+        err = rel_err(out, ref)
+        assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+    else:
+        d = (out.float() - ref.float()).abs()
+        bad = d > 0.00125 + 0.025 * ref.float().abs()
+        assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {d.max().item():.3g}"
