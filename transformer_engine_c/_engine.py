@@ -21,27 +21,42 @@ def cuda_backend_built():
 
 
 def _ensure_backend(device):
-    if device.type == "cpu":
-        return -1
-    if device.type != "cuda":
-        raise ValueError(f"device {device} is not supported (expected cpu or cuda)")
     if not _C.has_cuda_backend():
         if not cuda_backend_built():
             raise RuntimeError(
                 "transformer_engine_c was built without its CUDA backend (nvcc or the cuBLASLt "
                 "headers were not found at build time); rebuild with TEC_CUDA=1 to see why")
         _C.load_cuda_backend(_CUDA_LIB)
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def device_code(device):
-    """-1 for the CPU, the CUDA ordinal otherwise (loading the CUDA backend)."""
-    return _ensure_backend(torch.device(device))
+    """-1 for the CPU, the CUDA ordinal otherwise (loading the CUDA backend).
+    On every engine call's path: a torch.device costs no conversion."""
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    if device.type == "cpu":
+        return -1
+    if device.type != "cuda":
+        raise ValueError(f"device {device} is not supported (expected cpu or cuda)")
+    if not _C.has_cuda_backend():
+        _ensure_backend(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# The raw current stream without building a torch.cuda.Stream object (the
+# public route costs several microseconds per call, and layers call it often).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def stream_of(device):
-    device = torch.device(device)
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def dtype_code(dtype, name="tensor"):
@@ -57,7 +72,7 @@ def check_tensor(t, name, *, dtype=None, device=None, ndim=None, shape=None, con
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
     dtype_code(t.dtype, name)
-    if device is not None and t.device != torch.device(device):
+    if device is not None and t.device != device and t.device != torch.device(device):
         raise ValueError(f"{name} is on {t.device}; expected {device}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
@@ -77,7 +92,7 @@ def workspace(device, nbytes):
     reuse through the caching allocator's semantics: one per device)."""
     if nbytes == 0:
         return None
-    key = torch.device(device)
+    key = device if type(device) is torch.device else torch.device(device)
     ws = _workspaces.get(key)
     if ws is None or ws.numel() < nbytes:
         ws = torch.empty(nbytes, dtype=torch.uint8, device=key)
@@ -106,14 +121,17 @@ def norm_fwd(x, gamma, beta, eps, zero_centered_gamma=False, out=None):
 
 
 def norm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma=False, with_dbeta=True):
-    """Backward of norm_fwd: returns (dx, dgamma, dbeta); dbeta None for RMSNorm."""
+    """Backward of norm_fwd: returns (dx, dgamma, dbeta); dbeta None for RMSNorm.
+    dgamma and dbeta are rows 0 and 1 of one [2, cols] tensor (dgamma's
+    ._base), so a caller can reduce both in one collective."""
     check_tensor(x, "input", ndim=2)
     check_tensor(dy, "grad_output", dtype=x.dtype, device=x.device, shape=x.shape)
     rows, cols = x.shape
     dev = device_code(x.device)
     dx = torch.empty_like(x)
-    dgamma = torch.empty_like(gamma)
-    dbeta = torch.empty_like(gamma) if with_dbeta else None
+    dparams = torch.empty(2 if with_dbeta else 1, cols, dtype=gamma.dtype, device=gamma.device)
+    dgamma = dparams[0]
+    dbeta = dparams[1] if with_dbeta else None
     nbytes = _C.norm_bwd_workspace_bytes(dev, rows, cols)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     _C.norm_bwd(dev, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(mu),

@@ -6,8 +6,12 @@ PyTorch sequential path, PyTorch async-TP and the limit, in one process.
     python -m transformer_engine_c.bench --sweep                  # tokens 2048-16384, H 2048/4096/8192, N 3H/4H
 
 Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
-are medians over --iters iterations after --warmup, with CUDA events on GPUs
-(host clock on CPU), the maximum over ranks. Results: a table on stdout and
+are medians over --iters samples after --warmup, with CUDA events on GPUs
+(host clock on CPU), the maximum over ranks. A sample is --batch calls issued
+back to back, divided by --batch: the host runs ahead of the GPU as in
+training, so a row measures the GPU's time unless the host cannot keep up.
+--batch 1 times each call from an idle GPU instead (latency: the host's time
+to issue the first kernels is then part of every number). Results: a table on stdout and
 bench.json, bench.md (and bench.png where matplotlib is installed) in --out.
 """
 import argparse
@@ -37,6 +41,7 @@ def parse():
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4, help="calls per timed sample (1: per-call latency)")
     ap.add_argument("--out", default=None, help="directory for bench.json / bench.md / bench.png")
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -54,14 +59,16 @@ def parse():
         ap.error(f"unknown case(s) {bad}; expected some of {CASES}")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
-    args.iters = args.iters if args.iters is not None else (50 if cuda else 5)
+    args.iters = args.iters if args.iters is not None else (25 if cuda else 5)
+    if args.batch < 1:
+        ap.error("--batch must be >= 1")
     return args
 
 
 class Timer:
-    def __init__(self, device, group, warmup, iters):
+    def __init__(self, device, group, warmup, iters, batch=1):
         self.cuda, self.device = device.type == "cuda", device
-        self.group, self.warmup, self.iters = group, warmup, iters
+        self.group, self.warmup, self.iters, self.batch = group, warmup, iters, batch
 
     def __call__(self, fn):
         """Median time of fn() in ms, max over ranks; None if fn raises NotImplementedError."""
@@ -79,14 +86,16 @@ class Timer:
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                for _ in range(self.batch):
+                    fn()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end))
+                times.append(start.elapsed_time(end) / self.batch)
             else:
                 t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+                for _ in range(self.batch):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e3 / self.batch)
         t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.item()
@@ -238,7 +247,7 @@ def write(rows, args, out):
     os.makedirs(out, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters}
+            "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters, "batch": args.batch}
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out, "bench.md"), "w") as f:
@@ -270,7 +279,7 @@ def worker(args):
 
     rank, size, device = init_rank(args.device)
     group = dist.new_group(list(range(size)))
-    timer = Timer(device, group, args.warmup, args.iters)
+    timer = Timer(device, group, args.warmup, args.iters, args.batch)
     symm = _symm_mem(group) if device.type == "cuda" else None
     rows = []
     todo = [(c, s) for s in args.shapes for c in args.cases]

@@ -28,13 +28,15 @@ def resolve_tp(tp_group, tp_size):
     return tp_group, size, dist.get_rank(tp_group)
 
 
-def all_gather_rows(x, group, size):
-    """[T, H] on each rank -> [size * T, H], rank-major."""
+def all_gather_rows(x, group, size, async_op=False):
+    """[T, H] on each rank -> [size * T, H], rank-major. With async_op,
+    returns (out, work): out is valid after work.wait() (work None if there
+    was nothing to wait for)."""
     if size == 1:
-        return x
+        return (x, None) if async_op else x
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x.contiguous(), group=group)
-    return out
+    work = _all_gather_flat(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def reduce_scatter_rows(x, group, size):

@@ -196,9 +196,12 @@ def out_shape(inp_shape, rows, cols):
 # -------------------------------------------------------------- GEMM steps
 
 
-def gather_input(x, tp):
-    """Column + sequence parallel: the full-sequence input every rank needs."""
-    return all_gather_rows(x, tp.group, tp.size) if tp.mode == "column" and tp.sp else x
+def gather_input(x, tp, async_op=False):
+    """Column + sequence parallel: the full-sequence input every rank needs
+    (with async_op: (it, work to wait for or None))."""
+    if tp.mode == "column" and tp.sp:
+        return all_gather_rows(x, tp.group, tp.size, async_op)
+    return (x, None) if async_op else x
 
 
 def fprop(x_total, w, bias, tp):
@@ -267,8 +270,11 @@ def column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
 
 def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
     f = ub.flags if ub.enabled else dict.fromkeys(UB_FLAGS, False)
+    x_total = gathering = None
     if f["ub_bulk_dgrad"]:
         ub.comms["dgrad"].bulk_ag_start(x_local)
+    elif need_w and need_dx:  # the input all-gather for wgrad runs during the dgrad GEMM
+        x_total, gathering = gather_input(x_local, tp, async_op=True)
     dx = dx_partial = None
     if need_dx:
         if f["ub_overlap_rs_dgrad"]:
@@ -277,12 +283,15 @@ def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
             dx_partial = _engine.gemm(dy, w)
         else:
             dx = dgrad(dy, w, tp)
-    x_total = ub.comms["dgrad"].bulk_ag_finish() if f["ub_bulk_dgrad"] else None
+    if f["ub_bulk_dgrad"]:
+        x_total = ub.comms["dgrad"].bulk_ag_finish()
     if dx_partial is not None:
         ub.comms["wgrad"].bulk_rs_start(dx_partial)
     res = None
     if need_w:
-        if x_total is None:
+        if gathering is not None:
+            gathering.wait()
+        elif x_total is None:
             x_total = gather_input(x_local, tp)
         res = wgrad(dy, x_total, with_bias)
         res = res if with_bias else (res, None)

@@ -59,10 +59,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, ln_weight, ctx.zero_centered_gamma,
                                              with_dbeta=mu is not None)
         if tp.sp:
-            # Each rank normalised only its own tokens: sum the parameter grads.
-            all_reduce(dgamma, tp.group, tp.size)
-            if dbeta is not None:
-                all_reduce(dbeta, tp.group, tp.size)
+            # Each rank normalised only its own tokens: sum the parameter
+            # grads (both rows of one tensor: one collective).
+            all_reduce(dgamma._base, tp.group, tp.size)
         return dx.view(ctx.inp_shape), dgamma, dbeta, dw, db, None
 
 
