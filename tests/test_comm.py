@@ -218,3 +218,30 @@ def test_failed_backward_leaves_no_bulk_operation_pending():
         m(x).sum().backward()  # usable again
     finally:
         c.close()
+
+
+def test_min_chunk_flops_settings(monkeypatch):
+    """The small-shape fallback threshold: per device default, a number or
+    {"ag", "rs"}, $TEC_UB_MIN_CHUNK_FLOPS; bad values are named errors."""
+    c = CommOverlapCPU((8, 4), torch.float32, name="mcf")
+    assert c.min_chunk_flops == {"ag": 0.0, "rs": 0.0}  # the CPU transport overlaps every size
+    assert c.take_overlap("ag", 1, 1, 1) and c.stats()["ag_fallback"] == 0
+    c.min_chunk_flops = {"ag": 3.0, "rs": 0.0}
+    assert not c.take_overlap("ag", 1, 1, 1) and c.take_overlap("ag", 1, 1, 2)  # 2 FLOPs < 3 <= 4
+    assert c.stats()["ag_fallback"] == 1 and c.stats()["rs_fallback"] == 0
+    c.close()
+    c = CommOverlapCPU((8, 4), torch.float32, name="mcf2", min_chunk_flops={"rs": 5})
+    assert c.min_chunk_flops == {"ag": 0.0, "rs": 5.0}
+    c.close()
+    monkeypatch.setenv("TEC_UB_MIN_CHUNK_FLOPS", "1e9")
+    c = CommOverlapCPU((8, 4), torch.float32, name="mcf3")
+    assert c.min_chunk_flops == {"ag": 1e9, "rs": 1e9}
+    c.close()
+    for bad, word in ((-1, ">= 0"), ({"xx": 1}, "unknown key"), (float("nan"), ">= 0")):
+        monkeypatch.delenv("TEC_UB_MIN_CHUNK_FLOPS")
+        with pytest.raises(ValueError, match=word):
+            CommOverlapCPU((8, 4), torch.float32, name="mcf4", min_chunk_flops=bad)
+        monkeypatch.setenv("TEC_UB_MIN_CHUNK_FLOPS", "1e9")
+    monkeypatch.setenv("TEC_UB_MIN_CHUNK_FLOPS", "lots")
+    with pytest.raises(ValueError, match="TEC_UB_MIN_CHUNK_FLOPS"):
+        CommOverlapCPU((8, 4), torch.float32, name="mcf5")

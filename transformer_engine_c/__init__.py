@@ -13,7 +13,7 @@ from .checkpoint import checkpoint  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.linear import Linear  # noqa: E402
-from .userbuffers import CommOverlap, close_comms, destroy_ub, get_ub, initialize_ub  # noqa: E402
+from .userbuffers import LAYER_NAMES, CommOverlap, close_comms, destroy_ub, get_ub, initialize_ub  # noqa: E402
 
 __all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError", "prepare_for_saving",
            "restore_from_saved", "DistributedWeight", "checkpoint", "CommOverlap", "initialize_ub",

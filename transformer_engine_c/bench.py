@@ -138,6 +138,26 @@ def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
     return fc1, fc2
 
 
+def _paths(tec):
+    """Overlapped and fallback calls so far, over the registry's communicators."""
+    st = [tec.get_ub(n).stats() for n in tec.LAYER_NAMES]
+    return (sum(s["ag_overlap"] + s["rs_overlap"] for s in st),
+            sum(s["ag_fallback"] + s["rs_fallback"] for s in st))
+
+
+def _path(before, after):
+    """Which path the overlapped layer took: what stats() counted."""
+    ran = [name for name, b, a in zip(("overlap", "fallback"), before, after) if a > b]
+    return "+".join(ran) or "-"
+
+
+def timed_overlap(tec, row, timer, fn):
+    """row["ours_overlap"] = timer(fn), and row["path"]: which paths ran."""
+    before = _paths(tec)
+    row["ours_overlap"] = timer(fn)
+    row["path"] = _path(before, _paths(tec))
+
+
 def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
     import torch.distributed as dist
 
@@ -172,7 +192,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             with torch.no_grad():
                 fc1.weight.copy_(w)
             with torch.no_grad():
-                row["ours_overlap" if overlap else "ours"] = timer(lambda: fc1(x))
+                if overlap:
+                    timed_overlap(tec, row, timer, lambda: fc1(x))
+                else:
+                    row["ours"] = timer(lambda: fc1(x))
         row["ours_gemm"] = timer(lambda: tec._engine.gemm(ln_total, w, transb=True))
         row["ours_norm"] = timer(lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5))
         nbytes = x.numel() * x.element_size()
@@ -204,7 +227,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 continue
             with torch.no_grad():
                 fc2.weight.copy_(w)
-                row["ours_overlap" if overlap else "ours"] = timer(lambda: fc2(x))
+                if overlap:
+                    timed_overlap(tec, row, timer, lambda: fc2(x))
+                else:
+                    row["ours"] = timer(lambda: fc2(x))
     else:  # mlp forward + backward
         x = rnd(T // size, H).requires_grad_()
         dy = rnd(T // size, H)
@@ -217,7 +243,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             def step():
                 y = fc2(F.gelu(fc1(x)))
                 y.backward(dy)
-            row["ours_overlap" if overlap else "ours"] = timer(step)
+            if overlap:
+                timed_overlap(tec, row, timer, step)
+            else:
+                row["ours"] = timer(step)
             if overlap:  # the saved-tensor aliasing checker's cost on the same step
                 with tec.debug.check_saved_tensors():
                     row["checked"] = timer(step)
@@ -229,7 +258,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
 
 
 COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit", "sequential", "async_tp",
-           "ours", "ours_overlap", "speedup_vs_ours", "speedup_vs_sequential", "speedup_vs_async_tp",
+           "ours", "ours_overlap", "path", "speedup_vs_ours", "speedup_vs_sequential", "speedup_vs_async_tp",
            "speedup_vs_limit", "ours_gemm", "norm_gbps", "copy_gbps", "checked", "checker_overhead_pct")
 
 

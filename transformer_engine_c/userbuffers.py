@@ -57,6 +57,41 @@ def _group_rank_size(tp_group, tp_size):
     return 0, 1
 
 
+# Below these FLOPs per chunk GEMM ([rows, k] @ [k, n], 2*rows*k*n) an
+# overlapped schedule has nothing to hide its fixed costs behind (flag waits,
+# copy-engine start, tp GEMM launches and, for RS, the reduction), and the
+# layers run their non-overlapped path instead. Measured on H200s at TP=2
+# (docs/performance.md): AG+GEMM still wins at 12.9 GFLOP chunks, GEMM+RS
+# lost there (0.87x). The CPU transport overlaps every size (its GEMMs are
+# slow), which also keeps the CPU tests on the overlapped paths.
+_MIN_CHUNK_FLOPS = {"cuda": {"ag": 8e9, "rs": 16e9}, "cpu": {"ag": 0.0, "rs": 0.0}}
+
+
+def _min_chunk_flops(value, device):
+    """{"ag": flops, "rs": flops} from a number (both), a dict, or None
+    ($TEC_UB_MIN_CHUNK_FLOPS, a number, else the device's default)."""
+    if value is None:
+        env = os.environ.get("TEC_UB_MIN_CHUNK_FLOPS")
+        if env:
+            try:
+                value = float(env)
+            except ValueError:
+                raise ValueError(f"TEC_UB_MIN_CHUNK_FLOPS={env!r} is not a number") from None
+        else:
+            return dict(_MIN_CHUNK_FLOPS[device.type])
+    if isinstance(value, dict):
+        bad = set(value) - {"ag", "rs"}
+        if bad:
+            raise ValueError(f"min_chunk_flops: unknown key(s) {sorted(bad)} (expected 'ag', 'rs')")
+        out = dict(_MIN_CHUNK_FLOPS[device.type])
+        out.update({k: float(v) for k, v in value.items()})
+    else:
+        out = {"ag": float(value), "rs": float(value)}
+    if any(not v >= 0 for v in out.values()):
+        raise ValueError(f"min_chunk_flops must be >= 0, got {value!r}")
+    return out
+
+
 class _DeviceView:
     """A non-owning __cuda_array_interface__ over a communicator's buffer that
     keeps the mapping alive (pinned) while torch holds it."""
@@ -82,11 +117,16 @@ class CommOverlap(_C.CommOverlap):
     transport: "auto" (shared memory on CPU, CUDA IPC on CUDA), "shm" or
     "cuda_ipc". method/num_splits are recorded (TE ub_cfgs); every method runs
     the direct-pull all-gather and push reduce-scatter schedules.
+    min_chunk_flops: below this many FLOPs per chunk GEMM a layer runs its
+    non-overlapped path instead (a number, or {"ag": .., "rs": ..}; default
+    $TEC_UB_MIN_CHUNK_FLOPS, else measured per device); stats() counts those
+    calls as ag_fallback / rs_fallback.
     Creating one is collective over tp_group.
     """
 
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
-                 transport="auto", device=None, method="pipeline", num_splits=None, _exchange=True):
+                 transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
+                 _exchange=True):
         shape = tuple(int(s) for s in shape)
         if not shape or any(s <= 0 for s in shape):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
@@ -121,6 +161,8 @@ class CommOverlap(_C.CommOverlap):
         self.timeout = timeout
         self._pending = None
         self._flat_u8 = None
+        self.min_chunk_flops = _min_chunk_flops(min_chunk_flops, device)
+        self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
@@ -357,6 +399,23 @@ class CommOverlap(_C.CommOverlap):
         self._bulk_rs_finish(self._stream())
         return pending[2]
 
+    def take_overlap(self, op, rows, k, n):
+        """Whether a layer should run the overlapped `op` ("ag": ag_gemm,
+        "rs": gemm_rs) whose chunk GEMMs are [rows, k] @ [k, n]: False below
+        min_chunk_flops, counted in stats() as a fallback. The answer depends
+        on the shape only, so every rank of the group takes the same path."""
+        if 2.0 * rows * k * n >= self.min_chunk_flops[op]:
+            return True
+        self._fallbacks[op + "_fallback"] += 1
+        return False
+
+    def stats(self):
+        """Counters: how often each path ran (ag_overlap, rs_overlap, bulk_ag,
+        bulk_rs, non_overlap, ag_fallback, rs_fallback) and traffic."""
+        st = super().stats()
+        st.update(self._fallbacks)
+        return st
+
     def close(self):
         """Release the communicator (idempotent); the saved-tensor checker
         stops watching its ranges."""
@@ -395,7 +454,7 @@ _registry = {}
 
 
 def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_group=None, transport="auto",
-                  device=None, timeout=None, use_fp8=False):
+                  device=None, timeout=None, use_fp8=False, min_chunk_flops=None):
     """Create one communicator per TE layer name (collective over tp_group).
     shape: [sequence * batch, hidden] of the full (gathered) activations.
     ub_cfgs: {layer name: {method, num_splits, ...}} as in TE."""
@@ -424,7 +483,8 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
             c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
                             timeout=cfg.get("timeout", timeout), transport=transport, device=device,
                             method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
-                            num_splits=cfg.get("num_splits"), _exchange=False)
+                            num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
+                            _exchange=False)
             comms.append(c)
         CommOverlap._exchange(comms, tp_group)
     except BaseException:

@@ -108,6 +108,39 @@ def check_layers(tp, dtype):
         x.close()
 
 
+def check_fallback(tp, dtype):
+    """Below a communicator's min_chunk_flops the layers run their
+    non-overlapped path (same results), counted as ag_fallback/rs_fallback;
+    at exactly the threshold they overlap."""
+    kw = dict(params_dtype=dtype, device=common.DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    c = {n: common.comm((SEQ * BATCH * tp, HID), dtype, name=f"fb_{n}", min_chunk_flops=float("inf"))
+         for n in ("fprop", "dgrad")}
+    s0 = snapshot(c)
+    run_pair(lambda ub: tec.Linear(FFN, HID, parallel_mode="row", ub_overlap_rs=ub, ub_overlap_ag=ub,
+                                   ub_comm=c if ub else None, **kw),
+             (SEQ * tp, BATCH, FFN // tp), dtype, f"Linear row, fallback {dtype}", 11)
+    expect(s0, c, {"fprop": {"rs_fallback": 2, "rs_overlap": 0}, "dgrad": {"ag_fallback": 1, "ag_overlap": 0}},
+           "Linear row fallback")
+    s0 = snapshot(c)
+    run_pair(lambda ub: tec.LayerNormLinear(HID, FFN, parallel_mode="column", ub_overlap_ag=ub,
+                                            ub_overlap_rs_dgrad=ub, ub_comm=c if ub else None, **kw),
+             (SEQ, BATCH, HID), dtype, f"LayerNormLinear fallback {dtype}", 12, scale=1.0)
+    expect(s0, c, {"fprop": {"ag_fallback": 2, "ag_overlap": 0}, "dgrad": {"rs_fallback": 1, "rs_overlap": 0}},
+           "LayerNormLinear fallback")
+    # The boundary: the fprop chunk GEMM is [SEQ*BATCH, HID] @ [HID, FFN/tp].
+    flops = 2.0 * SEQ * BATCH * HID * (FFN // tp)
+    layer = tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=True, ub_comm=c["fprop"], **kw)
+    x = torch.randn(SEQ, BATCH, HID).to(dtype)
+    for threshold, counter in ((flops, "ag_overlap"), (flops + 1, "ag_fallback")):
+        c["fprop"].min_chunk_flops = {"ag": threshold, "rs": 0.0}
+        s0 = snapshot(c)
+        with torch.no_grad():
+            layer(x)
+        expect(s0, c, {"fprop": {counter: 1}}, f"threshold {threshold} for a {flops}-FLOP chunk")
+    for x in c.values():
+        x.close()
+
+
 class Block(torch.nn.Module):
     def __init__(self, ub, **kw):
         super().__init__()
@@ -162,7 +195,7 @@ def check_construction(tp):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--checks", default="construction,layers,model")
+    p.add_argument("--checks", default="construction,layers,fallback,model")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     common.setup(args.device)

@@ -249,11 +249,18 @@ def outside_buffers(t, ub):
 
 
 def ub_fprop(x, w, bias, tp, ub):
-    """fprop through a communicator when the layer's flags say so, else None."""
-    if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"]:
-        return ub.comms["fprop"].ag_gemm(x, w, bias=bias)
-    if tp.mode == "row" and ub.enabled and ub["ub_overlap_rs"]:
-        return ub.comms["fprop"].gemm_rs(x, w, bias=bias)
+    """fprop through a communicator when the layer's flags say so and the
+    overlap pays at this shape (CommOverlap.take_overlap), else None."""
+    if not ub.enabled:
+        return None
+    if tp.mode == "column" and ub["ub_overlap_ag"]:
+        c = ub.comms["fprop"]
+        if c.take_overlap("ag", x.shape[0], x.shape[1], w.shape[0]):
+            return c.ag_gemm(x, w, bias=bias)
+    elif tp.mode == "row" and ub["ub_overlap_rs"]:
+        c = ub.comms["fprop"]
+        if c.take_overlap("rs", x.shape[0] // tp.size, x.shape[1], w.shape[0]):
+            return c.gemm_rs(x, w, bias=bias)
     return None
 
 
@@ -277,7 +284,8 @@ def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
         x_total, gathering = gather_input(x_local, tp, async_op=True)
     dx = dx_partial = None
     if need_dx:
-        if f["ub_overlap_rs_dgrad"]:
+        if f["ub_overlap_rs_dgrad"] and ub.comms["dgrad"].take_overlap("rs", dy.shape[0] // tp.size, dy.shape[1],
+                                                                      w.shape[1]):
             dx = ub.comms["dgrad"].gemm_rs(dy, w, transb=False)
         elif f["ub_bulk_wgrad"]:
             dx_partial = _engine.gemm(dy, w)
@@ -304,7 +312,8 @@ def row_backward(dy_local, w, tp, ub, need_dx):
     """Row layer: (dx or None, dy_total for wgrad). With ub_overlap_ag the
     grad_output all-gather overlaps dgrad; dy_total is then a buffer view,
     valid until the communicator's next use (wgrad runs right after)."""
-    if ub.enabled and ub["ub_overlap_ag"] and need_dx:
+    if ub.enabled and ub["ub_overlap_ag"] and need_dx and ub.comms["dgrad"].take_overlap(
+            "ag", dy_local.shape[0], dy_local.shape[1], w.shape[1]):
         c = ub.comms["dgrad"]
         dx = c.ag_gemm(dy_local, w, transb=False)
         return dx, c.get_buffer(shape=(dy_local.shape[0] * c.tp_size, dy_local.shape[1]), dtype=dy_local.dtype)

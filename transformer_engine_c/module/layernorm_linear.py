@@ -18,7 +18,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         x = base.check_input(inp, layer.in_features, weight, tp)
         w = weight_for_compute(weight)
         ub = layer.ub
-        if ub.enabled and ub["ub_overlap_ag"]:
+        if ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap("ag", x.shape[0], x.shape[1],
+                                                                                 w.shape[0]):
             # The norm writes straight into this rank's slot of the buffer;
             # what is saved (and returned) is a copy, never the buffer.
             comm = ub.comms["fprop"]
