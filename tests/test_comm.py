@@ -245,3 +245,44 @@ def test_min_chunk_flops_settings(monkeypatch):
     monkeypatch.setenv("TEC_UB_MIN_CHUNK_FLOPS", "lots")
     with pytest.raises(ValueError, match="TEC_UB_MIN_CHUNK_FLOPS"):
         CommOverlapCPU((8, 4), torch.float32, name="mcf5")
+
+
+def test_a_dropped_communicator_is_freed():
+    """A communicator dropped without close(), after its buffer was viewed
+    and used, is freed once the views are gone: nothing it holds refers
+    back to it (a cached buffer view once did, through the tensor storage)."""
+    import weakref
+    gc.collect()
+    shm = _shm()
+    c = CommOverlapCPU((64, 32), torch.float32, name="dropped")
+    v = c.get_buffer(local_chunk=True)
+    v.copy_(torch.randn(64, 32))
+    c.ag_gemm(v, torch.randn(16, 32))
+    c.bulk_ag_start(torch.randn(64, 32))
+    c.bulk_ag_finish()
+    ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert ref() is not None, "a live buffer view must keep its communicator"
+    del v
+    gc.collect()
+    assert ref() is None, "the dropped communicator is still alive"
+    assert _shm() == shm
+
+
+def test_take_overlap_checks_state_and_values():
+    c = CommOverlapCPU((8, 4), torch.float32, name="mcf_state", min_chunk_flops=float("inf"))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        c.min_chunk_flops = -5
+    with pytest.raises(ValueError, match="unknown key"):
+        c.min_chunk_flops = {"ag": 1, "bulk": 2}
+    assert c.min_chunk_flops == {"ag": float("inf"), "rs": float("inf")}
+    m = tec.Linear(4, 8, device="cpu", parallel_mode="column", ub_overlap_ag=True, ub_comm=c)
+    m(torch.randn(8, 4))
+    assert c.stats()["ag_fallback"] == 1
+    c.close()
+    # a closed communicator is an error on every path, also the fallback one
+    with pytest.raises(tec.EngineError, match="closed"):
+        c.take_overlap("ag", 1, 1, 1)
+    with pytest.raises(tec.EngineError, match="closed"):
+        m(torch.randn(8, 4))

@@ -120,18 +120,23 @@ def norm_fwd(x, gamma, beta, eps, zero_centered_gamma=False, out=None):
     return y, mu, rsigma
 
 
-def norm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma=False, with_dbeta=True):
+def norm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma=False, with_dbeta=True, dparams=None):
     """Backward of norm_fwd: returns (dx, dgamma, dbeta); dbeta None for RMSNorm.
-    dgamma and dbeta are rows 0 and 1 of one [2, cols] tensor (dgamma's
-    ._base), so a caller can reduce both in one collective."""
+    dparams, if given, is a [2, cols] ([1, cols] without dbeta) tensor that
+    receives dgamma and dbeta as its rows (so both can be reduced in one
+    collective); the returned dgamma/dbeta are then those rows."""
     check_tensor(x, "input", ndim=2)
     check_tensor(dy, "grad_output", dtype=x.dtype, device=x.device, shape=x.shape)
     rows, cols = x.shape
     dev = device_code(x.device)
     dx = torch.empty_like(x)
-    dparams = torch.empty(2 if with_dbeta else 1, cols, dtype=gamma.dtype, device=gamma.device)
-    dgamma = dparams[0]
-    dbeta = dparams[1] if with_dbeta else None
+    if dparams is None:
+        dgamma = torch.empty_like(gamma)
+        dbeta = torch.empty_like(gamma) if with_dbeta else None
+    else:
+        check_tensor(dparams, "dparams", dtype=gamma.dtype, device=x.device, shape=(2 if with_dbeta else 1, cols))
+        dgamma = dparams[0]
+        dbeta = dparams[1] if with_dbeta else None
     nbytes = _C.norm_bwd_workspace_bytes(dev, rows, cols)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     _C.norm_bwd(dev, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(mu),

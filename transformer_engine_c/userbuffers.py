@@ -160,8 +160,7 @@ class CommOverlap(_C.CommOverlap):
         self.num_splits = num_splits
         self.timeout = timeout
         self._pending = None
-        self._flat_u8 = None
-        self.min_chunk_flops = _min_chunk_flops(min_chunk_flops, device)
+        self._min_chunk_flops = _min_chunk_flops(min_chunk_flops, device)
         self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
@@ -178,7 +177,7 @@ class CommOverlap(_C.CommOverlap):
         """Collective: exchange handles of `comms` (same order on every rank),
         map peers, and unlink names once everyone has mapped."""
         size = comms[0].tp_size if comms else 1
-        mine = [c._local_handle() for c in comms]
+        mine = [(c._local_handle(), c._min_chunk_flops) for c in comms]
         if size == 1:
             everyone = [mine]
         else:
@@ -187,7 +186,12 @@ class CommOverlap(_C.CommOverlap):
         error = None
         try:
             for i, c in enumerate(comms):
-                c._open_peers([everyone[r][i] for r in range(size)])
+                for r in range(size):  # the fallback decision must be the same everywhere
+                    if everyone[r][i][1] != c._min_chunk_flops:
+                        raise ValueError(f"communicator '{c.name}': min_chunk_flops is {c._min_chunk_flops} on "
+                                         f"this rank but {everyone[r][i][1]} on rank {r} (set "
+                                         "TEC_UB_MIN_CHUNK_FLOPS or min_chunk_flops alike on every rank)")
+                c._open_peers([everyone[r][i][0] for r in range(size)])
                 debug.register_comm(c)  # own + peers' ranges are final now
         except Exception as e:  # every rank learns of it instead of waiting at a barrier
             error = e
@@ -214,17 +218,14 @@ class CommOverlap(_C.CommOverlap):
         return stream_of(self.device)
 
     def _flat(self, dtype):
-        """The whole buffer as a 1-D tensor of dtype. The byte view is made
-        once (wrapping the mapping costs tens of microseconds on CUDA) and
-        kept until close(); it pins the mapping while it lives."""
-        flat = self._flat_u8
-        if flat is None:
-            self._live()
-            if self.device.type == "cpu":
-                flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
-            else:
-                flat = torch.as_tensor(_DeviceView(self, self.nbytes), device=self.device)
-            self._flat_u8 = flat
+        """The whole buffer as a 1-D tensor of dtype. Made anew on every
+        call: a view cached on the communicator would hold the communicator
+        through the tensor's storage, a cycle the garbage collector cannot
+        see, and a dropped communicator would never be freed."""
+        if self.device.type == "cpu":
+            flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
+        else:
+            flat = torch.as_tensor(_DeviceView(self, self.nbytes), device=self.device)
         return flat.view(dtype)
 
     def _too_small(self, what, shape, dtype, need, have):
@@ -399,12 +400,25 @@ class CommOverlap(_C.CommOverlap):
         self._bulk_rs_finish(self._stream())
         return pending[2]
 
+    @property
+    def min_chunk_flops(self):
+        """{"ag": flops, "rs": flops}: the layers' fallback thresholds. Set it
+        to the same value on every rank of the group (ranks that disagree take
+        different paths and time out waiting for each other)."""
+        return dict(self._min_chunk_flops)
+
+    @min_chunk_flops.setter
+    def min_chunk_flops(self, value):
+        self._min_chunk_flops = _min_chunk_flops(value, self.device)
+
     def take_overlap(self, op, rows, k, n):
         """Whether a layer should run the overlapped `op` ("ag": ag_gemm,
         "rs": gemm_rs) whose chunk GEMMs are [rows, k] @ [k, n]: False below
         min_chunk_flops, counted in stats() as a fallback. The answer depends
-        on the shape only, so every rank of the group takes the same path."""
-        if 2.0 * rows * k * n >= self.min_chunk_flops[op]:
+        on the shape and the threshold, which the ranks checked agree at
+        creation, so every rank of the group takes the same path."""
+        self._live()
+        if 2.0 * rows * k * n >= self._min_chunk_flops[op]:
             return True
         self._fallbacks[op + "_fallback"] += 1
         return False
@@ -420,7 +434,6 @@ class CommOverlap(_C.CommOverlap):
         """Release the communicator (idempotent); the saved-tensor checker
         stops watching its ranges."""
         debug.unregister_comm(self)
-        self._flat_u8 = None  # the cached view pins the mapping: let it go
         super().close()
 
     def synchronize(self):

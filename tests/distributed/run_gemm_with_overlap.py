@@ -153,6 +153,12 @@ def check_mismatch(rank, tp):
         raise AssertionError("mismatched buffers across ranks were accepted")
     except ValueError as e:
         assert "mismatched shapes" in str(e), e
+    # fallback thresholds differ across ranks (they would take different paths): caught at construction
+    try:
+        common.comm((4 * tp, 8), torch.float32, name="mm_flops", min_chunk_flops=1e9 * (rank % 2))
+        raise AssertionError("different min_chunk_flops across ranks were accepted")
+    except (ValueError, RuntimeError) as e:
+        assert "min_chunk_flops" in str(e), e
     # same buffer, different chunk shapes per rank: caught by the handshake
     comm = common.comm((8 * tp, 8), torch.float32, timeout=10.0, name="mm")
     rows = 4 + 2 * (rank % 2)

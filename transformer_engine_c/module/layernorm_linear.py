@@ -57,12 +57,15 @@ class _LayerNormLinearFn(torch.autograd.Function):
         if res is not None:
             dw, db = res
             dw = weight_grad(weight, dw)
+        # Under sequence parallelism each rank normalised only its own tokens:
+        # the parameter grads are summed over the group, both rows of one
+        # tensor in one collective (so the two .grad tensors share a storage).
+        dparams = torch.empty(1 + (mu is not None), x.shape[1], dtype=ln_weight.dtype,
+                              device=x.device) if tp.sp else None
         dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, ln_weight, ctx.zero_centered_gamma,
-                                             with_dbeta=mu is not None)
-        if tp.sp:
-            # Each rank normalised only its own tokens: sum the parameter
-            # grads (both rows of one tensor: one collective).
-            all_reduce(dgamma._base, tp.group, tp.size)
+                                             with_dbeta=mu is not None, dparams=dparams)
+        if dparams is not None:
+            all_reduce(dparams, tp.group, tp.size)
         return dx.view(ctx.inp_shape), dgamma, dbeta, dw, db, None
 
 
