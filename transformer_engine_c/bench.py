@@ -158,6 +158,22 @@ def timed_overlap(tec, row, timer, fn):
     row["path"] = _path(before, _paths(tec))
 
 
+def time_ours(tec, row, timer, make, w, x):
+    """row["ours"] / row["ours_overlap"]: the forward (no_grad) of our layer
+    make(overlap) with weight w on input x, without and with overlap."""
+    for overlap in (False, True):
+        try:
+            layer = make(overlap)
+        except NotImplementedError:
+            continue
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            if overlap:
+                timed_overlap(tec, row, timer, lambda: layer(x))
+            else:
+                row["ours"] = timer(lambda: layer(x))
+
+
 def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
     import torch.distributed as dist
 
@@ -184,18 +200,8 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             wt = w.t()
             row["async_tp"] = timer(lambda: symm.fused_all_gather_matmul(
                 F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name))
-        for overlap in (False, True):
-            try:
-                fc1, _ = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
-            except NotImplementedError:
-                continue
-            with torch.no_grad():
-                fc1.weight.copy_(w)
-            with torch.no_grad():
-                if overlap:
-                    timed_overlap(tec, row, timer, lambda: fc1(x))
-                else:
-                    row["ours"] = timer(lambda: fc1(x))
+        time_ours(tec, row, timer, lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0],
+                  w, x)
         row["ours_gemm"] = timer(lambda: tec._engine.gemm(ln_total, w, transb=True))
         row["ours_norm"] = timer(lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5))
         nbytes = x.numel() * x.element_size()
@@ -220,17 +226,8 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             wt = w.t()
             row["async_tp"] = timer(lambda: symm.fused_matmul_reduce_scatter(
                 x, wt, "sum", scatter_dim=0, group_name=group.group_name))
-        for overlap in (False, True):
-            try:
-                _, fc2 = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
-            except NotImplementedError:
-                continue
-            with torch.no_grad():
-                fc2.weight.copy_(w)
-                if overlap:
-                    timed_overlap(tec, row, timer, lambda: fc2(x))
-                else:
-                    row["ours"] = timer(lambda: fc2(x))
+        time_ours(tec, row, timer, lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1],
+                  w, x)
     else:  # mlp forward + backward
         x = rnd(T // size, H).requires_grad_()
         dy = rnd(T // size, H)
