@@ -14,6 +14,7 @@ from . import _C
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CUDA_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtec_cuda.so")
 _workspaces = {}
+_gemm_ws_bytes = {}  # device code -> the GEMM's workspace size (fixed per device)
 
 
 def cuda_backend_built():
@@ -169,11 +170,14 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
     if bias is not None:
         check_tensor(bias, "bias", dtype=a.dtype, device=a.device, shape=(n,))
     bgrad = torch.empty(m, dtype=a.dtype, device=a.device) if bias_grad else None
-    dev = device_code(a.device)
-    nbytes = _C.gemm_workspace_bytes(dev)
-    ws = workspace(a.device, nbytes)
+    device = a.device
+    dev = device_code(device)
+    nbytes = _gemm_ws_bytes.get(dev)
+    if nbytes is None:
+        nbytes = _gemm_ws_bytes[dev] = _C.gemm_workspace_bytes(dev)
+    ws = workspace(device, nbytes)
     _C.gemm(dev, DTYPE_CODES[a.dtype], DTYPE_CODES[out.dtype], int(transa), int(transb), m, n, k,
-            _addr(a), a.stride(0), _addr(b), b.stride(0), _addr(out), out.stride(0),
-            _addr(bias), _addr(bgrad), int(bool(accumulate)), _addr(ws), nbytes,
-            stream_of(a.device))
+            a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0),
+            _addr(bias), _addr(bgrad), int(bool(accumulate)), ws.data_ptr() if ws is not None else 0, nbytes,
+            stream_of(device) if dev >= 0 else 0)
     return (out, bgrad) if bias_grad else out
