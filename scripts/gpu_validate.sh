@@ -5,6 +5,8 @@
 # and the benchmark when BENCH is set. Logs go to ${OUT:-out}/.
 #   bash scripts/gpu_validate.sh [pytest selection...]
 #   BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh
+#   PROFILE=2048x2048x6144,8192x4096x12288 bash scripts/gpu_validate.sh tests/test_kernels.py
+#     (also runs scripts/profile_overlap.py on every GPU: host/GPU times, cProfile, a trace)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,6 +31,11 @@ log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
 timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
 log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"
+if [ -n "${PROFILE:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 300 python3 -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+      scripts/profile_overlap.py --shapes "$PROFILE" --out "$OUT/profile" > "$OUT/profile.log" 2>&1
+  log "profile: exit $?"; cat "$OUT/profile/times.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
+fi
 if [ -n "${BENCH:-}" ]; then
   timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench" > "$OUT/bench.log" 2>&1
   log "bench: exit $?"; grep -E "^\|" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
