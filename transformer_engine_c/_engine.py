@@ -21,7 +21,7 @@ def cuda_backend_built():
     return os.path.exists(_CUDA_LIB)
 
 
-def _ensure_backend(device):
+def _load_cuda_backend():
     if not _C.has_cuda_backend():
         if not cuda_backend_built():
             raise RuntimeError(
@@ -40,7 +40,7 @@ def device_code(device):
     if device.type != "cuda":
         raise ValueError(f"device {device} is not supported (expected cpu or cuda)")
     if not _C.has_cuda_backend():
-        _ensure_backend(device)
+        _load_cuda_backend()
     return device.index if device.index is not None else torch.cuda.current_device()
 
 

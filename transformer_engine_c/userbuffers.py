@@ -290,25 +290,31 @@ class CommOverlap(_C.CommOverlap):
             raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
                                f"(call {self._pending[0]}_finish first)")
 
+    def _operands(self, op, a, weight, transb, bias):
+        """Check a GEMM schedule's input [rows, k], weight (op(weight) is
+        [k, n]) and bias [n]; return (rows, k, n)."""
+        self._check_idle(op)
+        self._check_mat(a, "input")
+        self._check_mat(weight, "weight", dtype=a.dtype)
+        rows, k = a.shape
+        n, kw = weight.shape if transb else weight.shape[::-1]
+        if kw != k:
+            raise ValueError(f"{op}: input is [{rows}, {k}] but op(weight) is [{kw}, {n}]")
+        if bias is not None:
+            check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
+        return rows, k, n
+
     def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None):
         """out[tp*rows, n] = all_gather(a_local) @ op(weight) (+ bias), the
         gather overlapped with the GEMM. a_local: this rank's [rows, k] chunk
         (a tensor, or the view get_buffer(local_chunk=True) returned: then no
         copy). weight: [n, k] with transb (fprop) or [k, n] (dgrad).
         Afterwards get_buffer() holds the gathered input."""
-        self._check_idle("ag_gemm")
-        self._check_mat(a_local, "input")
-        self._check_mat(weight, "weight", dtype=a_local.dtype)
-        rows, k = a_local.shape
-        n, kw = weight.shape if transb else weight.shape[::-1]
-        if kw != k:
-            raise ValueError(f"ag_gemm: input is [{rows}, {k}] but op(weight) is [{kw}, {n}]")
+        rows, k, n = self._operands("ag_gemm", a_local, weight, transb, bias)
         es = a_local.element_size()
         if rows * k * es * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
                                   rows * k * es * self.tp_size, self.nbytes)
-        if bias is not None:
-            check_tensor(bias, "bias", dtype=a_local.dtype, device=self.device, shape=(n,))
         if out is None:
             out = torch.empty(rows * self.tp_size, n, dtype=out_dtype or a_local.dtype, device=self.device)
         else:
@@ -324,21 +330,13 @@ class CommOverlap(_C.CommOverlap):
         """out[S/tp, n] = reduce_scatter(a[S, k] @ op(weight)) (+ bias once),
         each peer's partial sent while the next is computed, partials summed
         in float32."""
-        self._check_idle("gemm_rs")
-        self._check_mat(a, "input")
-        self._check_mat(weight, "weight", dtype=a.dtype)
-        S, k = a.shape
-        n, kw = weight.shape if transb else weight.shape[::-1]
-        if kw != k:
-            raise ValueError(f"gemm_rs: input is [{S}, {k}] but op(weight) is [{kw}, {n}]")
+        S, k, n = self._operands("gemm_rs", a, weight, transb, bias)
         if S % self.tp_size:
             raise ValueError(f"gemm_rs: the input's {S} rows are not divisible by tp_size {self.tp_size}")
         rows = S // self.tp_size
         es = a.element_size()
         if S * n * es > self.nbytes:
             raise self._too_small("the GEMM output", (S, n), a.dtype, S * n * es, self.nbytes)
-        if bias is not None:
-            check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
         if out is None:
             out = torch.empty(rows, n, dtype=a.dtype, device=self.device)
         else:
