@@ -304,17 +304,26 @@ class CommOverlap(_C.CommOverlap):
             check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
         return rows, k, n
 
-    def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None):
+    def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None, local_copy=None):
         """out[tp*rows, n] = all_gather(a_local) @ op(weight) (+ bias), the
         gather overlapped with the GEMM. a_local: this rank's [rows, k] chunk
         (a tensor, or the view get_buffer(local_chunk=True) returned: then no
         copy). weight: [n, k] with transb (fprop) or [k, n] (dgrad).
+        local_copy: a [rows, k] tensor outside the buffer that receives this
+        rank's chunk, copied on the comm stream off the GEMMs' path (a layer
+        saves it for backward instead of cloning the buffer slot).
         Afterwards get_buffer() holds the gathered input."""
         rows, k, n = self._operands("ag_gemm", a_local, weight, transb, bias)
         es = a_local.element_size()
         if rows * k * es * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
                                   rows * k * es * self.tp_size, self.nbytes)
+        if local_copy is not None:
+            check_tensor(local_copy, "local_copy", dtype=a_local.dtype, device=self.device, shape=(rows, k))
+            p = local_copy.data_ptr()
+            if any(start < p + rows * k * es and p < start + nbytes for start, nbytes in self.buffer_ranges()):
+                raise ValueError(f"communicator '{self.name}': local_copy lies in a communicator buffer; it must "
+                                 "be memory of its own (it is what outlives the buffer's next use)")
         if out is None:
             out = torch.empty(rows * self.tp_size, n, dtype=out_dtype or a_local.dtype, device=self.device)
         else:
@@ -323,7 +332,8 @@ class CommOverlap(_C.CommOverlap):
                 raise ValueError(f"out has shape {tuple(out.shape)}; expected {(rows * self.tp_size, n)}")
         self._ag_gemm(a_local.data_ptr(), rows, k, n, DTYPE_CODES[a_local.dtype], DTYPE_CODES[out.dtype],
                       weight.data_ptr(), weight.stride(0), int(transb), out.data_ptr(), out.stride(0),
-                      bias.data_ptr() if bias is not None else 0, self._stream())
+                      bias.data_ptr() if bias is not None else 0,
+                      local_copy.data_ptr() if local_copy is not None else 0, self._stream())
         return out
 
     def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None):

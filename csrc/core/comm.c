@@ -128,10 +128,14 @@ static tec_status wait_consumed(tec_comm *c, const char *op, void *stream)
     return TEC_OK;
 }
 
-/* Take the next epoch and say so in our own region. */
+/* Take the next epoch and, on the CPU, say so in our own region (read only
+ * by name_absent after a CPU timeout; on CUDA it would cost a kernel launch
+ * per operation for nothing). */
 static uint64_t next_epoch(tec_comm *c, void *stream)
 {
     uint64_t e = ++c->epoch;
+    if (c->device != TEC_DEVICE_CPU)
+        return e;
     tec_status st = c->ops->signal(c->t, flag(c, c->rank, TEC_FLAG_ARRIVED, c->rank), tec_flag_value(e, 0), stream);
     if (st)
         fail(c, tr(c, st));
@@ -424,12 +428,16 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
          * input afterwards (a row layer's wgrad reads it). */
         if (a->a_local && a->a_local != slot(c, r, r, chunk))
             TRY(c->ops->copy(c->t, slot(c, r, r, chunk), a->a_local, chunk, stream));
+        if (a->local_copy)
+            TRY(c->ops->copy(c->t, a->local_copy, local, chunk, stream));
         TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
                  a->out_dtype, a->bias, stream));
         c->stats.non_overlap++;
         return TEC_OK;
     }
     TRY(gather(c, "ag_gemm", a->a_local, chunk, v, 1, stream));
+    if (a->local_copy) /* on the comm stream after the pulls: the GEMMs do not wait for it */
+        TRY(c->ops->copy(c->t, a->local_copy, local, chunk, c->ops->comm_stream(c->t)));
     /* Local chunk first, straight from where it is. */
     TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
              a->out_dtype, a->bias, stream));

@@ -366,9 +366,13 @@ tec_status tec_comm_acquire(tec_comm *c, void *stream);
  * a_local directly). B is [k, n] (ldb >= n) or [n, k] with transb. Output
  * rows of chunk p land at out + p*rows*ldc. Local chunk first; each peer's
  * chunk is pulled straight from its owner while the previous GEMM runs.
- * Afterwards the buffer holds the gathered A (valid until the next use). */
+ * Afterwards the buffer holds the gathered A (valid until the next use).
+ * `local_copy`, if set, receives a copy of this rank's chunk on the comm
+ * stream, after the pulls and off the GEMMs' stream (what a layer saves for
+ * backward: the buffer itself must never be saved). */
 typedef struct {
     const void *a_local;  /* NULL: already in the buffer slot */
+    void *local_copy;     /* [rows, k] outside the buffer, or NULL */
     int64_t rows, k, n;   /* rows per chunk */
     tec_dtype dtype, out_dtype;
     const void *b; int64_t ldb; int transb;

@@ -203,16 +203,17 @@ static PyObject *py_acquire(PyObject *self, PyObject *const *args, Py_ssize_t na
     return done(self, st);
 }
 
-/* _ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, stream) */
+/* _ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream) */
 static PyObject *py_ag_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("_ag_gemm", 13);
+    ARGC("_ag_gemm", 14);
     LIVE(c);
     tec_ag_gemm_args a = {0};
     int64_t dt, odt, tb;
     void *stream;
     PTR(0, a.a_local); I64(1, a.rows); I64(2, a.k); I64(3, a.n); I64(4, dt); I64(5, odt);
-    PTR(6, a.b); I64(7, a.ldb); I64(8, tb); PTR(9, a.out); I64(10, a.ldc); PTR(11, a.bias); PTR(12, stream);
+    PTR(6, a.b); I64(7, a.ldb); I64(8, tb); PTR(9, a.out); I64(10, a.ldc); PTR(11, a.bias);
+    PTR(12, a.local_copy); PTR(13, stream);
     a.dtype = (tec_dtype)dt;
     a.out_dtype = (tec_dtype)odt;
     a.transb = (int)tb;
@@ -445,7 +446,7 @@ static PyMethodDef comm_methods[] = {
     M("_release_handle", py_release_handle, "_release_handle(): every peer mapped us (unlink the name)"),
     M("_set_gemm_workspace", py_set_gemm_workspace, "_set_gemm_workspace(ptr, nbytes)"),
     M("_acquire", py_acquire, "_acquire(stream): wait until peers read our slot"),
-    M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, stream)"),
+    M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream)"),
     M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream)"),
     M("_bulk_ag_start", py_bulk_ag_start, "_bulk_ag_start(src, chunk_bytes, stream)"),
     M("_bulk_ag_finish", py_bulk_ag_finish, "_bulk_ag_finish(stream)"),

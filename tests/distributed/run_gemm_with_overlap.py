@@ -48,9 +48,17 @@ def check_numerics(rank, tp):
             # column fprop, input written straight into this rank's slot (the norm's path)
             slot = comm.get_buffer(local_chunk=True, shape=(rows, K))
             slot.copy_(x * 2)
-            out = comm.ag_gemm(slot, w)
+            saved = torch.full((rows, K), float("nan")).to(dtype)
+            out = comm.ag_gemm(slot, w, local_copy=saved)
             close(out, (full * 2) @ w.T, f"ag_gemm in-buffer {dtype} it{it}")
             del slot
+            # the copy (made on the comm side) is complete once the call's output is usable
+            assert torch.equal(saved, x * 2), "local_copy does not hold this rank's chunk"
+            try:
+                comm.ag_gemm(x, w, local_copy=comm.get_buffer(shape=(rows, K)))
+                raise AssertionError("a local_copy inside the buffer was accepted")
+            except ValueError as e:
+                assert "local_copy lies in a communicator buffer" in str(e), e
             # row dgrad: gathered grad_output [S, N] @ W [N, K]
             dy = torch.randn(rows, N, generator=gl).to(dtype)
             out = comm.ag_gemm(dy, w, transb=False)
@@ -187,7 +195,7 @@ def check_small(rank, tp):
     # the engine checks too (bypassing the Python checks)
     try:
         x, w, out = torch.randn(16, 8), torch.randn(8, 8), torch.empty(16 * tp, 8)
-        comm._ag_gemm(x.data_ptr(), 16, 8, 8, 0, 0, w.data_ptr(), 8, 1, out.data_ptr(), 8, 0, 0)
+        comm._ag_gemm(x.data_ptr(), 16, 8, 8, 0, 0, w.data_ptr(), 8, 1, out.data_ptr(), 8, 0, 0, 0)
         raise AssertionError("the engine accepted an input larger than the buffer")
     except ValueError as e:
         assert "buffer too small for the input" in str(e), e

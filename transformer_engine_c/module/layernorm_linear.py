@@ -21,13 +21,14 @@ class _LayerNormLinearFn(torch.autograd.Function):
         if ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap("ag", x.shape[0], x.shape[1],
                                                                                  w.shape[0]):
             # The norm writes straight into this rank's slot of the buffer;
-            # what is saved (and returned) is a copy, never the buffer.
+            # what is saved (and returned) is a copy, never the buffer, made
+            # on the comm stream while the GEMMs run.
             comm = ub.comms["fprop"]
             slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
             ln_view, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma,
                                                    out=slot)
-            y = comm.ag_gemm(ln_view, w, bias=bias)
-            ln_out = ln_view.clone()
+            ln_out = torch.empty_like(x)
+            y = comm.ag_gemm(ln_view, w, bias=bias, local_copy=ln_out)
             del slot, ln_view
         else:
             ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma)
