@@ -9,13 +9,14 @@ import sys
 def test_bench_command_runs_on_cpu(tmp_path):
     out = tmp_path / "bench"
     r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--device", "cpu", "--iters", "1",
-                        "--warmup", "1", "--batch", "2", "--out", str(out)],
+                        "--warmup", "1", "--batch", "2", "--cases", "ag_gemm,gemm_rs,mlp,mlp_bulk",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["batch"] == 2
     rows = {row["case"]: row for row in data["rows"]}
-    assert set(rows) == {"ag_gemm", "gemm_rs", "mlp"}
+    assert set(rows) == {"ag_gemm", "gemm_rs", "mlp", "mlp_bulk"}
     for case, row in rows.items():
         assert row["ours"] > 0 and row["ours_overlap"] > 0, (case, row)
         assert row["path"] == "overlap", (case, row)  # the CPU transport overlaps every size

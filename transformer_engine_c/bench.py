@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ._launch import init_rank, relaunch, under_torchrun
 
-CASES = ("ag_gemm", "gemm_rs", "mlp")
+CASES = ("ag_gemm", "gemm_rs", "mlp", "mlp_bulk")
+DEFAULT_CASES = ("ag_gemm", "gemm_rs", "mlp")
 
 
 def parse():
@@ -37,7 +38,9 @@ def parse():
     ap.add_argument("--nproc", type=int, default=None)
     ap.add_argument("--shapes", default=None, help="comma-separated TOKENSxHIDDENxN")
     ap.add_argument("--sweep", action="store_true", help="the full shape sweep")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                    help=f"comma-separated, of {', '.join(CASES)} (mlp_bulk: fc1's backward with ub_bulk_dgrad + "
+                    "ub_bulk_wgrad instead of ub_overlap_rs_dgrad)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
@@ -125,14 +128,16 @@ def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
         tec.destroy_ub()
         tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group)
     fc1 = fc2 = None
-    if kind in ("ag_gemm", "mlp"):
-        if overlap:
-            ub = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=kind == "mlp", ub_name="fc1")
+    mlp = kind in ("mlp", "mlp_bulk")
+    if kind == "ag_gemm" or mlp:
+        if overlap:  # fc1's backward: dgrad GEMM+RS (mlp), or bulk AG during dgrad + bulk RS during wgrad
+            ub = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=kind == "mlp", ub_bulk_dgrad=kind == "mlp_bulk",
+                      ub_bulk_wgrad=kind == "mlp_bulk", ub_name="fc1")
         fc1 = tec.LayerNormLinear(H, N, params_dtype=dtype, device=device, parallel_mode="column",
                                   sequence_parallel=True, tp_group=group, **ub)
-    if kind in ("gemm_rs", "mlp"):
+    if kind == "gemm_rs" or mlp:
         if overlap:
-            ub = dict(ub_overlap_rs=True, ub_overlap_ag=kind == "mlp", ub_name="fc2")
+            ub = dict(ub_overlap_rs=True, ub_overlap_ag=mlp, ub_name="fc2")
         fc2 = tec.Linear(N, H, params_dtype=dtype, device=device, parallel_mode="row",
                          sequence_parallel=True, tp_group=group, **ub)
     return fc1, fc2
@@ -141,7 +146,7 @@ def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
 def _paths(tec):
     """Overlapped and fallback calls so far, over the registry's communicators."""
     st = [tec.get_ub(n).stats() for n in tec.LAYER_NAMES]
-    return (sum(s["ag_overlap"] + s["rs_overlap"] for s in st),
+    return (sum(s["ag_overlap"] + s["rs_overlap"] + s["bulk_ag"] + s["bulk_rs"] for s in st),
             sum(s["ag_fallback"] + s["rs_fallback"] for s in st))
 
 
@@ -228,7 +233,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 x, wt, "sum", scatter_dim=0, group_name=group.group_name))
         time_ours(tec, row, timer, lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1],
                   w, x)
-    else:  # mlp forward + backward
+    else:  # mlp / mlp_bulk forward + backward
         x = rnd(T // size, H).requires_grad_()
         dy = rnd(T // size, H)
         for overlap in (False, True):
