@@ -49,12 +49,17 @@ def times(fn, n=20, reps=5):
     return statistics.median(host), statistics.median(gpu), statistics.median(synced)
 
 
+MODES = ("none", "rs_dgrad", "bulk")  # fc1's backward: no overlap, dgrad GEMM+RS, bulk AG + bulk RS
+
+
 def layers(T, H, N, size, group, overlap, dtype, device):
     ub1 = ub2 = {}
-    if overlap:
+    if overlap != "none":
         tec.destroy_ub()
         tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group)
-        ub1 = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=True, ub_name="fc1")
+        bulk = overlap == "bulk"
+        ub1 = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=not bulk, ub_bulk_dgrad=bulk, ub_bulk_wgrad=bulk,
+                   ub_name="fc1")
         ub2 = dict(ub_overlap_rs=True, ub_overlap_ag=True, ub_name="fc2")
     kw = dict(params_dtype=dtype, device=device, sequence_parallel=True, tp_group=group)
     fc1 = tec.LayerNormLinear(H, N, parallel_mode="column", **kw, **ub1)
@@ -83,7 +88,7 @@ def main():
         xh = torch.randn(T, N // size, dtype=dtype, device=device)
         dy = torch.randn(T // size, H, dtype=dtype, device=device)
         xg = x.clone().requires_grad_()
-        for overlap in (False, True):
+        for overlap in MODES:
             fc1, fc2 = layers(T, H, N, size, group, overlap, dtype, device)
 
             def step():
@@ -93,8 +98,17 @@ def main():
                 res = {k: times(f) for k, f in cases.items()}
             res["mlp step"] = times(step, n=5)
             for k, (h, g, s) in res.items():
-                say(f"{shape} overlap={int(overlap)} {k:9s} host {h:7.3f}  gpu {g:7.3f}  synced {s:7.3f} ms")
-            if overlap and shape == args.shapes.split(",")[0]:  # every rank steps (collectives)
+                say(f"{shape} overlap={overlap:8s} {k:9s} host {h:7.3f}  gpu {g:7.3f}  synced {s:7.3f} ms")
+            first = shape == args.shapes.split(",")[0]
+            if first:  # every rank steps (collectives): a trace of the MLP step alone
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        step()
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    prof.export_chrome_trace(os.path.join(args.out, f"mlp_{overlap}_{shape}.json"))
+            if overlap == "rs_dgrad" and first:
                 pr = cProfile.Profile()
                 pr.enable()
                 for _ in range(20):
@@ -106,7 +120,7 @@ def main():
                 if rank == 0:
                     with open(os.path.join(args.out, f"cprofile_{shape}.txt"), "w") as f:
                         f.write(buf.getvalue())
-            if overlap and shape == args.shapes.split(",")[-1]:
+            if overlap == "rs_dgrad" and shape == args.shapes.split(",")[-1]:
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
