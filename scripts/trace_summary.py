@@ -72,7 +72,41 @@ def summary(path):
             n[1] += e["dur"]
         for name, (count, dur) in sorted(names.items(), key=lambda kv: -kv[1][1])[:8]:
             lines.append(f"      {dur / 1e3:8.3f} ms {count:4d}x {name}")
+    lines += gaps(max(streams.values(), key=lambda evs: sum(e["dur"] for e in evs if category(e) == "gemm")))
     return "\n".join(lines)
+
+
+def short(name):
+    """A kernel's name without namespaces, arguments and template noise
+    (elementwise kernels keep their functor's name)."""
+    name = name.replace("(anonymous namespace)::", "")
+    if "elementwise_kernel" in name:
+        functors = re.findall(r"native::(\w+)", name)
+        return "elementwise " + (functors[1] if len(functors) > 1 else "?")
+    name = re.sub(r"^void ", "", name)
+    name = re.sub(r"[(<].*$", "", name)
+    return name.split("::")[-1][:40]
+
+
+def gaps(evs):
+    """The compute stream's idle gaps: total by (op before, op after), largest first."""
+    evs = sorted(evs, key=lambda e: e["ts"])
+    pairs = defaultdict(lambda: [0, 0.0])
+    small = 0.0
+    for a, b in zip(evs, evs[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap <= 0:
+            continue
+        if gap < 5:
+            small += gap
+            continue
+        p = pairs[(short(a.get("name", "?")), short(b.get("name", "?")))]
+        p[0] += 1
+        p[1] += gap
+    out = [f"  compute stream gaps: {small / 1e3:.3f} ms in gaps under 5 us; larger ones by (before -> after):"]
+    for (a, b), (count, total) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:12]:
+        out.append(f"      {total / 1e3:8.3f} ms {count:4d}x {a} -> {b}")
+    return out
 
 
 if __name__ == "__main__":

@@ -425,11 +425,15 @@ class CommOverlap(_C.CommOverlap):
         min_chunk_flops, counted in stats() as a fallback. The answer depends
         on the shape and the threshold, which the ranks checked agree at
         creation, so every rank of the group takes the same path."""
-        self._live()
-        if 2.0 * rows * k * n >= self._min_chunk_flops[op]:
+        if self.pays(op, rows, k, n):
             return True
         self._fallbacks[op + "_fallback"] += 1
         return False
+
+    def pays(self, op, rows, k, n):
+        """take_overlap's answer without counting anything."""
+        self._live()
+        return 2.0 * rows * k * n >= self._min_chunk_flops[op]
 
     def stats(self):
         """Counters: how often each path ran (ag_overlap, rs_overlap, bulk_ag,

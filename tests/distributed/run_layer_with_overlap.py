@@ -80,7 +80,8 @@ def check_layers(tp, dtype):
     run_pair(lambda ub: tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=ub, ub_overlap_rs_dgrad=ub,
                                    ub_comm=c if ub else None, **kw),
              (SEQ, BATCH, HID), dtype, f"Linear column rs_dgrad {dtype}", 2)
-    expect(s0, c, {"fprop": {"ag_overlap": 2}, "dgrad": {"rs_overlap": 1}}, "Linear column rs_dgrad")
+    # (the wgrad input is gathered on the idle fprop communicator: bulk_ag)
+    expect(s0, c, {"fprop": {"ag_overlap": 2, "bulk_ag": 1}, "dgrad": {"rs_overlap": 1}}, "Linear column rs_dgrad")
     # Linear column: bulk all-gather with dgrad, bulk reduce-scatter with wgrad
     s0 = snapshot(c)
     run_pair(lambda ub: tec.Linear(HID, FFN, parallel_mode="column", ub_bulk_dgrad=ub, ub_bulk_wgrad=ub,
@@ -102,7 +103,7 @@ def check_layers(tp, dtype):
                                                 ub_overlap_ag=ub, ub_overlap_rs_dgrad=ub,
                                                 ub_comm=c if ub else None, **kw),
                  (SEQ, BATCH, HID), dtype, f"LayerNormLinear {norm} ag+rs_dgrad {dtype}", 5, scale=1.0)
-        expect(s0, c, {"fprop": {"ag_overlap": 2}, "dgrad": {"rs_overlap": 1}},
+        expect(s0, c, {"fprop": {"ag_overlap": 2, "bulk_ag": 1}, "dgrad": {"rs_overlap": 1}},
                f"LayerNormLinear {norm} ag+rs_dgrad")
     for x in c.values():
         x.close()
@@ -125,8 +126,9 @@ def check_fallback(tp, dtype):
     run_pair(lambda ub: tec.LayerNormLinear(HID, FFN, parallel_mode="column", ub_overlap_ag=ub,
                                             ub_overlap_rs_dgrad=ub, ub_comm=c if ub else None, **kw),
              (SEQ, BATCH, HID), dtype, f"LayerNormLinear fallback {dtype}", 12, scale=1.0)
-    expect(s0, c, {"fprop": {"ag_fallback": 2, "ag_overlap": 0}, "dgrad": {"rs_fallback": 1, "rs_overlap": 0}},
-           "LayerNormLinear fallback")
+    # where the forward fell back, NCCL (not the fprop communicator) gathers the wgrad input
+    expect(s0, c, {"fprop": {"ag_fallback": 2, "ag_overlap": 0, "bulk_ag": 0},
+                   "dgrad": {"rs_fallback": 1, "rs_overlap": 0}}, "LayerNormLinear fallback")
     # The boundary: the fprop chunk GEMM is [SEQ*BATCH, HID] @ [HID, FFN/tp].
     flops = 2.0 * SEQ * BATCH * HID * (FFN // tp)
     layer = tec.Linear(HID, FFN, parallel_mode="column", ub_overlap_ag=True, ub_comm=c["fprop"], **kw)

@@ -275,12 +275,32 @@ def column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
         raise
 
 
+def wgrad_gather_comm(x_local, w, tp, ub):
+    """The communicator that gathers a column layer's input for wgrad on the
+    copy engines when ub_bulk_dgrad does not: the layer's fprop communicator
+    (it gathered the same input in the forward, so its buffer fits), idle
+    during the backward unless it is also the dgrad one, and only where the
+    forward overlapped at this shape. None: NCCL gathers it."""
+    if not (ub.enabled and tp.sp and ub["ub_overlap_ag"]):
+        return None
+    c = ub.comms["fprop"]
+    if c is ub.comms.get("dgrad") or c is ub.comms.get("wgrad"):
+        return None
+    if x_local.numel() * x_local.element_size() * tp.size > c.nbytes:
+        return None
+    return c if c.pays("ag", x_local.shape[0], x_local.shape[1], w.shape[0]) else None
+
+
 def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
     f = ub.flags if ub.enabled else dict.fromkeys(UB_FLAGS, False)
-    x_total = gathering = None
+    x_total = gathering = bulk_gather = None
     if f["ub_bulk_dgrad"]:
-        ub.comms["dgrad"].bulk_ag_start(x_local)
-    elif need_w and need_dx:  # the input all-gather for wgrad runs during the dgrad GEMM
+        bulk_gather = ub.comms["dgrad"]
+    elif need_w:
+        bulk_gather = wgrad_gather_comm(x_local, w, tp, ub)
+    if bulk_gather is not None:  # the input all-gather for wgrad runs during the dgrad GEMM
+        bulk_gather.bulk_ag_start(x_local)
+    elif need_w and need_dx:
         x_total, gathering = gather_input(x_local, tp, async_op=True)
     dx = dx_partial = None
     if need_dx:
@@ -291,8 +311,8 @@ def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
             dx_partial = _engine.gemm(dy, w)
         else:
             dx = dgrad(dy, w, tp)
-    if f["ub_bulk_dgrad"]:
-        x_total = ub.comms["dgrad"].bulk_ag_finish()
+    if bulk_gather is not None:
+        x_total = bulk_gather.bulk_ag_finish()
     if dx_partial is not None:
         ub.comms["wgrad"].bulk_rs_start(dx_partial)
     res = None
