@@ -110,22 +110,55 @@ static tec_wait_site site(tec_comm *c, const char *op, const char *what, int pee
     return s;
 }
 
-static tec_status wait_flag(tec_comm *c, int kind, int src, uint64_t value, tec_wait_site s, void *stream)
+/* Flag steps collected in schedule order and handed to the transport
+ * together (one kernel on CUDA) by seq_run, before the next copy, event or
+ * GEMM that must come after them. */
+typedef struct {
+    tec_flag_step s[TEC_FLAG_STEPS_MAX];
+    int n;
+} flag_seq;
+_Static_assert(3 * (TEC_COMM_MAX_RANKS - 1) <= TEC_FLAG_STEPS_MAX, "announce_free's sequence must fit a flag_seq");
+
+static void seq_signal(flag_seq *q, uint64_t *f, uint64_t value)
 {
+    tec_flag_step st = {f, value, 0, 0, {0}};
+    q->s[q->n++] = st;
+}
+
+/* Wait until our own flag `kind` from `src` reaches value's epoch. */
+static void seq_wait(tec_comm *c, flag_seq *q, int kind, int src, uint64_t value, tec_wait_site site)
+{
+    tec_flag_step st = {flag(c, c->rank, kind, src), value, 1, 0, site};
+    q->s[q->n++] = st;
     c->stats.waits++;
-    return c->ops->wait(c->t, flag(c, c->rank, kind, src), value, c->timeout, s, stream);
+}
+
+static tec_status seq_run(tec_comm *c, flag_seq *q, void *stream)
+{
+    const int n = q->n;
+    q->n = 0;
+    if (!n)
+        return TEC_OK;
+    TRY(c->ops->flags(c->t, q->s, n, c->timeout, stream));
+    return TEC_OK;
+}
+
+/* Add waits until every peer finished pulling our own slot. */
+static void seq_consumed(tec_comm *c, flag_seq *q, const char *op)
+{
+    if (!c->last_publish)
+        return;
+    for (int p = 0; p < c->size; p++)
+        if (p != c->rank)
+            seq_wait(c, q, TEC_FLAG_CONSUMED, p, tec_flag_value(c->last_publish, 0), site(c, op, "chunk consumed", p, 0));
 }
 
 /* Make `stream` wait until every peer finished pulling our own slot. */
 static tec_status wait_consumed(tec_comm *c, const char *op, void *stream)
 {
-    if (!c->last_publish)
-        return TEC_OK;
-    for (int q = 0; q < c->size; q++)
-        if (q != c->rank)
-            TRY(wait_flag(c, TEC_FLAG_CONSUMED, q, tec_flag_value(c->last_publish, 0),
-                          site(c, op, "chunk consumed", q, 0), stream));
-    return TEC_OK;
+    flag_seq q = {.n = 0};
+    seq_consumed(c, &q, op);
+    return seq_run(c, &q, stream);
 }
 
 /* Take the next epoch and, on the CPU, say so in our own region (read only
@@ -376,33 +409,38 @@ tec_status tec_comm_acquire(tec_comm *c, void *stream)
 
 /* Publish our own slot for epoch e (after `stream`'s work so far), then
  * pull every peer's chunk into its slot, own chunk order (rank - i).
- * Records EV_CHUNK + i after chunk i arrived (when ev_chunks). */
+ * Records EV_CHUNK + i after chunk i arrived (when ev_chunks). On M: the
+ * READY signals and the first wait are one flag sequence, each CONSUMED
+ * signal goes with the next chunk's wait. */
 static tec_status gather(tec_comm *c, const char *op, const void *src, size_t chunk, uint64_t v, int ev_chunks,
                          void *stream)
 {
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
+    flag_seq q = {.n = 0};
     TRY(c->ops->event_record(c->t, EV_START, stream));
     TRY(c->ops->event_wait(c->t, EV_START, M));
     if (src && src != slot(c, r, r, chunk)) {
-        TRY(wait_consumed(c, op, M));
+        seq_consumed(c, &q, op);
+        TRY(seq_run(c, &q, M));
         TRY(c->ops->copy(c->t, slot(c, r, r, chunk), src, chunk, M));
     }
     c->last_publish = v >> 32;
-    for (int q = 0; q < n; q++)
-        if (q != r)
-            TRY(c->ops->signal(c->t, flag(c, q, TEC_FLAG_READY, r), v, M));
+    for (int p = 0; p < n; p++)
+        if (p != r)
+            seq_signal(&q, flag(c, p, TEC_FLAG_READY, r), v);
     for (int i = 1; i < n; i++) {
         const int p = (r - i + n) % n;
-        TRY(wait_flag(c, TEC_FLAG_READY, p, v, site(c, op, "chunk ready", p, i), M));
+        seq_wait(c, &q, TEC_FLAG_READY, p, v, site(c, op, "chunk ready", p, i));
+        TRY(seq_run(c, &q, M));
         TRY(c->ops->copy(c->t, slot(c, r, p, chunk), slot(c, p, p, chunk), chunk, M));
         c->stats.chunks_sent++;
         c->stats.bytes_sent += chunk;
         if (ev_chunks)
             TRY(c->ops->event_record(c->t, EV_CHUNK + i, M));
-        TRY(c->ops->signal(c->t, flag(c, p, TEC_FLAG_CONSUMED, r), tec_flag_value(v >> 32, 0), M));
+        seq_signal(&q, flag(c, p, TEC_FLAG_CONSUMED, r), tec_flag_value(v >> 32, 0));
     }
-    return TEC_OK;
+    return seq_run(c, &q, M);
 }
 
 tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream)
@@ -456,29 +494,39 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
 
 /* ------------------------------------------------------------ GEMM + RS */
 
-/* Tell every peer its slot in our buffer may be written for epoch v. */
+/* Tell every peer its slot in our buffer may be written for epoch v, and
+ * make M wait until every peer freed ours (one flag sequence on M: the
+ * pushes that follow need no wait of their own; all ranks announce as they
+ * start the operation, long before the first push is ready). */
 static tec_status announce_free(tec_comm *c, const char *op, uint64_t v, void *stream)
 {
     void *M = c->ops->comm_stream(c->t);
+    const int r = c->rank, n = c->size;
+    flag_seq q = {.n = 0};
     TRY(c->ops->event_record(c->t, EV_START, stream));
     TRY(c->ops->event_wait(c->t, EV_START, M));
     /* Peers push into slots laid out by this operation's chunk size, which
      * may overlap this rank's slot of the last all-gather: they must have
      * finished pulling it first. */
-    TRY(wait_consumed(c, op, M));
-    for (int q = 0; q < c->size; q++)
-        if (q != c->rank)
-            TRY(c->ops->signal(c->t, flag(c, q, TEC_FLAG_FREE, c->rank), v, M));
-    return TEC_OK;
+    seq_consumed(c, &q, op);
+    for (int p = 0; p < n; p++)
+        if (p != r)
+            seq_signal(&q, flag(c, p, TEC_FLAG_FREE, r), v);
+    for (int i = 1; i < n; i++) {
+        const int p = (r + i) % n;
+        seq_wait(c, &q, TEC_FLAG_FREE, p, v, site(c, op, "slot free", p, i));
+    }
+    return seq_run(c, &q, M);
 }
 
-/* On M: once peer p freed its slot, push `src` (our partial for p) into it. */
-static tec_status push(tec_comm *c, const char *op, int p, int step, const void *src, size_t chunk, uint64_t v)
+/* On M (after announce_free): push `src` (our partial for p) into p's slot. */
+static tec_status push(tec_comm *c, int p, const void *src, size_t chunk, uint64_t v)
 {
     void *M = c->ops->comm_stream(c->t);
-    TRY(wait_flag(c, TEC_FLAG_FREE, p, v, site(c, op, "slot free", p, step), M));
+    flag_seq q = {.n = 0};
     TRY(c->ops->copy(c->t, slot(c, p, c->rank, chunk), src, chunk, M));
-    TRY(c->ops->signal(c->t, flag(c, p, TEC_FLAG_READY, c->rank), v, M));
+    seq_signal(&q, flag(c, p, TEC_FLAG_READY, c->rank), v);
+    TRY(seq_run(c, &q, M));
     c->stats.chunks_sent++;
     c->stats.bytes_sent += chunk;
     return TEC_OK;
@@ -489,11 +537,13 @@ static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, siz
                                tec_dtype dt, void *out, const void *bias, uint64_t v, void *stream)
 {
     const void *srcs[TEC_COMM_MAX_RANKS];
-    for (int q = 0; q < c->size; q++) {
-        srcs[q] = q == c->rank ? own : slot(c, c->rank, q, chunk);
-        if (q != c->rank)
-            TRY(wait_flag(c, TEC_FLAG_READY, q, v, site(c, op, "partial ready", q, c->size), stream));
+    flag_seq q = {.n = 0};
+    for (int p = 0; p < c->size; p++) {
+        srcs[p] = p == c->rank ? own : slot(c, c->rank, p, chunk);
+        if (p != c->rank)
+            seq_wait(c, &q, TEC_FLAG_READY, p, v, site(c, op, "partial ready", p, c->size));
     }
+    TRY(seq_run(c, &q, stream));
     TRY(c->ops->reduce(c->t, out, srcs, c->size, rows, cols, dt, bias, stream));
     return TEC_OK;
 }
@@ -530,7 +580,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
                  staging(c, p, chunk), a->n, a->dtype, NULL, stream));
         TRY(c->ops->event_record(c->t, EV_CHUNK + i, stream));
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, M));
-        TRY(push(c, "gemm_rs", p, i, staging(c, p, chunk), chunk, v));
+        TRY(push(c, p, staging(c, p, chunk), chunk, v));
     }
     TRY(gemm(c, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
              staging(c, r, chunk), a->n, a->dtype, NULL, stream));
@@ -621,7 +671,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
         TRY(announce_free(c, "bulk_rs", v, stream));
         for (int i = 1; i < n; i++) {
             const int p = (r + i) % n;
-            TRY(push(c, "bulk_rs", p, i, s + p * chunk, chunk, v));
+            TRY(push(c, p, s + p * chunk, chunk, v));
         }
         TRY(reduce_slots(c, "bulk_rs", s + r * chunk, chunk, rows, cols, dtype, out, NULL, v, M));
     }

@@ -219,6 +219,20 @@ typedef struct {
     int rank, peer, step;
 } tec_wait_site;
 
+/* One step of a flag sequence (tec_transport_ops.flags): a signal
+ * (*flag = value) or a wait (until flag's epoch reaches value's). */
+typedef struct {
+    uint64_t *flag;
+    uint64_t value;
+    int wait;           /* 1: wait, reported at `site`; 0: signal */
+    int pad;
+    tec_wait_site site;
+} tec_flag_step;
+
+/* Longest sequence a schedule hands to flags() at once (the longest is
+ * three steps per peer: consumed waits, free signals, free waits). */
+#define TEC_FLAG_STEPS_MAX (3 * TEC_COMM_MAX_RANKS)
+
 /* The flag value for an epoch and tag. */
 static inline uint64_t tec_flag_value(uint64_t epoch, uint32_t tag) { return (epoch << 32) | tag; }
 
@@ -286,9 +300,14 @@ typedef struct tec_transport_ops {
     tec_status (*check)(tec_transport *t);
     /* The calling thread's last error message inside the transport. */
     const char *(*last_error)(void);
+    /* steps[0..n) in order on `stream`, each as signal() / wait() would run
+     * it (timeout_s for every wait), as one operation: CUDA launches one
+     * kernel for the whole sequence instead of one per step. After a failed
+     * wait the rest of the sequence is skipped (the transport is broken). */
+    tec_status (*flags)(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream);
 } tec_transport_ops;
 
-#define TEC_TRANSPORT_ABI 1
+#define TEC_TRANSPORT_ABI 2
 
 extern const tec_transport_ops tec_shm_transport;
 

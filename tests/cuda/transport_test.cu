@@ -276,6 +276,57 @@ static void test_latency(tec_transport *t, void **bases, int q, int first, int e
         epochs);
 }
 
+/* Flag sequences (ops->flags, one kernel each): per epoch each rank copies
+ * a chunk into the peer's slot, then on the comm stream runs [signal READY,
+ * wait READY] (both ranks signal before they wait: a sequence run out of
+ * order deadlocks into a timeout), checks the peer's chunk, then [signal
+ * FREE, wait FREE] before the next epoch overwrites the slot. */
+static void test_sequences(tec_transport *t, void **bases, int q, int first, int epochs)
+{
+    const int r = g_rank;
+    void *own = bases[r], *peer = bases[q];
+    void *M = ops->comm_stream(t);
+    unsigned long long *bad;
+    CK(cudaMalloc(&bad, sizeof *bad));
+    CK(cudaMemset(bad, 0, sizeof *bad));
+    CK(cudaDeviceSynchronize());
+    const size_t n = CHUNK / 4;
+    uint32_t *staging = (uint32_t *)((char *)own + DATA);
+    barrier();
+    const double t0 = now_s();
+    for (int e = first; e < first + epochs; e++) {
+        delay_kernel<<<1, 1, 0, (cudaStream_t)M>>>((uint64_t)((e * 5 + r * 3) % 4) * 20000);
+        fill_kernel<<<128, 256, 0, (cudaStream_t)M>>>(staging, n, (uint32_t)(77 * e + r));
+        CK(cudaGetLastError());
+        TK(ops->copy(t, (char *)peer + r * CHUNK, staging, CHUNK, M));
+        tec_flag_step ready[2] = {
+            {flag(peer, TEC_FLAG_READY, r), tec_flag_value(e, 3), 0, 0, {0}},
+            {flag(own, TEC_FLAG_READY, q), tec_flag_value(e, 3), 1, 0, site("sequence", "chunk ready", q, e)},
+        };
+        TK(ops->flags(t, ready, 2, WAIT_S, M));
+        check_kernel<<<128, 256, 0, (cudaStream_t)M>>>((const uint32_t *)((char *)own + q * CHUNK), n,
+                                                       (uint32_t)(77 * e + q), bad);
+        CK(cudaGetLastError());
+        tec_flag_step freed[2] = {
+            {flag(peer, TEC_FLAG_FREE, r), tec_flag_value(e, 0), 0, 0, {0}},
+            {flag(own, TEC_FLAG_FREE, q), tec_flag_value(e, 0), 1, 0, site("sequence", "slot free", q, e)},
+        };
+        TK(ops->flags(t, freed, 2, WAIT_S, M));
+    }
+    TK(ops->synchronize(t, M));
+    const double dt = now_s() - t0;
+    unsigned long long h = 0;
+    CK(cudaMemcpy(&h, bad, sizeof h, cudaMemcpyDeviceToHost));
+    if (h)
+        die("flag sequences: %llu words seen before they were written (ordering broken)", h);
+    tec_flag_step none[1];
+    if (ops->flags(t, none, TEC_FLAG_STEPS_MAX + 1, WAIT_S, M) != TEC_ERR_INVALID_ARG)
+        die("flags: a sequence longer than TEC_FLAG_STEPS_MAX was accepted");
+    CK(cudaFree(bad));
+    barrier();
+    say("flag sequences ok (%d epochs, %.1f us per epoch)", epochs, dt * 1e6 / epochs);
+}
+
 /* ---- reduce */
 
 static float round_to(tec_dtype dt, float v)
@@ -525,7 +576,14 @@ static void test_failures(tec_transport *t, void **bases, int q)
             die("tag mismatch: check() is not sticky");
     } else {
         const double t0 = now_s();
-        for (int step = 3; step < 7; step++)
+        /* A flag sequence whose wait times out: the signal after it in the
+         * same sequence must never run (rank 0 checks CONSUMED below). */
+        tec_flag_step seq[2] = {
+            {flag(own, TEC_FLAG_READY, 0), tec_flag_value(2 * E, 0), 1, 0, site("ag_gemm", "chunk ready", 0, 3)},
+            {flag(peer, TEC_FLAG_CONSUMED, 1), tec_flag_value(5, 0), 0, 0, {0}},
+        };
+        TK(ops->flags(t, seq, 2, 1.0, M));
+        for (int step = 4; step < 7; step++)
             TK(ops->wait(t, flag(own, TEC_FLAG_READY, 0), tec_flag_value(2 * E, 0), 1.0,
                          site("ag_gemm", "chunk ready", 0, step), M));
         tec_status st = ops->synchronize(t, M);
@@ -623,6 +681,7 @@ static int child(int rank)
     test_copy(t, bases, q);
     test_pingpong(t, bases, q, 200);
     test_latency(t, bases, q, 201, 1000);
+    test_sequences(t, bases, q, 1201, 200);
     test_reduce(t, bases, q);
     if (rank == 0)
         test_same_process(ndev);

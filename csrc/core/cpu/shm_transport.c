@@ -490,6 +490,17 @@ static tec_status shm_synchronize(tec_transport *t, void *stream)
 
 static const char *shm_last_error(void) { return tec_last_error(); }
 
+static tec_status shm_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout, void *stream)
+{
+    for (int i = 0; i < n; i++) {
+        tec_status st = steps[i].wait ? shm_wait(t, steps[i].flag, steps[i].value, timeout, steps[i].site, stream)
+                                      : shm_signal(t, steps[i].flag, steps[i].value, stream);
+        if (st != TEC_OK)
+            return st;
+    }
+    return TEC_OK;
+}
+
 const tec_transport_ops tec_shm_transport = {
     .abi_version = TEC_TRANSPORT_ABI,
     .name = "shm",
@@ -509,4 +520,5 @@ const tec_transport_ops tec_shm_transport = {
     .synchronize = shm_synchronize,
     .check = shm_check,
     .last_error = shm_last_error,
+    .flags = shm_flags,
 };

@@ -17,6 +17,9 @@
  *           same epoch or a timeout records the first failure (site, seen,
  *           wanted) into a host-mapped record and ends the kernel: the stream
  *           goes on, check()/synchronize() report the failure from then on.
+ *   flags   a whole sequence of signals and waits in one <<<1,1>>> kernel,
+ *           each step as above, in order (a schedule's handshakes cost one
+ *           launch instead of one per peer and step).
  *   After a failure the transport is broken: later waits return at once and
  *   signals are suppressed (peers then time out rather than read data of a
  *   broken schedule); copies still run (data in a broken communicator is
@@ -120,43 +123,46 @@ __device__ __forceinline__ void ct_pause()
 
 /* First failure wins (the claim is a device-memory word: every kernel that
  * touches it runs on this transport's device). */
-__device__ void ct_record_failure(const ct_wait_args &a, int status, uint64_t seen)
+__device__ void ct_record_failure(unsigned int *failed, ct_record *r, uint64_t want, double timeout_s,
+                                  const tec_wait_site &site, int status, uint64_t seen)
 {
-    if (atomicCAS(a.failed, 0u, 1u) != 0u)
+    if (atomicCAS(failed, 0u, 1u) != 0u)
         return;
-    ct_record *r = a.rec;
     r->seen = seen;
-    r->want = a.want;
-    r->timeout_s = a.timeout_s;
-    r->site = a.site;
+    r->want = want;
+    r->timeout_s = timeout_s;
+    r->site = site;
     __threadfence_system();
     r->status = status;
     __threadfence_system();
 }
 
-/* Spin until (*flag >> 32) >= (want >> 32); see the file comment. */
-__global__ void __launch_bounds__(1) ct_wait_kernel(ct_wait_args a)
+/* Spin until (*flag >> 32) >= (want >> 32); see the file comment. Returns
+ * false once the transport is broken (by this wait or another). */
+__device__ bool ct_spin(const uint64_t *flag, uint64_t want, uint64_t timeout_ns, double timeout_s,
+                        unsigned int *failed, ct_record *rec, const tec_wait_site &site)
 {
-    const volatile unsigned int *failed = a.failed;
-    if (*failed)
-        return;
-    const uint64_t want_epoch = a.want >> 32;
+    const volatile unsigned int *vfailed = failed;
+    if (*vfailed)
+        return false;
+    const uint64_t want_epoch = want >> 32;
     const uint64_t start = ct_globaltimer();
     for (unsigned int it = 1;; it++) {
-        const uint64_t seen = ct_load_acquire(a.flag);
+        const uint64_t seen = ct_load_acquire(flag);
         if ((seen >> 32) > want_epoch)
-            return;
+            return true;
         if ((seen >> 32) == want_epoch) {
-            if ((uint32_t)seen != (uint32_t)a.want)
-                ct_record_failure(a, TEC_ERR_INVALID_ARG, seen);
-            return;
+            if ((uint32_t)seen == (uint32_t)want)
+                return true;
+            ct_record_failure(failed, rec, want, timeout_s, site, TEC_ERR_INVALID_ARG, seen);
+            return false;
         }
         if ((it & 31u) == 0u) {
-            if (*failed)
-                return; /* another wait already broke the transport */
-            if (ct_globaltimer() - start >= a.timeout_ns) {
-                ct_record_failure(a, TEC_ERR_TIMEOUT, seen);
-                return;
+            if (*vfailed)
+                return false; /* another wait already broke the transport */
+            if (ct_globaltimer() - start >= timeout_ns) {
+                ct_record_failure(failed, rec, want, timeout_s, site, TEC_ERR_TIMEOUT, seen);
+                return false;
             }
         }
         if (it > 2048u)
@@ -164,14 +170,49 @@ __global__ void __launch_bounds__(1) ct_wait_kernel(ct_wait_args a)
     }
 }
 
+__global__ void __launch_bounds__(1) ct_wait_kernel(ct_wait_args a)
+{
+    ct_spin(a.flag, a.want, a.timeout_ns, a.timeout_s, a.failed, a.rec, a.site);
+}
+
 /* *flag = value after all earlier work of the stream (kernel start order),
  * visible system-wide; suppressed once the transport is broken. */
-__global__ void __launch_bounds__(1) ct_signal_kernel(uint64_t *flag, uint64_t value, const unsigned int *failed)
+__device__ __forceinline__ void ct_raise(uint64_t *flag, uint64_t value, const unsigned int *failed)
 {
     if (*(const volatile unsigned int *)failed)
         return;
     __threadfence_system();
     ct_store_release(flag, value);
+}
+
+__global__ void __launch_bounds__(1) ct_signal_kernel(uint64_t *flag, uint64_t value, const unsigned int *failed)
+{
+    ct_raise(flag, value, failed);
+}
+
+/* A whole flag sequence in one kernel: steps in order, stopping at the
+ * first failed wait (later signals are then suppressed anyway). */
+struct ct_flags_args {
+    tec_flag_step steps[TEC_FLAG_STEPS_MAX];
+    int n;
+    uint64_t timeout_ns;
+    double timeout_s;
+    unsigned int *failed;
+    ct_record *rec;
+};
+static_assert(sizeof(ct_flags_args) <= 4000, "ct_flags_args exceeds the kernel parameter space");
+
+__global__ void __launch_bounds__(1) ct_flags_kernel(ct_flags_args a)
+{
+    for (int i = 0; i < a.n; i++) {
+        const tec_flag_step &s = a.steps[i];
+        if (s.wait) {
+            if (!ct_spin(s.flag, s.value, a.timeout_ns, a.timeout_s, a.failed, a.rec, s.site))
+                return;
+        } else {
+            ct_raise(s.flag, s.value, a.failed);
+        }
+    }
 }
 
 /* ---- reduce */
@@ -628,6 +669,39 @@ tec_status ct_wait(tec_transport *t, const uint64_t *flag, uint64_t value, doubl
     return TEC_OK;
 }
 
+tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream)
+{
+    CT_REQUIRE(t, "flags: no transport");
+    CT_REQUIRE(n >= 0 && n <= TEC_FLAG_STEPS_MAX && (steps || !n), "flags: %d steps (0..%d)", n, TEC_FLAG_STEPS_MAX);
+    if (!n)
+        return TEC_OK;
+    int waits = 0;
+    for (int i = 0; i < n; i++) {
+        CT_REQUIRE(steps[i].flag && ((uintptr_t)steps[i].flag & 7u) == 0,
+                   "flags: step %d's flag %p is not an aligned 8-byte word", i, (void *)steps[i].flag);
+        waits += steps[i].wait != 0;
+    }
+    if (waits) {
+        tec_status st = ct_check(t); /* a broken transport stays broken */
+        if (st != TEC_OK)
+            return st;
+        CT_REQUIRE(timeout_s > 0, "flags: timeout must be > 0 seconds");
+    }
+    CT_ENTER(t->device);
+    ct_flags_args a;
+    memset(&a, 0, sizeof a);
+    memcpy(a.steps, steps, (size_t)n * sizeof *steps);
+    a.n = n;
+    const double ns = timeout_s * 1e9;
+    a.timeout_ns = ns >= 9.0e18 ? (uint64_t)9.0e18 : (uint64_t)ns;
+    a.timeout_s = timeout_s;
+    a.failed = t->failed;
+    a.rec = t->rec_dev;
+    void *args[] = {(void *)&a};
+    CT_CUDA_CHECK(cudaLaunchKernel((const void *)ct_flags_kernel, dim3(1), dim3(1), args, 0, (cudaStream_t)stream));
+    return TEC_OK;
+}
+
 tec_status ct_event_record(tec_transport *t, int ev, void *stream)
 {
     CT_REQUIRE(t && ev >= 0 && ev < TEC_COMM_NEVENTS, "event_record: event %d out of range 0..%d", ev,
@@ -734,6 +808,7 @@ const tec_transport_ops ct_ops = {
     ct_synchronize,
     ct_check,
     ct_last_error,
+    ct_flags,
 };
 
 } // namespace
