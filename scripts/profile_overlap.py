@@ -7,7 +7,9 @@ time to issue one call, back-to-back calls, no sync), `gpu` (CUDA events
 around 20 back-to-back calls, divided by 20: what the GPU needs when the
 host is ahead) and `synced` (events around one call from an idle GPU,
 as the benchmark times it). On rank 0 it also writes a cProfile of the
-MLP step and a torch.profiler chrome trace of the overlapped layers.
+MLP step, torch.profiler chrome traces of the MLP step (mlp_MODE_SHAPE.json)
+and of back-to-back overlapped layer calls (layer_fc1/fc2_SHAPE.json) for
+scripts/trace_summary.py.
 """
 import argparse
 import cProfile
@@ -20,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import transformer_engine_c as tec
 from transformer_engine_c._launch import init_rank
@@ -101,7 +104,6 @@ def main():
                 say(f"{shape} overlap={overlap:8s} {k:9s} host {h:7.3f}  gpu {g:7.3f}  synced {s:7.3f} ms")
             first = shape == args.shapes.split(",")[0]
             if first:  # every rank steps (collectives): a trace of the MLP step alone
-                from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
                         step()
@@ -120,21 +122,17 @@ def main():
                 if rank == 0:
                     with open(os.path.join(args.out, f"cprofile_{shape}.txt"), "w") as f:
                         f.write(buf.getvalue())
-            if overlap == "rs_dgrad" and shape == args.shapes.split(",")[-1]:
-                from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        with torch.no_grad():
-                            fc1(x)
-                            fc2(xh)
+            if overlap == "rs_dgrad" and first:  # traces of back-to-back overlapped layer calls
+                for name, fn in cases.items():
+                    with torch.no_grad():
+                        fn()
                         torch.cuda.synchronize()
-                    for _ in range(2):
-                        step()
-                    torch.cuda.synchronize()
-                if rank == 0:
-                    prof.export_chrome_trace(os.path.join(args.out, f"trace_{shape}.json"))
-                    with open(os.path.join(args.out, f"kernels_{shape}.txt"), "w") as f:
-                        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            for _ in range(5):
+                                fn()
+                            torch.cuda.synchronize()
+                    if rank == 0:
+                        prof.export_chrome_trace(os.path.join(args.out, f"layer_{name.split()[0]}_{shape}.json"))
             dist.barrier()
     # norm kernels against torch and a copy
     for rows, cols in ((4096, 4096), (8192, 4096), (8192, 8192), (16384, 8192), (4096, 2048)):
@@ -148,7 +146,6 @@ def main():
             h, gt, s = times(fn, n=50)
             say(f"norm {rows}x{cols} {name:8s} host {h * 1e3:6.1f} us gpu {gt * 1e3:8.1f} us  "
                           f"{nb / gt / 1e6:7.0f} GB/s")
-        from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 dst.copy_(x)
