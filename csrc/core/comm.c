@@ -413,12 +413,13 @@ tec_status tec_comm_acquire(tec_comm *c, void *stream)
  * READY signals and the first wait are one flag sequence, each CONSUMED
  * signal goes with the next chunk's wait. */
 static tec_status gather(tec_comm *c, const char *op, const void *src, size_t chunk, uint64_t v, int ev_chunks,
-                         void *stream)
+                         int recorded, void *stream)
 {
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
     flag_seq q = {.n = 0};
-    TRY(c->ops->event_record(c->t, EV_START, stream));
+    if (!recorded) /* else the caller recorded EV_START (and issued work after it) */
+        TRY(c->ops->event_record(c->t, EV_START, stream));
     TRY(c->ops->event_wait(c->t, EV_START, M));
     if (src && src != slot(c, r, r, chunk)) {
         seq_consumed(c, &q, op);
@@ -473,12 +474,24 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
         c->stats.non_overlap++;
         return TEC_OK;
     }
-    TRY(gather(c, "ag_gemm", a->a_local, chunk, v, 1, stream));
+    /* Local chunk first, straight from where it is. It needs nothing from
+     * the comm side, so where streams run asynchronously (CUDA) it is issued
+     * before the handshakes and copies: the host's time to issue those would
+     * otherwise delay it whenever the GPU has caught up with the host. On
+     * the CPU a compute-stream call runs at once, so the comm thread's work
+     * is queued first. */
+    const int gemm_first = c->device != TEC_DEVICE_CPU;
+    if (gemm_first) {
+        TRY(c->ops->event_record(c->t, EV_START, stream));
+        TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
+                 a->out_dtype, a->bias, stream));
+    }
+    TRY(gather(c, "ag_gemm", a->a_local, chunk, v, 1, gemm_first, stream));
     if (a->local_copy) /* on the comm stream after the pulls: the GEMMs do not wait for it */
         TRY(c->ops->copy(c->t, a->local_copy, local, chunk, c->ops->comm_stream(c->t)));
-    /* Local chunk first, straight from where it is. */
-    TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
-             a->out_dtype, a->bias, stream));
+    if (!gemm_first)
+        TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
+                 a->out_dtype, a->bias, stream));
     for (int i = 1; i < n; i++) {
         const int p = (r - i + n) % n;
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, stream));
@@ -498,12 +511,13 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
  * make M wait until every peer freed ours (one flag sequence on M: the
  * pushes that follow need no wait of their own; all ranks announce as they
  * start the operation, long before the first push is ready). */
-static tec_status announce_free(tec_comm *c, const char *op, uint64_t v, void *stream)
+static tec_status announce_free(tec_comm *c, const char *op, uint64_t v, int recorded, void *stream)
 {
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
     flag_seq q = {.n = 0};
-    TRY(c->ops->event_record(c->t, EV_START, stream));
+    if (!recorded) /* else the caller recorded EV_START (and issued work after it) */
+        TRY(c->ops->event_record(c->t, EV_START, stream));
     TRY(c->ops->event_wait(c->t, EV_START, M));
     /* Peers push into slots laid out by this operation's chunk size, which
      * may overlap this rank's slot of the last all-gather: they must have
@@ -572,13 +586,21 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
         return TEC_OK;
     }
     void *M = c->ops->comm_stream(c->t);
-    TRY(announce_free(c, "gemm_rs", v, stream));
+    /* As in ag_gemm: on CUDA the first GEMM is issued before the handshake
+     * (it writes only our staging area), on the CPU after it. */
+    const int gemm_first = c->device != TEC_DEVICE_CPU;
+    if (gemm_first)
+        TRY(c->ops->event_record(c->t, EV_START, stream));
+    else
+        TRY(announce_free(c, "gemm_rs", v, 0, stream));
     /* Peers' partials first (each pushed while the next is computed), ours last. */
     for (int i = 1; i < n; i++) {
         const int p = (r + i) % n;
         TRY(gemm(c, A + p * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
                  staging(c, p, chunk), a->n, a->dtype, NULL, stream));
         TRY(c->ops->event_record(c->t, EV_CHUNK + i, stream));
+        if (gemm_first && i == 1)
+            TRY(announce_free(c, "gemm_rs", v, 1, stream));
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, M));
         TRY(push(c, p, staging(c, p, chunk), chunk, v));
     }
@@ -613,7 +635,7 @@ tec_status tec_comm_bulk_ag_start(tec_comm *c, const void *src, size_t chunk, vo
         c->last_publish = e;
         c->stats.non_overlap++;
     } else {
-        TRY(gather(c, "bulk_ag", src, chunk, v, 0, stream));
+        TRY(gather(c, "bulk_ag", src, chunk, v, 0, 0, stream));
     }
     TRY(c->ops->event_record(c->t, EV_BULK, c->ops->comm_stream(c->t)));
     c->pending = PENDING_AG;
@@ -668,7 +690,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
         TRY(c->ops->copy(c->t, out, src, chunk, M));
         c->stats.non_overlap++;
     } else {
-        TRY(announce_free(c, "bulk_rs", v, stream));
+        TRY(announce_free(c, "bulk_rs", v, 0, stream));
         for (int i = 1; i < n; i++) {
             const int p = (r + i) % n;
             TRY(push(c, p, s + p * chunk, chunk, v));
