@@ -32,7 +32,7 @@ def norm_ref(x, g, b, eps, zcg):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("zcg", [False, True])
-@pytest.mark.parametrize("shape", [(1, 100), (37, 256), (64, 1000)])
+@pytest.mark.parametrize("shape", [(1, 100), (37, 256), (64, 1000), (9, 1536), (33, 4096)])
 def test_norm_fwd(device, dtype, rms, zcg, shape):
     rows, cols = shape
     x = rand(rows, cols, dtype=dtype, device=device, scale=2.0, offset=0.5)
@@ -51,7 +51,7 @@ def test_norm_fwd(device, dtype, rms, zcg, shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("zcg", [False, True])
-@pytest.mark.parametrize("shape", [(1, 100), (37, 256), (130, 768)])
+@pytest.mark.parametrize("shape", [(1, 100), (37, 256), (130, 768), (33, 4096)])
 def test_norm_bwd(device, dtype, rms, zcg, shape):
     rows, cols = shape
     x = rand(rows, cols, dtype=dtype, device=device, scale=2.0, offset=0.5)
