@@ -35,7 +35,8 @@ if [ -n "${PROFILE:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 300 python3 -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
       scripts/profile_overlap.py --shapes "$PROFILE" --out "$OUT/profile" > "$OUT/profile.log" 2>&1
   log "profile: exit $?"; cat "$OUT/profile/times.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
-  python3 scripts/trace_summary.py "$OUT"/profile/mlp_*.json "$OUT"/profile/layer_*.json 2>&1 | tee -a "$OUT/summary.txt"
+  python3 scripts/trace_summary.py "$OUT"/profile/mlp_*.json 2>&1 | tee -a "$OUT/summary.txt"
+  python3 scripts/trace_summary.py --timeline=14 "$OUT"/profile/layer_*.json 2>&1 | tee -a "$OUT/summary.txt"
   head -45 "$OUT"/profile/cprofile_*.txt 2>/dev/null | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${BENCH:-}" ]; then

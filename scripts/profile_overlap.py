@@ -8,7 +8,7 @@ around 20 back-to-back calls, divided by 20: what the GPU needs when the
 host is ahead) and `synced` (events around one call from an idle GPU,
 as the benchmark times it). On rank 0 it also writes a cProfile of the
 MLP step, torch.profiler chrome traces of the MLP step (mlp_MODE_SHAPE.json)
-and of back-to-back overlapped layer calls (layer_fc1/fc2_SHAPE.json) for
+and of back-to-back overlapped layer calls (layer_fc1/fc2_SHAPE_rRANK.json, every rank) for
 scripts/trace_summary.py.
 """
 import argparse
@@ -131,8 +131,7 @@ def main():
                             for _ in range(5):
                                 fn()
                             torch.cuda.synchronize()
-                    if rank == 0:
-                        prof.export_chrome_trace(os.path.join(args.out, f"layer_{name.split()[0]}_{shape}.json"))
+                    prof.export_chrome_trace(os.path.join(args.out, f"layer_{name.split()[0]}_{shape}_r{rank}.json"))
             dist.barrier()
     # norm kernels against torch and a copy
     for rows, cols in ((4096, 4096), (8192, 4096), (8192, 8192), (16384, 8192), (4096, 2048)):

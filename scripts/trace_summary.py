@@ -1,12 +1,13 @@
 """Summarise a torch.profiler chrome trace of GPU work (a diagnostic).
 
-    python3 scripts/trace_summary.py TRACE.json [...]
+    python3 scripts/trace_summary.py [--timeline=N] TRACE.json [...]
 
 For each trace: the span of the GPU work, and per stream its busy time (the
 union of its kernels and copies), idle time inside the span, and the time by
 category (GEMM, NCCL, norm, flag wait/signal, RS reduction, elementwise,
 copies). The stream with the most GEMM time is the compute stream; its idle
-time is what the overlap did not hide.
+time is what the overlap did not hide. --timeline=N also lists the last N
+GPU operations of each trace in time order.
 """
 import json
 import re
@@ -45,7 +46,7 @@ def union(intervals):
     return total
 
 
-def summary(path):
+def summary(path, timeline=0):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -73,6 +74,12 @@ def summary(path):
         for name, (count, dur) in sorted(names.items(), key=lambda kv: -kv[1][1])[:8]:
             lines.append(f"      {dur / 1e3:8.3f} ms {count:4d}x {name}")
     lines += gaps(max(streams.values(), key=lambda evs: sum(e["dur"] for e in evs if category(e) == "gemm")))
+    if timeline:
+        last = sorted(gpu, key=lambda e: e["ts"])[-timeline:]
+        lines.append(f"  the last {len(last)} GPU ops (start in us after the first of them at {last[0]['ts']:.1f}):")
+        for e in last:
+            lines.append(f"      {e['ts'] - last[0]['ts']:9.1f} {e['dur']:8.1f}  stream {e.get('tid')}  "
+                         f"{short(e.get('name', '?'))}")
     return "\n".join(lines)
 
 
@@ -110,5 +117,9 @@ def gaps(evs):
 
 
 if __name__ == "__main__":
-    for p in sys.argv[1:]:
-        print(summary(p))
+    timeline = 0
+    paths = sys.argv[1:]
+    if paths and paths[0].startswith("--timeline="):
+        timeline = int(paths.pop(0).split("=", 1)[1])
+    for p in paths:
+        print(summary(p, timeline))
