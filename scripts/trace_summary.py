@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 
 CATEGORIES = (
-    ("flag", re.compile(r"ct_wait|ct_signal")),
+    ("flag", re.compile(r"ct_wait|ct_signal|ct_flags")),
     ("reduce", re.compile(r"ct_reduce")),
     ("nccl", re.compile(r"nccl", re.I)),
     ("norm", re.compile(r"norm", re.I)),

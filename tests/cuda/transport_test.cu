@@ -577,7 +577,8 @@ static void test_failures(tec_transport *t, void **bases, int q)
     } else {
         const double t0 = now_s();
         /* A flag sequence whose wait times out: the signal after it in the
-         * same sequence must never run (rank 0 checks CONSUMED below). */
+         * same sequence must never reach the peer (rank 0 checks CONSUMED
+         * below). */
         tec_flag_step seq[2] = {
             {flag(own, TEC_FLAG_READY, 0), tec_flag_value(2 * E, 0), 1, 0, site("ag_gemm", "chunk ready", 0, 3)},
             {flag(peer, TEC_FLAG_CONSUMED, 1), tec_flag_value(5, 0), 0, 0, {0}},

@@ -492,6 +492,8 @@ static const char *shm_last_error(void) { return tec_last_error(); }
 
 static tec_status shm_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout, void *stream)
 {
+    if (n < 0 || n > TEC_FLAG_STEPS_MAX || (n && !steps))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: flags: %d steps (0..%d)", n, TEC_FLAG_STEPS_MAX);
     for (int i = 0; i < n; i++) {
         tec_status st = steps[i].wait ? shm_wait(t, steps[i].flag, steps[i].value, timeout, steps[i].site, stream)
                                       : shm_signal(t, steps[i].flag, steps[i].value, stream);

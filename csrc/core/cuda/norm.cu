@@ -440,8 +440,9 @@ template <typename T> void fwd_dispatch(const fwd_params &p, bool vec, cudaStrea
         else if (nvec <= 64) launch_fwd<T, V, 2, 32>(p, st);
         else if (nvec <= 128) launch_fwd<T, V, 4, 32>(p, st);
         /* Above 128 vectors a row is split over more threads (4 vectors
-         * each): 2048 and 4096 bf16 columns ran at 59-88% of a device copy's
-         * bandwidth with one warp per row, 71-95% this way (H200). */
+         * each): 2048 and 4096 bf16 columns ran at 62-88% of a device copy's
+         * bandwidth with one warp per row, 74-95% this way (H200,
+         * scripts/norm_variants.cu). */
         else if (nvec <= 256) launch_fwd<T, V, 4, 64>(p, st);    /* one block per row */
         else if (nvec <= 512) launch_fwd<T, V, 4, 128>(p, st);
         else if (nvec <= 1024) launch_fwd<T, V, 8, 128>(p, st);
