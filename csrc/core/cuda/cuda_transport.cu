@@ -1,25 +1,25 @@
 /* cuda_transport.cu - the CUDA IPC transport of tec_comm (one node): regions
  * from cudaMalloc shared through cudaIpcGetMemHandle/cudaIpcOpenMemHandle,
- * copies with cudaMemcpyAsync (copy engines), signals as one-thread flag-store
- * kernels, waits as one-thread spin kernels with a %globaltimer timeout whose
- * failures land in pinned host memory for check(). Exercised by
+ * copies with cudaMemcpyAsync (copy engines), signals (flag stores) and
+ * waits (spins with a %globaltimer timeout whose failures land in pinned host
+ * memory for check()) as steps of one-thread kernels. Exercised by
  * tests/cuda/transport_test.cu (two processes, one or two GPUs; build line
  * there) and by the communicator tests run with the CUDA transport.
  *
- * Ordering (see tec.h "Streams"):
- *   signal  a <<<1,1>>> kernel on `stream`: it starts after every earlier
+ * Ordering (see tec.h "Streams"). One <<<1,1>>> kernel runs a sequence of
+ * steps on `stream` (flags(); signal() and wait() are sequences of one):
+ *   signal  once the kernel starts, after every earlier
  *           operation of the stream has completed (copies included), then
  *           __threadfence_system() and st.release.sys of the 8-byte flag
  *           (usually in a peer's region, through the IPC mapping).
- *   wait    a <<<1,1>>> kernel on `stream` polling the flag with
+ *   wait    the kernel polls the flag with
  *           ld.acquire.sys until its epoch reaches the wanted one; later work
  *           on `stream` starts after the kernel ends. A tag mismatch at the
  *           same epoch or a timeout records the first failure (site, seen,
  *           wanted) into a host-mapped record and ends the kernel: the stream
  *           goes on, check()/synchronize() report the failure from then on.
- *   flags   a whole sequence of signals and waits in one <<<1,1>>> kernel,
- *           each step as above, in order (a schedule's handshakes cost one
- *           launch instead of one per peer and step).
+ *   Steps run in order; a failed wait ends its kernel (a schedule's
+ *   handshakes cost one launch instead of one per peer and step).
  *   After a failure the transport is broken: later waits return at once and
  *   signals are suppressed (peers then time out rather than read data of a
  *   broken schedule); copies still run (data in a broken communicator is
@@ -73,16 +73,6 @@ const size_t CT_ALLOC_ROUND = (size_t)2 << 20;
 const int CT_REDUCE_THREADS = 256;
 
 /* ================================================================ kernels */
-
-struct ct_wait_args {
-    const uint64_t *flag;
-    uint64_t want;
-    uint64_t timeout_ns;
-    double timeout_s;
-    unsigned int *failed;
-    ct_record *rec;
-    tec_wait_site site;
-};
 
 __device__ __forceinline__ uint64_t ct_globaltimer()
 {
@@ -170,11 +160,6 @@ __device__ bool ct_spin(const uint64_t *flag, uint64_t want, uint64_t timeout_ns
     }
 }
 
-__global__ void __launch_bounds__(1) ct_wait_kernel(ct_wait_args a)
-{
-    ct_spin(a.flag, a.want, a.timeout_ns, a.timeout_s, a.failed, a.rec, a.site);
-}
-
 /* *flag = value after all earlier work of the stream (kernel start order),
  * visible system-wide; suppressed once the transport is broken. */
 __device__ __forceinline__ void ct_raise(uint64_t *flag, uint64_t value, const unsigned int *failed)
@@ -183,11 +168,6 @@ __device__ __forceinline__ void ct_raise(uint64_t *flag, uint64_t value, const u
         return;
     __threadfence_system();
     ct_store_release(flag, value);
-}
-
-__global__ void __launch_bounds__(1) ct_signal_kernel(uint64_t *flag, uint64_t value, const unsigned int *failed)
-{
-    ct_raise(flag, value, failed);
 }
 
 /* A whole flag sequence in one kernel: steps in order, stopping at the
@@ -633,15 +613,34 @@ tec_status ct_copy(tec_transport *t, void *dst, const void *src, size_t bytes, v
     return TEC_OK;
 }
 
+/* One ct_flags_kernel over steps[0..n) (checked by the caller). */
+tec_status ct_launch_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream)
+{
+    CT_ENTER(t->device);
+    ct_flags_args a;
+    memset(&a, 0, sizeof a);
+    memcpy(a.steps, steps, (size_t)n * sizeof *steps);
+    a.n = n;
+    const double ns = timeout_s * 1e9;
+    a.timeout_ns = ns >= 9.0e18 ? (uint64_t)9.0e18 : (uint64_t)ns;
+    a.timeout_s = timeout_s;
+    a.failed = t->failed;
+    a.rec = t->rec_dev;
+    void *args[] = {(void *)&a};
+    CT_CUDA_CHECK(cudaLaunchKernel((const void *)ct_flags_kernel, dim3(1), dim3(1), args, 0, (cudaStream_t)stream));
+    return TEC_OK;
+}
+
+/* A signal or a wait is a sequence of one step. */
 tec_status ct_signal(tec_transport *t, uint64_t *flag, uint64_t value, void *stream)
 {
     CT_REQUIRE(t, "signal: no transport");
     CT_REQUIRE(flag && ((uintptr_t)flag & 7u) == 0, "signal: flag %p is not an aligned 8-byte word", (void *)flag);
-    CT_ENTER(t->device);
-    const unsigned int *failed = t->failed;
-    void *args[] = {(void *)&flag, (void *)&value, (void *)&failed};
-    CT_CUDA_CHECK(cudaLaunchKernel((const void *)ct_signal_kernel, dim3(1), dim3(1), args, 0, (cudaStream_t)stream));
-    return TEC_OK;
+    tec_flag_step step;
+    memset(&step, 0, sizeof step);
+    step.flag = flag;
+    step.value = value;
+    return ct_launch_flags(t, &step, 1, 1.0, stream);
 }
 
 tec_status ct_wait(tec_transport *t, const uint64_t *flag, uint64_t value, double timeout_s, tec_wait_site site,
@@ -653,20 +652,13 @@ tec_status ct_wait(tec_transport *t, const uint64_t *flag, uint64_t value, doubl
         return st;
     CT_REQUIRE(flag && ((uintptr_t)flag & 7u) == 0, "wait: flag %p is not an aligned 8-byte word", (const void *)flag);
     CT_REQUIRE(timeout_s > 0, "wait: timeout must be > 0 seconds");
-    CT_ENTER(t->device);
-    ct_wait_args a;
-    memset(&a, 0, sizeof a);
-    a.flag = flag;
-    a.want = value;
-    const double ns = timeout_s * 1e9;
-    a.timeout_ns = ns >= 9.0e18 ? (uint64_t)9.0e18 : (uint64_t)ns;
-    a.timeout_s = timeout_s;
-    a.failed = t->failed;
-    a.rec = t->rec_dev;
-    a.site = site;
-    void *args[] = {(void *)&a};
-    CT_CUDA_CHECK(cudaLaunchKernel((const void *)ct_wait_kernel, dim3(1), dim3(1), args, 0, (cudaStream_t)stream));
-    return TEC_OK;
+    tec_flag_step step;
+    memset(&step, 0, sizeof step);
+    step.flag = (uint64_t *)flag; /* only read by a wait */
+    step.value = value;
+    step.wait = 1;
+    step.site = site;
+    return ct_launch_flags(t, &step, 1, timeout_s, stream);
 }
 
 tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream)
@@ -687,19 +679,7 @@ tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double 
             return st;
         CT_REQUIRE(timeout_s > 0, "flags: timeout must be > 0 seconds");
     }
-    CT_ENTER(t->device);
-    ct_flags_args a;
-    memset(&a, 0, sizeof a);
-    memcpy(a.steps, steps, (size_t)n * sizeof *steps);
-    a.n = n;
-    const double ns = timeout_s * 1e9;
-    a.timeout_ns = ns >= 9.0e18 ? (uint64_t)9.0e18 : (uint64_t)ns;
-    a.timeout_s = timeout_s;
-    a.failed = t->failed;
-    a.rec = t->rec_dev;
-    void *args[] = {(void *)&a};
-    CT_CUDA_CHECK(cudaLaunchKernel((const void *)ct_flags_kernel, dim3(1), dim3(1), args, 0, (cudaStream_t)stream));
-    return TEC_OK;
+    return ct_launch_flags(t, steps, n, timeout_s, stream);
 }
 
 tec_status ct_event_record(tec_transport *t, int ev, void *stream)
