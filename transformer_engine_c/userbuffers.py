@@ -324,8 +324,7 @@ class CommOverlap(_C.CommOverlap):
                                   rows * k * es * self.tp_size, self.nbytes)
         if local_copy is not None:
             check_tensor(local_copy, "local_copy", dtype=a_local.dtype, device=self.device, shape=(rows, k))
-            p = local_copy.data_ptr()
-            if any(start < p + rows * k * es and p < start + nbytes for start, nbytes in self.buffer_ranges()):
+            if self.overlaps(local_copy):
                 raise ValueError(f"communicator '{self.name}': local_copy lies in a communicator buffer; it must "
                                  "be memory of its own (it is what outlives the buffer's next use)")
         if out is None:
@@ -433,6 +432,13 @@ class CommOverlap(_C.CommOverlap):
             return True
         self._fallbacks[op + "_fallback"] += 1
         return False
+
+    def overlaps(self, t):
+        """Whether tensor t's bytes overlap this communicator's buffers (own
+        region or a mapped peer's)."""
+        p = t.data_ptr()
+        end = p + t.numel() * t.element_size()
+        return any(start < end and p < start + nbytes for start, nbytes in self.buffer_ranges())
 
     def pays(self, op, rows, k, n):
         """take_overlap's answer without counting anything."""

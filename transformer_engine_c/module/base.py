@@ -240,11 +240,8 @@ def outside_buffers(t, ub):
     """t, or a copy of it if it lives in one of the layer's communicator
     buffers (a caller may pass get_buffer(local_chunk=True) as the input):
     what is saved for backward must not alias a buffer the next layer reuses."""
-    if ub.enabled:
-        p = t.data_ptr()
-        for comm in ub.comms.values():
-            if any(start <= p < start + n for start, n in comm.buffer_ranges()):
-                return t.clone()
+    if ub.enabled and any(comm.overlaps(t) for comm in ub.comms.values()):
+        return t.clone()
     return t
 
 
