@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformer_engine_c as tec  # noqa: E402
+from transformer_engine_c._launch import init_rank  # noqa: E402
 from common import rel_err  # noqa: E402
 from reference import layernorm_linear  # noqa: E402
 
@@ -77,14 +78,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    rank, size, device = init_rank(args.device)
     group = dist.new_group(list(range(size)))
     cases = [("Linear", "column"), ("Linear", "row"), ("LayerNormLinear", "column")]
     n = 0
