@@ -7,7 +7,9 @@ PyTorch sequential path, PyTorch async-TP and the limit, in one process.
 
 Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
-(host clock on CPU), the maximum over ranks. A sample is --batch calls issued
+(host clock on CPU), the maximum over ranks. The variants of a row are timed
+in interleaved rounds (one sample of each per round), so that the GPU's clock
+and temperature drift over a run weigh on all of them alike. A sample is --batch calls issued
 back to back, divided by --batch: the host runs ahead of the GPU as in
 training, so a row measures the GPU's time unless the host cannot keep up.
 --batch 1 times each call from an idle GPU instead (latency: the host's time
@@ -75,33 +77,48 @@ class Timer:
 
     def __call__(self, fn):
         """Median time of fn() in ms, max over ranks; None if fn raises NotImplementedError."""
+        return self.many({"fn": fn}).get("fn")
+
+    def many(self, fns):
+        """{name: median ms of fn(), max over ranks} for the dict fns, measured in
+        interleaved rounds: each round takes one sample of every fn in order. A fn
+        that raises NotImplementedError in its warm-up is left out of the result.
+        Every rank must pass the same names in the same order (fns may be collective)."""
         import torch.distributed as dist
 
-        try:
-            for _ in range(self.warmup):
-                fn()
-        except NotImplementedError:
-            return None
-        times = []
+        live = {}
+        for name, fn in fns.items():
+            try:
+                for _ in range(self.warmup):
+                    fn()
+            except NotImplementedError:
+                continue
+            live[name] = fn
+        times = {name: [] for name in live}
         self.sync()
         dist.barrier(group=self.group)
         for _ in range(self.iters):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(self.batch):
-                    fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / self.batch)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(self.batch):
-                    fn()
-                times.append((time.perf_counter() - t0) * 1e3 / self.batch)
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=self.device)
+            for name, fn in live.items():
+                times[name].append(self.sample(fn))
+        t = torch.tensor([statistics.median(times[n]) for n in live] or [0.0], dtype=torch.float64,
+                         device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.item()
+        return dict(zip(live, t.tolist()))
+
+    def sample(self, fn):
+        """ms per call over --batch calls issued back to back, from an idle device."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.batch):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / self.batch
+        t0 = time.perf_counter()
+        for _ in range(self.batch):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / self.batch
 
     def sync(self):
         if self.cuda:
@@ -156,27 +173,32 @@ def _path(before, after):
     return "+".join(ran) or "-"
 
 
-def timed_overlap(tec, row, timer, fn):
-    """row["ours_overlap"] = timer(fn), and row["path"]: which paths ran."""
-    before = _paths(tec)
-    row["ours_overlap"] = timer(fn)
-    row["path"] = _path(before, _paths(tec))
+def time_row(tec, row, timer, fns):
+    """row.update(timer.many(fns)), and row["path"]: which paths the
+    overlapped layer ("ours_overlap") took."""
+    before = _paths(tec) if "ours_overlap" in fns else None
+    row.update(timer.many(fns))
+    if before is not None:
+        row["path"] = _path(before, _paths(tec))
 
 
-def time_ours(tec, row, timer, make, w, x):
-    """row["ours"] / row["ours_overlap"]: the forward (no_grad) of our layer
-    make(overlap) with weight w on input x, without and with overlap."""
-    for overlap in (False, True):
+def ours_fns(make, w, x):
+    """{"ours", "ours_overlap"}: the forward (no_grad) of our layer make(overlap)
+    with weight w on input x, without and with overlap (where it exists)."""
+    fns = {}
+    for name, overlap in (("ours", False), ("ours_overlap", True)):
         try:
             layer = make(overlap)
         except NotImplementedError:
             continue
         with torch.no_grad():
             layer.weight.copy_(w)
-            if overlap:
-                timed_overlap(tec, row, timer, lambda: layer(x))
-            else:
-                row["ours"] = timer(lambda: layer(x))
+
+        def fwd(layer=layer):
+            with torch.no_grad():
+                return layer(x)
+        fns[name] = fwd
+    return fns
 
 
 def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
@@ -191,68 +213,72 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
         x, w, gamma, beta = rnd(T // size, H), rnd(Nl, H) * 0.02, rnd(H), rnd(H)
         ln = F.layer_norm(x, (H,), gamma, beta)
         ln_total = torch.empty(T, H, dtype=dtype, device=device)
-        row["norm"] = timer(lambda: F.layer_norm(x, (H,), gamma, beta))
-        row["comm"] = timer(lambda: dist.all_gather_into_tensor(ln_total, ln, group=group))
-        row["gemm"] = timer(lambda: torch.matmul(ln_total, w.t()))
-        row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
+        nbytes = x.numel() * x.element_size()
+        src = torch.empty(nbytes * 4, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
 
         def sequential():
             lo = F.layer_norm(x, (H,), gamma, beta)
             dist.all_gather_into_tensor(ln_total, lo, group=group)
             return torch.matmul(ln_total, w.t())
-        row["sequential"] = timer(sequential)
+        fns = {"norm": lambda: F.layer_norm(x, (H,), gamma, beta),
+               "comm": lambda: dist.all_gather_into_tensor(ln_total, ln, group=group),
+               "gemm": lambda: torch.matmul(ln_total, w.t()),
+               "sequential": sequential}
         if symm is not None:
             wt = w.t()
-            row["async_tp"] = timer(lambda: symm.fused_all_gather_matmul(
-                F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name))
-        time_ours(tec, row, timer, lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0],
-                  w, x)
-        row["ours_gemm"] = timer(lambda: tec._engine.gemm(ln_total, w, transb=True))
-        row["ours_norm"] = timer(lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5))
-        nbytes = x.numel() * x.element_size()
-        src = torch.empty(nbytes * 4, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        copy_ms = timer(lambda: dst.copy_(src))
-        row["copy_gbps"] = 2 * src.numel() / copy_ms / 1e6
+            fns["async_tp"] = lambda: symm.fused_all_gather_matmul(
+                F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name)
+        fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0], w, x))
+        fns["ours_gemm"] = lambda: tec._engine.gemm(ln_total, w, transb=True)
+        fns["ours_norm"] = lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5)
+        fns["copy"] = lambda: dst.copy_(src)
+        time_row(tec, row, timer, fns)
+        row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
+        row["copy_gbps"] = 2 * src.numel() / row.pop("copy") / 1e6
         row["norm_gbps"] = 2 * nbytes / row["ours_norm"] / 1e6
     elif case == "gemm_rs":
         x, w = rnd(T, Nl), rnd(H, Nl) * 0.02
         part = torch.empty(T, H, dtype=dtype, device=device)
         out = torch.empty(T // size, H, dtype=dtype, device=device)
-        row["gemm"] = timer(lambda: torch.matmul(x, w.t(), out=part))
-        row["comm"] = timer(lambda: dist.reduce_scatter_tensor(out, part, group=group))
-        row["limit"] = max(row["gemm"], row["comm"])
 
         def sequential():
             torch.matmul(x, w.t(), out=part)
             dist.reduce_scatter_tensor(out, part, group=group)
-        row["sequential"] = timer(sequential)
+        fns = {"gemm": lambda: torch.matmul(x, w.t(), out=part),
+               "comm": lambda: dist.reduce_scatter_tensor(out, part, group=group),
+               "sequential": sequential}
         if symm is not None:
             wt = w.t()
-            row["async_tp"] = timer(lambda: symm.fused_matmul_reduce_scatter(
-                x, wt, "sum", scatter_dim=0, group_name=group.group_name))
-        time_ours(tec, row, timer, lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1],
-                  w, x)
+            fns["async_tp"] = lambda: symm.fused_matmul_reduce_scatter(
+                x, wt, "sum", scatter_dim=0, group_name=group.group_name)
+        fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1], w, x))
+        time_row(tec, row, timer, fns)
+        row["limit"] = max(row["gemm"], row["comm"])
     else:  # mlp / mlp_bulk forward + backward
         x = rnd(T // size, H).requires_grad_()
         dy = rnd(T // size, H)
-        for overlap in (False, True):
+        fns = {}
+        for name, overlap in (("ours", False), ("ours_overlap", True)):
             try:
                 fc1, fc2 = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
             except NotImplementedError:
                 continue
 
-            def step():
+            def step(fc1=fc1, fc2=fc2):
                 y = fc2(F.gelu(fc1(x)))
                 y.backward(dy)
-            if overlap:
-                timed_overlap(tec, row, timer, step)
-            else:
-                row["ours"] = timer(step)
-            if overlap:  # the saved-tensor aliasing checker's cost on the same step
+            fns[name] = step
+        if "ours_overlap" in fns:  # the saved-tensor aliasing checker's cost on the same step
+            overlapped = fns["ours_overlap"]
+
+            def checked():
                 with tec.debug.check_saved_tensors():
-                    row["checked"] = timer(step)
-                row["checker_overhead_pct"] = 100 * (row["checked"] / row["ours_overlap"] - 1)
+                    overlapped()
+            fns["checked"] = checked
+        time_row(tec, row, timer, fns)
+        if "checked" in row:
+            row["checker_overhead_pct"] = 100 * (row["checked"] / row["ours_overlap"] - 1)
     for base in ("ours", "sequential", "async_tp", "limit"):
         if row.get("ours_overlap") and row.get(base):
             row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
