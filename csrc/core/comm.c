@@ -205,6 +205,27 @@ static tec_status check_chunk(tec_comm *c, const char *op, size_t chunk, int64_t
     return TEC_OK;
 }
 
+/* begin(), and no bulk operation pending. */
+static tec_status begin_idle(tec_comm *c, const char *op)
+{
+    tec_status st = begin(c, op);
+    if (st)
+        return st;
+    if (c->pending)
+        return tec_set_error(TEC_ERR_INVALID_ARG,
+                             "communicator '%s': %s while a bulk operation is pending (call its finish first)",
+                             c->name, op);
+    return TEC_OK;
+}
+
+/* The entry checks of an operation on chunks of `rows` x `cols` (`chunk`
+ * bytes): begin_idle(), and chunks that fit the buffer. */
+static tec_status begin_chunk(tec_comm *c, const char *op, size_t chunk, int64_t rows, int64_t cols, tec_dtype dt)
+{
+    tec_status st = begin_idle(c, op);
+    return st ? st : check_chunk(c, op, chunk, rows, cols, dt);
+}
+
 static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64_t k, int64_t n, tec_dtype dt,
                        const void *b, int64_t ldb, int transb, void *out, int64_t ldc, tec_dtype cdt,
                        const void *bias, void *stream)
@@ -397,15 +418,21 @@ tec_status tec_comm_unmap_peers(tec_comm *c, void *stream)
 
 tec_status tec_comm_acquire(tec_comm *c, void *stream)
 {
-    tec_status st = begin(c, "acquire");
-    if (st)
-        return st;
-    if (c->pending)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': acquire while a bulk operation is pending", c->name);
-    return wait_consumed(c, "acquire", stream);
+    tec_status st = begin_idle(c, "acquire");
+    return st ? st : wait_consumed(c, "acquire", stream);
 }
 
 /* ------------------------------------------------------------ AG + GEMM */
+
+/* Make the comm stream wait for `stream`'s work so far, or for the EV_START
+ * the caller recorded on it (recorded: it issued work after that). */
+static tec_status follow(tec_comm *c, int recorded, void *stream)
+{
+    if (!recorded)
+        TRY(c->ops->event_record(c->t, EV_START, stream));
+    TRY(c->ops->event_wait(c->t, EV_START, c->ops->comm_stream(c->t)));
+    return TEC_OK;
+}
 
 /* Publish our own slot for epoch e (after `stream`'s work so far), then
  * pull every peer's chunk into its slot, own chunk order (rank - i).
@@ -418,9 +445,7 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
     flag_seq q = {.n = 0};
-    if (!recorded) /* else the caller recorded EV_START (and issued work after it) */
-        TRY(c->ops->event_record(c->t, EV_START, stream));
-    TRY(c->ops->event_wait(c->t, EV_START, M));
+    TRY(follow(c, recorded, stream));
     if (src && src != slot(c, r, r, chunk)) {
         seq_consumed(c, &q, op);
         TRY(seq_run(c, &q, M));
@@ -446,14 +471,10 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
 
 tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream)
 {
-    tec_status st = begin(c, "ag_gemm");
-    if (st)
-        return st;
-    if (c->pending)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm while a bulk operation is pending", c->name);
     const size_t es = tec_dtype_size(a->dtype), ces = tec_dtype_size(a->out_dtype);
     const size_t chunk = (size_t)a->rows * (size_t)a->k * es;
-    if ((st = check_chunk(c, "ag_gemm", chunk, a->rows, a->k, a->dtype)))
+    tec_status st = begin_chunk(c, "ag_gemm", chunk, a->rows, a->k, a->dtype);
+    if (st)
         return st;
     if (!a->out || !a->b || a->n <= 0 || !ces || a->ldc < a->n)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm: missing B or out, or bad n/ldc", c->name);
@@ -516,9 +537,7 @@ static tec_status announce_free(tec_comm *c, const char *op, uint64_t v, int rec
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
     flag_seq q = {.n = 0};
-    if (!recorded) /* else the caller recorded EV_START (and issued work after it) */
-        TRY(c->ops->event_record(c->t, EV_START, stream));
-    TRY(c->ops->event_wait(c->t, EV_START, M));
+    TRY(follow(c, recorded, stream));
     /* Peers push into slots laid out by this operation's chunk size, which
      * may overlap this rank's slot of the last all-gather: they must have
      * finished pulling it first. */
@@ -564,14 +583,10 @@ static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, siz
 
 tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream)
 {
-    tec_status st = begin(c, "gemm_rs");
-    if (st)
-        return st;
-    if (c->pending)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs while a bulk operation is pending", c->name);
     const size_t es = tec_dtype_size(a->dtype);
     const size_t chunk = (size_t)a->rows * (size_t)a->n * es;
-    if ((st = check_chunk(c, "gemm_rs", chunk, a->rows, a->n, a->dtype)))
+    tec_status st = begin_chunk(c, "gemm_rs", chunk, a->rows, a->n, a->dtype);
+    if (st)
         return st;
     if (!a->out || !a->b || !a->a || a->k <= 0 || a->lda < a->k)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: missing A, B or out, or bad k/lda", c->name);
@@ -617,13 +632,8 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
 
 tec_status tec_comm_bulk_ag_start(tec_comm *c, const void *src, size_t chunk, void *stream)
 {
-    tec_status st = begin(c, "bulk_ag");
+    tec_status st = begin_chunk(c, "bulk_ag", chunk, 1, 1, TEC_F32);
     if (st)
-        return st;
-    if (c->pending)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': bulk_ag_start while a bulk operation is pending "
-                             "(call its finish first)", c->name);
-    if ((st = check_chunk(c, "bulk_ag", chunk, 1, 1, TEC_F32)))
         return st;
     const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_AG, chunk));
     if (c->size == 1) {
@@ -665,14 +675,9 @@ tec_status tec_comm_bulk_ag_finish(tec_comm *c, void *stream)
 tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, int64_t cols, tec_dtype dtype,
                                   void *out, void *stream)
 {
-    tec_status st = begin(c, "bulk_rs");
-    if (st)
-        return st;
-    if (c->pending)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': bulk_rs_start while a bulk operation is pending "
-                             "(call its finish first)", c->name);
     const size_t chunk = (size_t)rows * (size_t)cols * tec_dtype_size(dtype);
-    if ((st = check_chunk(c, "bulk_rs", chunk, rows, cols, dtype)))
+    tec_status st = begin_chunk(c, "bulk_rs", chunk, rows, cols, dtype);
+    if (st)
         return st;
     if (!src || !out)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': bulk_rs: missing src or out", c->name);
