@@ -247,6 +247,28 @@ def test_min_chunk_flops_settings(monkeypatch):
         CommOverlapCPU((8, 4), torch.float32, name="mcf5")
 
 
+def test_gemm_sm_margin_settings(monkeypatch):
+    """The SMs the chunk GEMMs leave free: 0 by default on the CPU (which has no
+    SMs to leave), an argument or $TEC_UB_GEMM_SM_MARGIN; bad values are named errors."""
+    monkeypatch.delenv("TEC_UB_GEMM_SM_MARGIN", raising=False)
+    c = CommOverlapCPU((8, 4), torch.float32, name="sm0")
+    assert c.gemm_sm_margin == 0
+    c.close()
+    c = CommOverlapCPU((8, 4), torch.float32, name="sm1", gemm_sm_margin=4)
+    assert c.gemm_sm_margin == 4
+    c.close()
+    monkeypatch.setenv("TEC_UB_GEMM_SM_MARGIN", "8")
+    c = CommOverlapCPU((8, 4), torch.float32, name="sm2")
+    assert c.gemm_sm_margin == 8
+    c.close()
+    for bad in (-1, 1.5, "two"):
+        with pytest.raises(ValueError, match="gemm_sm_margin must be an integer >= 0"):
+            CommOverlapCPU((8, 4), torch.float32, name="sm3", gemm_sm_margin=bad)
+    monkeypatch.setenv("TEC_UB_GEMM_SM_MARGIN", "-3")
+    with pytest.raises(ValueError, match="TEC_UB_GEMM_SM_MARGIN must be an integer >= 0"):
+        CommOverlapCPU((8, 4), torch.float32, name="sm4")
+
+
 def test_a_dropped_communicator_is_freed():
     """A communicator dropped without close(), after its buffer was viewed
     and used, is freed once the views are gone: nothing it holds refers

@@ -69,6 +69,27 @@ def _group_rank_size(tp_group, tp_size):
 # size (its GEMMs are slow), which also keeps the CPU tests on the
 # overlapped paths.
 _MIN_CHUNK_FLOPS = {"cuda": {"ag": 40e9, "rs": 16e9}, "cpu": {"ag": 0.0, "rs": 0.0}}
+# SMs a schedule's chunk GEMMs leave free: cuBLAS's persistent GEMM kernels
+# fill every SM, and the comm stream's flag kernels and local copies then wait
+# for the GEMM's tail (docs/performance.md, fourth session).
+_GEMM_SM_MARGIN = {"cuda": 2, "cpu": 0}
+
+
+def _gemm_sm_margin(value, device):
+    """value, or $TEC_UB_GEMM_SM_MARGIN, else the device's default; an int >= 0."""
+    name = "gemm_sm_margin"
+    if value is None:
+        value = os.environ.get("TEC_UB_GEMM_SM_MARGIN")
+        name = "TEC_UB_GEMM_SM_MARGIN"
+        if not value:
+            return _GEMM_SM_MARGIN[device.type]
+    try:
+        margin = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}") from None
+    if margin < 0 or isinstance(value, float) and value != margin:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return margin
 
 
 def _min_chunk_flops(value, device):
@@ -125,12 +146,15 @@ class CommOverlap(_C.CommOverlap):
     non-overlapped path instead (a number, or {"ag": .., "rs": ..}; default
     $TEC_UB_MIN_CHUNK_FLOPS, else measured per device); stats() counts those
     calls as ag_fallback / rs_fallback.
+    gemm_sm_margin: SMs the overlapped operations' chunk GEMMs leave free for
+    the comm stream's kernels (default $TEC_UB_GEMM_SM_MARGIN, else 2 on CUDA;
+    the CPU ignores it).
     Creating one is collective over tp_group.
     """
 
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
                  transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
-                 _exchange=True):
+                 gemm_sm_margin=None, _exchange=True):
         shape = tuple(int(s) for s in shape)
         if not shape or any(s <= 0 for s in shape):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
@@ -165,6 +189,7 @@ class CommOverlap(_C.CommOverlap):
         self.timeout = timeout
         self._pending = None
         self._min_chunk_flops = _min_chunk_flops(min_chunk_flops, device)
+        self.gemm_sm_margin = _gemm_sm_margin(gemm_sm_margin, device)
         self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
@@ -172,7 +197,8 @@ class CommOverlap(_C.CommOverlap):
         self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
         ws_bytes = _C.gemm_workspace_bytes(device_code(device))
         self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
-        self._set_gemm_workspace(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes)
+        self._set_gemm(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes,
+                       self.gemm_sm_margin)
         if _exchange:
             CommOverlap._exchange([self], tp_group)
 
@@ -481,7 +507,9 @@ _DEFAULT_METHOD = {
     "fc2_dgrad": "ring_exchange", "proj_fprop": "pipeline", "fc2_fprop": "pipeline",
 }
 # TE's ub_cfgs keys. Those tuning SMs/CGAs/priorities of TE's kernels have no
-# meaning for copy-engine / comm-thread transports and are accepted, ignored.
+# meaning for copy-engine / comm-thread transports and are accepted, ignored
+# (num_sm / set_sm_margin size TE's comm kernels; our GEMMs' margin is
+# initialize_ub's gemm_sm_margin).
 _CFG_KEYS = {"method", "num_splits", "is_reduce_scatter", "num_sm", "cga_size", "set_sm_margin", "aggregate",
              "use_ce", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm", "atomic_gemm",
              "fp8_buf", "timeout"}
@@ -489,7 +517,7 @@ _registry = {}
 
 
 def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_group=None, transport="auto",
-                  device=None, timeout=None, use_fp8=False, min_chunk_flops=None):
+                  device=None, timeout=None, use_fp8=False, min_chunk_flops=None, gemm_sm_margin=None):
     """Create one communicator per TE layer name (collective over tp_group).
     shape: [sequence * batch, hidden] of the full (gathered) activations.
     ub_cfgs: {layer name: {method, num_splits, ...}} as in TE."""
@@ -519,6 +547,7 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
                             timeout=cfg.get("timeout", timeout), transport=transport, device=device,
                             method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
                             num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
+                            gemm_sm_margin=gemm_sm_margin,
                             _exchange=False)
             comms.append(c)
         CommOverlap._exchange(comms, tp_group)

@@ -28,8 +28,9 @@ struct tec_comm {
     tec_status broken;     /* sticky failure */
     char broken_msg[768];
     tec_comm_stats stats;
-    void *gemm_ws;         /* tec_comm_set_gemm_workspace */
+    void *gemm_ws;         /* tec_comm_set_gemm */
     size_t gemm_ws_bytes;
+    int gemm_sm_margin;
 };
 
 typedef struct {
@@ -236,6 +237,7 @@ static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64
     g.a = a; g.lda = lda; g.b = b; g.ldb = ldb; g.c = out; g.ldc = ldc;
     g.ab_dtype = dt; g.c_dtype = cdt; g.bias = bias;
     g.workspace = c->gemm_ws; g.workspace_bytes = c->gemm_ws_bytes;
+    g.sm_margin = c->gemm_sm_margin;
     return tec_gemm(c->device, &g, stream);
 }
 
@@ -352,8 +354,9 @@ tec_status tec_comm_open_peers(tec_comm *c, const void *const *handles, const si
     return TEC_OK;
 }
 
-void tec_comm_set_gemm_workspace(tec_comm *c, void *ptr, size_t bytes)
+void tec_comm_set_gemm(tec_comm *c, void *ptr, size_t bytes, int sm_margin)
 {
+    c->gemm_sm_margin = sm_margin > 0 ? sm_margin : 0;
     c->gemm_ws = ptr;
     c->gemm_ws_bytes = ptr ? bytes : 0;
 }

@@ -120,6 +120,10 @@ typedef struct {
     int accumulate;
     void *workspace;
     size_t workspace_bytes;
+    /* SMs the product leaves free for work on other streams (CUDA: the
+     * flag kernels and copies of an overlap schedule); 0: it may use all.
+     * The CPU backend ignores it. */
+    int sm_margin;
 } tec_gemm_args;
 
 /* --------------------------------------------------------------- backend */
@@ -358,10 +362,10 @@ void tec_comm_destroy(tec_comm *c); /* synchronizes; NULL is a no-op */
 tec_status tec_comm_local_handle(tec_comm *c, void *out, size_t cap, size_t *len);
 tec_status tec_comm_open_peers(tec_comm *c, const void *const *handles, const size_t *lens);
 tec_status tec_comm_release_handle(tec_comm *c);
-/* The GEMM workspace the schedules pass to tec_gemm (device memory of at
+/* What the schedules pass to tec_gemm: the workspace (device memory of at
  * least the backend's gemm_workspace_bytes, owned by the caller, used on the
- * compute stream only). */
-void tec_comm_set_gemm_workspace(tec_comm *c, void *ptr, size_t bytes);
+ * compute stream only) and the SMs their GEMMs leave free (sm_margin). */
+void tec_comm_set_gemm(tec_comm *c, void *ptr, size_t bytes, int sm_margin);
 
 int tec_comm_rank(const tec_comm *c);
 int tec_comm_size(const tec_comm *c);

@@ -171,16 +171,20 @@ static PyObject *py_release_handle(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
-/* _set_gemm_workspace(ptr, nbytes): the caller keeps the memory alive */
-static PyObject *py_set_gemm_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* _set_gemm(ptr, nbytes, sm_margin): the caller keeps the memory alive */
+static PyObject *py_set_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("_set_gemm_workspace", 2);
+    ARGC("_set_gemm", 3);
     LIVE(c);
     void *ptr;
-    int64_t n;
-    if (!tec_arg_ptr(args, 0, &ptr) || !tec_arg_i64(args, 1, &n))
+    int64_t n, margin;
+    if (!tec_arg_ptr(args, 0, &ptr) || !tec_arg_i64(args, 1, &n) || !tec_arg_i64(args, 2, &margin))
         return NULL;
-    tec_comm_set_gemm_workspace(c, ptr, (size_t)n);
+    if (margin < 0 || margin > 1024) {
+        PyErr_Format(PyExc_ValueError, "gemm_sm_margin must be in [0, 1024], got %lld", (long long)margin);
+        return NULL;
+    }
+    tec_comm_set_gemm(c, ptr, (size_t)n, (int)margin);
     Py_RETURN_NONE;
 }
 
@@ -444,7 +448,7 @@ static PyMethodDef comm_methods[] = {
     M("_local_handle", py_local_handle, "_local_handle() -> bytes for the peers"),
     M("_open_peers", py_open_peers, "_open_peers(handles in rank order)"),
     M("_release_handle", py_release_handle, "_release_handle(): every peer mapped us (unlink the name)"),
-    M("_set_gemm_workspace", py_set_gemm_workspace, "_set_gemm_workspace(ptr, nbytes)"),
+    M("_set_gemm", py_set_gemm, "_set_gemm(ptr, nbytes, sm_margin)"),
     M("_acquire", py_acquire, "_acquire(stream): wait until peers read our slot"),
     M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream)"),
     M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream)"),

@@ -173,6 +173,7 @@ void dispatch_bias_grad(const tec_gemm_args *g, cudaStream_t st)
  * row sums of op(A) are the column sums of cuBLASLt's B (EPILOGUE_BGRADB). */
 struct gemm_key {
     int32_t ab, c, transa, transb, epi;
+    int32_t sm_target; /* CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, 0: not set */
     uint32_t align_a, align_b, align_c, align_bias;
     int64_t m, n, k, lda, ldb, ldc;
 };
@@ -315,6 +316,10 @@ tec_status plan_try(cublasLtHandle_t h, const gemm_key *k, int epi, const void *
     if (epi != CUBLASLT_EPILOGUE_DEFAULT)
         TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &epi_ptr,
                                                              sizeof epi_ptr),
+                              st, fail);
+    if (k->sm_target > 0)
+        TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                                                             &k->sm_target, sizeof k->sm_target),
                               st, fail);
     TEC_CUBLAS_CHECK_GOTO(cublasLtMatrixLayoutCreate(&p->la, cuda_type(k->ab), (uint64_t)(k->transb ? k->k : k->n),
                                                      (uint64_t)(k->transb ? k->n : k->k), k->ldb),
@@ -526,6 +531,10 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
         key.c = g->c_dtype;
         key.transa = g->transa;
         key.transb = g->transb;
+        if (g->sm_margin > 0) { /* leave SMs free for the comm stream's kernels */
+            const int sms = tec_cuda_sm_count(device);
+            key.sm_target = sms - g->sm_margin > 1 ? sms - g->sm_margin : 1;
+        }
         key.align_a = tec_cuda_ptr_align(g->a);
         key.align_b = tec_cuda_ptr_align(g->b);
         key.align_c = tec_cuda_ptr_align(g->c);
