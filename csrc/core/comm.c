@@ -505,12 +505,22 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
      * the CPU a compute-stream call runs at once, so the comm thread's work
      * is queued first. */
     const int gemm_first = c->device != TEC_DEVICE_CPU;
+    const void *src = a->a_local;
     if (gemm_first) {
+        if (src && src != slot(c, r, r, chunk)) {
+            /* The peers pull our chunk from the buffer, so it goes there
+             * first, on this stream: a device-to-device copy runs on SMs,
+             * and on the comm stream it would wait for the GEMM's, delaying
+             * every peer's pull by a chunk GEMM. */
+            TRY(wait_consumed(c, "ag_gemm", stream));
+            TRY(c->ops->copy(c->t, slot(c, r, r, chunk), src, chunk, stream));
+            src = NULL;
+        }
         TRY(c->ops->event_record(c->t, EV_START, stream));
         TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
                  a->out_dtype, a->bias, stream));
     }
-    TRY(gather(c, "ag_gemm", a->a_local, chunk, v, 1, gemm_first, stream));
+    TRY(gather(c, "ag_gemm", src, chunk, v, 1, gemm_first, stream));
     if (a->local_copy) /* on the comm stream after the pulls: the GEMMs do not wait for it */
         TRY(c->ops->copy(c->t, a->local_copy, local, chunk, c->ops->comm_stream(c->t)));
     if (!gemm_first)
