@@ -446,7 +446,7 @@ void tune_finish(gemm_plan *p)
     const cudaError_t e = cudaEventQuery(p->ev[nev - 1]);
     if (e == cudaErrorNotReady)
         return;
-    int best = 0;
+    int best = -1; /* the fastest candidate timed in every round */
     if (e == cudaSuccess) {
         float tbest = 0.0f;
         for (int i = 0; i < p->nalgo; i++) {
@@ -461,16 +461,16 @@ void tune_finish(gemm_plan *p)
                 (void)cudaGetLastError();
                 continue;
             }
-            if (!p->swept[best] || t < tbest) {
+            if (best < 0 || t < tbest) {
                 best = i;
                 tbest = t;
             }
         }
-        if (!p->swept[best])
-            best = 0;
     } else {
         (void)cudaGetLastError();
     }
+    if (best < 0)
+        best = 0;
     p->algo = p->algos[best];
     p->tune = kTuneDone;
     tune_drop_events(p);
