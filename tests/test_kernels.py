@@ -118,42 +118,59 @@ def _gemm_stats():
     return list(out)
 
 
+_SWEEP_CHECK = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_kernels import _gemm_stats, rand, gemm_ref, poison, TOL, rel_err, _engine
+tune = sys.argv[2] == "1"
+dt, dev = torch.bfloat16, "cuda"
+m, n, k = 1152, 1408, 704
+a, b = rand(k, m, dtype=dt, device=dev), rand(k, n, dtype=dt, device=dev)
+prod = gemm_ref(a, b, True, False)
+acc0 = rand(m, n, dtype=torch.float32, device=dev)
+acc = acc0.clone()
+s0 = _gemm_stats()
+for _ in range(2):  # accumulating calls never sweep (a sweep would add the product again and again)
+    _engine.gemm(a, b, transa=True, out=acc, accumulate=True)
+    torch.cuda.synchronize()
+s1 = _gemm_stats()
+assert s1[3] == s0[3] + 1 and s1[4] == s0[4], (s0, s1)
+assert rel_err(acc, acc0.double().cpu() + 2 * prod) < TOL[dt]
+out = poison(torch.empty(m, n, dtype=torch.float32, device=dev))
+_engine.gemm(a, b, transa=True, out=out)  # same plan, overwriting: sweeps when tuning
+torch.cuda.synchronize()
+s2 = _gemm_stats()
+assert s2[4] == s1[4] + tune and s2[5] == s1[5], (s1, s2)
+assert rel_err(out, prod) < TOL[dt]
+_engine.gemm(a, b, transa=True, out=acc, accumulate=True)  # reads the sweep back
+torch.cuda.synchronize()
+s3 = _gemm_stats()
+assert s3[4] == s2[4] and s3[5] == s2[5] + tune, (s2, s3)
+assert rel_err(acc, acc0.double().cpu() + 3 * prod) < TOL[dt]
+for _ in range(2):
+    y = _engine.gemm(a, b, transa=True, out=poison(out))
+    assert rel_err(y, prod) < TOL[dt]
+assert _gemm_stats()[3:6] == s3[3:6]
+print("OK", s3)
+"""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA GPU on this machine (the algorithm sweep is cuBLASLt's)")
-def test_gemm_algorithm_sweep():
-    """The first overwriting call of a shape sweeps cuBLASLt's candidates on the stream and a
-    later call keeps the fastest; accumulating calls never sweep (a sweep would add the
-    product again and again), and every result is right whichever algorithm ran."""
-    dt, dev = torch.bfloat16, "cuda"
-    # Shapes no other test uses, so their plans are new here.
-    m, n, k = 1152, 1408, 704
-    a, b = rand(k, m, dtype=dt, device=dev), rand(k, n, dtype=dt, device=dev)
-    prod = gemm_ref(a, b, True, False)
-    acc0 = rand(m, n, dtype=torch.float32, device=dev)
-    acc = acc0.clone()
-    s0 = _gemm_stats()
-    for _ in range(2):
-        _engine.gemm(a, b, transa=True, out=acc, accumulate=True)
-        torch.cuda.synchronize()
-    s1 = _gemm_stats()
-    assert s1[3] == s0[3] + 1 and s1[4] == s0[4], (s0, s1)
-    assert rel_err(acc, acc0.double().cpu() + 2 * prod) < TOL[dt]
-
-    out = poison(torch.empty(m, n, dtype=torch.float32, device=dev))
-    _engine.gemm(a, b, transa=True, out=out)  # same plan, overwriting: sweeps
-    torch.cuda.synchronize()
-    s2 = _gemm_stats()
-    assert s2[4] == s1[4] + 1 and s2[5] == s1[5], (s1, s2)
-    assert rel_err(out, prod) < TOL[dt]
-    _engine.gemm(a, b, transa=True, out=acc, accumulate=True)  # reads the sweep back
-    torch.cuda.synchronize()
-    s3 = _gemm_stats()
-    assert s3[4] == s2[4] and s3[5] == s2[5] + 1, (s2, s3)
-    assert rel_err(acc, acc0.double().cpu() + 3 * prod) < TOL[dt]
-    for _ in range(2):
-        y = _engine.gemm(a, b, transa=True, out=poison(out))
-        assert rel_err(y, prod) < TOL[dt]
-    assert _gemm_stats()[3:6] == s3[3:6]
+@pytest.mark.parametrize("tune", ["1", "0"])
+def test_gemm_algorithm_sweep(tune):
+    """With TEC_GEMM_TUNE=1 the first overwriting call of a shape sweeps cuBLASLt's
+    candidates on the stream and a later call keeps the fastest; accumulating calls
+    never sweep; every result is right whichever algorithm ran. Without it (the
+    default) nothing sweeps. In a fresh process: the setting is read once."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TEC_GEMM_TUNE=tune)
+    r = subprocess.run([sys.executable, "-c", _SWEEP_CHECK, here, tune], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_gemm_strided_chunk(device):
