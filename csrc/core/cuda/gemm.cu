@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cuda_common.h"
+#include "gemm_tune.h"
 
 namespace {
 
@@ -447,31 +448,24 @@ void tune_finish(gemm_plan *p)
     const cudaError_t e = cudaEventQuery(p->ev[nev - 1]);
     if (e == cudaErrorNotReady)
         return;
-    int best = -1; /* the fastest candidate timed in every round */
+    float t[kTuneAlgos] = {0};
+    int ok[kTuneAlgos] = {0};
     if (e == cudaSuccess) {
-        float tbest = 0.0f;
         for (int i = 0; i < p->nalgo; i++) {
-            float t = 0.0f, ms;
-            int ok = p->swept[i];
-            for (int r = 0; r < kTuneRounds && ok; r++) {
+            float ms;
+            ok[i] = p->swept[i];
+            for (int r = 0; r < kTuneRounds && ok[i]; r++) {
                 const int j = r * p->nalgo + i;
-                ok = cudaEventElapsedTime(&ms, p->ev[j], p->ev[j + 1]) == cudaSuccess;
-                t += ms;
+                ok[i] = cudaEventElapsedTime(&ms, p->ev[j], p->ev[j + 1]) == cudaSuccess;
+                t[i] += ms;
             }
-            if (!ok) {
+            if (!ok[i])
                 (void)cudaGetLastError();
-                continue;
-            }
-            if (best < 0 || t < tbest) {
-                best = i;
-                tbest = t;
-            }
         }
     } else {
         (void)cudaGetLastError();
     }
-    if (best < 0)
-        best = 0;
+    const int best = tec_tune_pick(t, ok, p->nalgo); /* 0 when none was timed */
     p->algo = p->algos[best];
     p->tune = kTuneDone;
     tune_drop_events(p);
