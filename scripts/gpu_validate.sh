@@ -7,6 +7,8 @@
 #   BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh
 #   PROFILE=2048x2048x6144,8192x4096x12288 bash scripts/gpu_validate.sh tests/test_kernels.py
 #     (also runs scripts/profile_overlap.py on every GPU: host/GPU times, cProfile, a trace)
+#   SWEEP=1 BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh ...
+#     (also runs scripts/gemm_sweep_check.py, and the benchmark again with TEC_GEMM_TUNE=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -42,5 +44,14 @@ fi
 if [ -n "${BENCH:-}" ]; then
   timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench" > "$OUT/bench.log" 2>&1
   log "bench: exit $?"; grep -E "^\|" "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${SWEEP:-}" ]; then
+  timeout 120 python3 scripts/gemm_sweep_check.py > "$OUT/sweep.log" 2>&1
+  log "GEMM sweep check: exit $?"; cat "$OUT/sweep.log" | tee -a "$OUT/summary.txt"
+  if [ -n "${BENCH:-}" ]; then
+    TEC_GEMM_TUNE=1 timeout 400 python3 -m transformer_engine_c.bench $BENCH --out "$OUT/bench_tuned" \
+        > "$OUT/bench_tuned.log" 2>&1
+    log "bench with TEC_GEMM_TUNE=1: exit $?"; grep -E "^\|" "$OUT/bench_tuned.log" | tee -a "$OUT/summary.txt"
+  fi
 fi
 exit $rc
