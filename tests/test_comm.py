@@ -249,7 +249,8 @@ def test_min_chunk_flops_settings(monkeypatch):
 
 def test_gemm_sm_margin_settings(monkeypatch):
     """The SMs the chunk GEMMs leave free: 0 by default on the CPU (which has no
-    SMs to leave), an argument or $TEC_UB_GEMM_SM_MARGIN; bad values are named errors."""
+    SMs to leave), an argument or $TEC_UB_GEMM_SM_MARGIN, fixed at creation; bad
+    values are named errors."""
     monkeypatch.delenv("TEC_UB_GEMM_SM_MARGIN", raising=False)
     c = CommOverlapCPU((8, 4), torch.float32, name="sm0")
     assert c.gemm_sm_margin == 0
@@ -260,13 +261,25 @@ def test_gemm_sm_margin_settings(monkeypatch):
     monkeypatch.setenv("TEC_UB_GEMM_SM_MARGIN", "8")
     c = CommOverlapCPU((8, 4), torch.float32, name="sm2")
     assert c.gemm_sm_margin == 8
+    with pytest.raises(AttributeError):
+        c.gemm_sm_margin = 2  # fixed at creation: the engine has it
     c.close()
-    for bad in (-1, 1.5, "two"):
+    for bad in (-1, 1.5, "4", True, float("inf")):
         with pytest.raises(ValueError, match="gemm_sm_margin must be an integer >= 0"):
             CommOverlapCPU((8, 4), torch.float32, name="sm3", gemm_sm_margin=bad)
-    monkeypatch.setenv("TEC_UB_GEMM_SM_MARGIN", "-3")
-    with pytest.raises(ValueError, match="TEC_UB_GEMM_SM_MARGIN must be an integer >= 0"):
-        CommOverlapCPU((8, 4), torch.float32, name="sm4")
+    for env in ("-3", "two", "1.5"):
+        monkeypatch.setenv("TEC_UB_GEMM_SM_MARGIN", env)
+        with pytest.raises(ValueError, match="TEC_UB_GEMM_SM_MARGIN must be an integer >= 0"):
+            CommOverlapCPU((8, 4), torch.float32, name="sm4")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA GPU on this machine (the SM count is a GPU's)")
+def test_gemm_sm_margin_below_the_sm_count():
+    """On CUDA the margin must leave the GEMMs at least one SM; the default is 2."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match=f"below the {sms} SMs"):
+        tec.CommOverlap((8, 4), torch.float32, device="cuda", name="smcuda", gemm_sm_margin=sms)
 
 
 def test_a_dropped_communicator_is_freed():

@@ -8,8 +8,9 @@ PyTorch sequential path, PyTorch async-TP and the limit, in one process.
 Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
 (host clock on CPU), the maximum over ranks. The variants of a row are timed
-in interleaved rounds (one sample of each per round), so that the GPU's clock
-and temperature drift over a run weigh on all of them alike. A sample is --batch calls issued
+in interleaved rounds (one sample of each per round, every rank starting each
+sample together), so that the GPU's clock and temperature drift over a run
+weigh on all of them alike. A sample is --batch calls issued
 back to back, divided by --batch: the host runs ahead of the GPU as in
 training, so a row measures the GPU's time unless the host cannot keep up.
 --batch 1 times each call from an idle GPU instead (latency: the host's time
@@ -95,10 +96,12 @@ class Timer:
                 continue
             live[name] = fn
         times = {name: [] for name in live}
-        self.sync()
-        dist.barrier(group=self.group)
         for _ in range(self.iters):
             for name, fn in live.items():
+                # Ranks start each sample together: a collective sample that follows a
+                # local one would otherwise also time the other rank's lag.
+                self.sync()
+                dist.barrier(group=self.group)
                 times[name].append(self.sample(fn))
         t = torch.tensor([statistics.median(times[n]) for n in live] or [0.0], dtype=torch.float64,
                          device=self.device)

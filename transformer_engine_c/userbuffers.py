@@ -76,20 +76,25 @@ _GEMM_SM_MARGIN = {"cuda": 2, "cpu": 0}
 
 
 def _gemm_sm_margin(value, device):
-    """value, or $TEC_UB_GEMM_SM_MARGIN, else the device's default; an int >= 0."""
+    """value, or $TEC_UB_GEMM_SM_MARGIN, else the device's default: an int >= 0,
+    and on CUDA fewer than the device's SMs."""
     name = "gemm_sm_margin"
     if value is None:
-        value = os.environ.get("TEC_UB_GEMM_SM_MARGIN")
-        name = "TEC_UB_GEMM_SM_MARGIN"
-        if not value:
+        env = os.environ.get("TEC_UB_GEMM_SM_MARGIN")
+        if not env:
             return _GEMM_SM_MARGIN[device.type]
-    try:
-        margin = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}") from None
-    if margin < 0 or isinstance(value, float) and value != margin:
+        name = "TEC_UB_GEMM_SM_MARGIN"
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer >= 0, got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return margin
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if value >= sms:
+            raise ValueError(f"{name} must be below the {sms} SMs of {device}, got {value}")
+    return value
 
 
 def _min_chunk_flops(value, device):
@@ -189,7 +194,7 @@ class CommOverlap(_C.CommOverlap):
         self.timeout = timeout
         self._pending = None
         self._min_chunk_flops = _min_chunk_flops(min_chunk_flops, device)
-        self.gemm_sm_margin = _gemm_sm_margin(gemm_sm_margin, device)
+        self._gemm_sm_margin = _gemm_sm_margin(gemm_sm_margin, device)
         self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
@@ -198,7 +203,7 @@ class CommOverlap(_C.CommOverlap):
         ws_bytes = _C.gemm_workspace_bytes(device_code(device))
         self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
         self._set_gemm(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes,
-                       self.gemm_sm_margin)
+                       self._gemm_sm_margin)
         if _exchange:
             CommOverlap._exchange([self], tp_group)
 
@@ -436,6 +441,11 @@ class CommOverlap(_C.CommOverlap):
         pending, self._pending = self._pending, None  # keeps the input alive until finished
         self._bulk_rs_finish(self._stream())
         return pending[2]
+
+    @property
+    def gemm_sm_margin(self):
+        """SMs the overlapped operations' chunk GEMMs leave free (set at creation)."""
+        return self._gemm_sm_margin
 
     @property
     def min_chunk_flops(self):

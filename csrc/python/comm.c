@@ -180,8 +180,8 @@ static PyObject *py_set_gemm(PyObject *self, PyObject *const *args, Py_ssize_t n
     int64_t n, margin;
     if (!tec_arg_ptr(args, 0, &ptr) || !tec_arg_i64(args, 1, &n) || !tec_arg_i64(args, 2, &margin))
         return NULL;
-    if (margin < 0 || margin > 1024) {
-        PyErr_Format(PyExc_ValueError, "gemm_sm_margin must be in [0, 1024], got %lld", (long long)margin);
+    if (margin < 0 || margin > 65535) { /* userbuffers.py checks it against the device first */
+        PyErr_Format(PyExc_ValueError, "gemm_sm_margin must be in [0, 65535], got %lld", (long long)margin);
         return NULL;
     }
     tec_comm_set_gemm(c, ptr, (size_t)n, (int)margin);
