@@ -130,7 +130,7 @@ prod = gemm_ref(a, b, True, False)
 acc0 = rand(m, n, dtype=torch.float32, device=dev)
 acc = acc0.clone()
 s0 = _gemm_stats()
-for _ in range(2):  # accumulating calls never sweep (a sweep would add the product again and again)
+for _ in range(2):  # accumulating calls never sweep (a sweep would overwrite the accumulator)
     _engine.gemm(a, b, transa=True, out=acc, accumulate=True)
     torch.cuda.synchronize()
 s1 = _gemm_stats()
@@ -151,7 +151,28 @@ for _ in range(2):
     y = _engine.gemm(a, b, transa=True, out=poison(out))
     assert rel_err(y, prod) < TOL[dt]
 assert _gemm_stats()[3:6] == s3[3:6]
-print("OK", s3)
+# Fused epilogues: the candidates also write the bias (fprop) or the bias gradient (wgrad).
+m2, n2, k2 = 1088, 1216, 640
+for layout in ("fprop", "wgrad"):
+    if layout == "fprop":
+        a2, b2, bias = rand(m2, k2, dtype=dt, device=dev), rand(n2, k2, dtype=dt, device=dev), rand(n2, dtype=dt, device=dev)
+        ref = gemm_ref(a2, b2, False, True, bias)
+    else:
+        a2, b2 = rand(k2, m2, dtype=dt, device=dev), rand(k2, n2, dtype=dt, device=dev)
+        ref, ref_bg = gemm_ref(a2, b2, True, False), a2.t().double().cpu().sum(1)
+    t0 = _gemm_stats()
+    for _ in range(3):  # sweeps, reads back, runs the choice
+        if layout == "fprop":
+            y = _engine.gemm(a2, b2, transb=True, bias=bias, out=poison(torch.empty(m2, n2, dtype=dt, device=dev)))
+        else:
+            y, bg = _engine.gemm(a2, b2, transa=True, bias_grad=True)
+            assert rel_err(bg, ref_bg) < TOL[dt], layout
+        torch.cuda.synchronize()
+        assert rel_err(y, ref) < TOL[dt], layout
+    t1 = _gemm_stats()
+    assert t1[0] > t0[0], ("the epilogue was not fused", t0, t1)
+    assert t1[4] == t0[4] + tune and t1[5] == t0[5] + tune, (layout, t0, t1)
+print("OK", _gemm_stats())
 """
 
 
@@ -161,8 +182,10 @@ print("OK", s3)
 def test_gemm_algorithm_sweep(tune):
     """With TEC_GEMM_TUNE=1 the first overwriting call of a shape sweeps cuBLASLt's
     candidates on the stream and a later call keeps the fastest; accumulating calls
-    never sweep; every result is right whichever algorithm ran. Without it (the
-    default) nothing sweeps. In a fresh process: the setting is read once."""
+    never sweep; every result is right whichever algorithm ran, fused bias and bias
+    gradient included. Without it (the default) nothing sweeps. In a fresh process:
+    the setting is read once. (With tuning on it expects cuBLASLt to offer more than
+    one algorithm for these shapes, as it does on H200.)"""
     import os
     import subprocess
     import sys

@@ -145,7 +145,7 @@ typedef struct tec_backend {
     const char *(*last_error)(void);
 } tec_backend;
 
-#define TEC_BACKEND_ABI 1
+#define TEC_BACKEND_ABI 2 /* 2: tec_gemm_args.sm_margin */
 
 extern const tec_backend tec_cpu_backend;
 

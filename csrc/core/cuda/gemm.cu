@@ -184,9 +184,10 @@ struct gemm_key {
  * answers is 2-7% faster at most layer shapes on H200 when timed alone
  * (scripts/gemm_algos.cu). So a plan keeps the heuristic's candidates; with
  * tuning on, the first call that overwrites C (beta = 0, stream
- * not capturing) also runs each candidate kTuneRounds times on its stream,
- * between events, before its own product; a later call finds the events
- * complete (cudaEventQuery, never a wait) and keeps the fastest. Candidates
+ * not capturing) also runs each candidate once untimed and kTuneRounds times
+ * between events on its stream, before its own product; a later call finds
+ * the events complete (cudaEventQuery, never a wait) and keeps the fastest
+ * (tec_tune_pick). Candidates
  * only write C (and the bias gradient), which the call itself then
  * overwrites. By default the heuristic's first answer is used. */
 enum { kTuneAlgos = 8, kTuneRounds = 3, kTuneEvents = kTuneAlgos * kTuneRounds + 1 };
@@ -393,8 +394,9 @@ tec_status plan_build(cublasLtHandle_t h, const gemm_key *k, const void *epi_ptr
     return TEC_OK;
 }
 
-/* 1 if the sweep may be enqueued on (or read from) st now: not while any
- * capture could take it into a graph (an error asking counts as capturing). */
+/* 1 if the sweep may be enqueued on (or read from) st now: not while st is
+ * capturing (a graph would replay the sweep; an error asking counts as
+ * capturing). */
 int tune_stream_free(cudaStream_t st)
 {
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -405,26 +407,35 @@ int tune_stream_free(cudaStream_t st)
     return cs == cudaStreamCaptureStatusNone;
 }
 
+/* The sweep's event and query calls are legal even while another thread
+ * captures in global mode: this thread runs them in relaxed mode. */
+struct relaxed_capture {
+    cudaStreamCaptureMode prev = cudaStreamCaptureModeRelaxed;
+    relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&prev); }
+    ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&prev); }
+};
+
 /* Enqueue the sweep on st (plan lock held; the caller's own product follows
- * on st, so C ends as the call defines it). Failing to make events only
- * leaves the heuristic's choice in place. */
-tec_status tune_sweep(gemm_dev *d, gemm_plan *p, const tec_gemm_args *g, size_t wsb, cudaStream_t st)
+ * on st, so C ends as the call defines it): one untimed round (first
+ * launches, module loading), then kTuneRounds timed rounds, each starting
+ * at a different candidate. Any failure only leaves the heuristic's choice
+ * in place: the events are dropped and the call goes on. */
+void tune_sweep(gemm_dev *d, gemm_plan *p, const tec_gemm_args *g, size_t wsb, cudaStream_t st)
 {
-    tec_status s = TEC_OK;
+    relaxed_capture relaxed;
     const float alpha = 1.0f, beta = 0.0f;
-    const int nev = kTuneRounds * p->nalgo + 1;
+    const int n = p->nalgo, nev = kTuneRounds * n + 1;
     p->tune = kTuneOff;
-    for (int i = 0; i < nev; i++)
-        if (cudaEventCreate(&p->ev[i]) != cudaSuccess) {
-            (void)cudaGetLastError();
-            tune_drop_events(p);
-            return TEC_OK;
-        }
-    for (int i = 0; i < p->nalgo; i++)
+    for (int i = 0; i < n; i++)
         p->swept[i] = p->algo_ws[i] <= wsb;
-    for (int r = 0; r < kTuneRounds; r++)
-        for (int i = 0; i < p->nalgo; i++) {
-            TEC_CUDA_CHECK_GOTO(cudaEventRecord(p->ev[r * p->nalgo + i], st), s, fail);
+    for (int i = 0; i < nev; i++)
+        if (cudaEventCreate(&p->ev[i]) != cudaSuccess)
+            goto fail;
+    for (int r = -1; r < kTuneRounds; r++)
+        for (int j = 0; j < n; j++) {
+            const int i = (j + (r > 0 ? r : 0)) % n; /* round r starts at candidate r */
+            if (r >= 0 && cudaEventRecord(p->ev[r * n + j], st) != cudaSuccess)
+                goto fail;
             if (p->swept[i] && cublasLtMatmul(d->handle, p->desc, &alpha, g->b, p->la, g->a, p->lb, &beta, g->c,
                                               p->lc, g->c, p->lc, &p->algos[i], g->workspace, wsb,
                                               st) != CUBLAS_STATUS_SUCCESS) {
@@ -432,40 +443,47 @@ tec_status tune_sweep(gemm_dev *d, gemm_plan *p, const tec_gemm_args *g, size_t 
                 p->swept[i] = 0; /* launch refused: not a candidate */
             }
         }
-    TEC_CUDA_CHECK_GOTO(cudaEventRecord(p->ev[nev - 1], st), s, fail);
+    if (cudaEventRecord(p->ev[nev - 1], st) != cudaSuccess)
+        goto fail;
     p->tune = kTunePending;
     stat_add(kStatSweeps);
-    return TEC_OK;
+    return;
 fail:
+    (void)cudaGetLastError();
     tune_drop_events(p);
-    return s;
 }
 
-/* If the sweep has run, keep its fastest candidate (summed over the rounds). */
+/* If the sweep has run, keep its choice: each candidate's best timed round,
+ * the heuristic's answer unless another beats it by over 2%. */
 void tune_finish(gemm_plan *p)
 {
-    const int nev = kTuneRounds * p->nalgo + 1;
+    relaxed_capture relaxed;
+    const int n = p->nalgo, nev = kTuneRounds * n + 1;
     const cudaError_t e = cudaEventQuery(p->ev[nev - 1]);
     if (e == cudaErrorNotReady)
         return;
-    float t[kTuneAlgos] = {0};
-    int ok[kTuneAlgos] = {0};
-    if (e == cudaSuccess) {
-        for (int i = 0; i < p->nalgo; i++) {
-            float ms;
-            ok[i] = p->swept[i];
-            for (int r = 0; r < kTuneRounds && ok[i]; r++) {
-                const int j = r * p->nalgo + i;
-                ok[i] = cudaEventElapsedTime(&ms, p->ev[j], p->ev[j + 1]) == cudaSuccess;
-                t[i] += ms;
-            }
-            if (!ok[i])
-                (void)cudaGetLastError();
-        }
-    } else {
-        (void)cudaGetLastError();
+    float t[kTuneAlgos];
+    int ok[kTuneAlgos];
+    for (int i = 0; i < n; i++) {
+        t[i] = 0.0f;
+        ok[i] = e == cudaSuccess && p->swept[i];
     }
-    const int best = tec_tune_pick(t, ok, p->nalgo); /* 0 when none was timed */
+    for (int r = 0; r < kTuneRounds && e == cudaSuccess; r++)
+        for (int j = 0; j < n; j++) {
+            const int i = (j + r) % n, k = r * n + j;
+            float ms = 0.0f;
+            if (!ok[i])
+                continue;
+            if (cudaEventElapsedTime(&ms, p->ev[k], p->ev[k + 1]) != cudaSuccess) {
+                (void)cudaGetLastError();
+                ok[i] = 0;
+            } else if (r == 0 || ms < t[i]) {
+                t[i] = ms;
+            }
+        }
+    if (e != cudaSuccess)
+        (void)cudaGetLastError();
+    const int best = tec_tune_pick(t, ok, n, 0.02f); /* 0 when none was timed */
     p->algo = p->algos[best];
     p->tune = kTuneDone;
     tune_drop_events(p);
@@ -587,8 +605,8 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
                 tune_stream_free(st)) {
                 if (plan->tune == kTunePending)
                     tune_finish(plan);
-                else if ((s = tune_sweep(d, plan, g, wsb, st)) != TEC_OK)
-                    goto out;
+                else
+                    tune_sweep(d, plan, g, wsb, st);
             }
             TEC_CUBLAS_CHECK_GOTO(cublasLtMatmul(d->handle, plan->desc, &alpha, g->b, plan->la, g->a, plan->lb,
                                                  &beta, g->c, plan->lc, g->c, plan->lc, &plan->algo, g->workspace,
