@@ -111,6 +111,8 @@ int main(int argc, char **argv)
         const float one = 1.f, zero = 0.f;
         const double gflop = 2.0 * M * N * K / 1e9;
         printf("\n%s  (%.1f GFLOP, %d algorithms)\n", argv[ai], gflop, nres);
+        if (nres == 0)
+            continue; /* (this shape's buffers and descriptors are left to the process's end) */
         printf("  %-3s %-6s %-6s %-7s %-6s %-8s %-6s %9s %7s %9s\n", "#", "tile", "stages", "splitk", "swizz",
                "cluster", "waves", "alone", "TFLOPS", "copy");
         auto gemmex = [&] {
