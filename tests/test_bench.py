@@ -8,7 +8,7 @@ import sys
 
 def test_bench_command_runs_on_cpu(tmp_path):
     out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--device", "cpu", "--iters", "1",
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--device", "cpu", "--nproc=2", "--iters", "1",
                         "--warmup", "1", "--batch", "2", "--cases", "ag_gemm,gemm_rs,mlp,mlp_bulk",
                         "--out", str(out)],
                        capture_output=True, text=True, timeout=300)

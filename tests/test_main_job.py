@@ -9,7 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_main_job_cpu():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, "-m", "transformer_engine_c", "--device", "cpu", "--steps", "1"],
+    proc = subprocess.run([sys.executable, "-m", "transformer_engine_c", "--device", "cpu", "--nproc", "2",
+                           "--steps", "1"],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "PASS" in proc.stdout and "overlap on vs off" in proc.stdout, proc.stdout[-4000:]

@@ -14,6 +14,21 @@ def under_torchrun():
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def without_nproc(argv):
+    """argv less our --nproc option (the ranks learn their count from torchrun,
+    and torchrun's parser would take "--nproc" for an abbreviation of its own
+    --nproc-per-node and refuse it as ambiguous)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def relaunch(module, nproc, argv=None):
     """Run `python -m module argv...` on nproc local ranks; return its exit code."""
     with socket.socket() as s:
@@ -25,7 +40,7 @@ def relaunch(module, nproc, argv=None):
         env.setdefault(k, v)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={port}", "-m", module,
-           *(sys.argv[1:] if argv is None else argv)]
+           *without_nproc(sys.argv[1:] if argv is None else argv)]
     return subprocess.call(cmd, env=env)
 
 
