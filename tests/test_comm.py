@@ -267,6 +267,8 @@ def test_gemm_sm_margin_settings(monkeypatch):
     for bad in (-1, 1.5, "4", True, float("inf")):
         with pytest.raises(ValueError, match="gemm_sm_margin must be an integer >= 0"):
             CommOverlapCPU((8, 4), torch.float32, name="sm3", gemm_sm_margin=bad)
+    with pytest.raises(ValueError, match="gemm_sm_margin must be at most 65535"):
+        CommOverlapCPU((8, 4), torch.float32, name="sm5", gemm_sm_margin=70000)
     for env in ("-3", "two", "1.5"):
         monkeypatch.setenv("TEC_UB_GEMM_SM_MARGIN", env)
         with pytest.raises(ValueError, match="TEC_UB_GEMM_SM_MARGIN must be an integer >= 0"):

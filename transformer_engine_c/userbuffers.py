@@ -14,6 +14,7 @@ buffer view.
 """
 import itertools
 import math
+import operator
 import os
 
 import torch
@@ -88,8 +89,15 @@ def _gemm_sm_margin(value, device):
             value = int(env)
         except ValueError:
             raise ValueError(f"{name} must be an integer >= 0, got {env!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    try:
+        margin = operator.index(value)  # an int, numpy's included; not a float or a string
+    except TypeError:
+        margin = -1
+    if isinstance(value, bool) or margin < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if margin > 65535:
+        raise ValueError(f"{name} must be at most 65535, got {margin}")
+    value = margin
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if value >= sms:

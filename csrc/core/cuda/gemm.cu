@@ -205,7 +205,7 @@ struct gemm_plan {
     cublasLtMatmulAlgo_t algos[kTuneAlgos];
     size_t algo_ws[kTuneAlgos]; /* workspace each needs */
     int swept[kTuneAlgos];      /* ran in the sweep */
-    cudaEvent_t ev[kTuneEvents]; /* sweep: before (round r, candidate i) is ev[r * nalgo + i] */
+    cudaEvent_t ev[kTuneEvents]; /* sweep: before round r's launch at position j is ev[r * nalgo + j] */
 };
 
 enum { kPlans = 256, kMaxDevices = 64 };
@@ -411,8 +411,18 @@ int tune_stream_free(cudaStream_t st)
  * captures in global mode: this thread runs them in relaxed mode. */
 struct relaxed_capture {
     cudaStreamCaptureMode prev = cudaStreamCaptureModeRelaxed;
-    relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&prev); }
-    ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&prev); }
+    bool set = false;
+    relaxed_capture()
+    {
+        set = cudaThreadExchangeStreamCaptureMode(&prev) == cudaSuccess;
+        if (!set)
+            (void)cudaGetLastError();
+    }
+    ~relaxed_capture()
+    {
+        if (set)
+            (void)cudaThreadExchangeStreamCaptureMode(&prev);
+    }
 };
 
 /* Enqueue the sweep on st (plan lock held; the caller's own product follows
@@ -433,7 +443,7 @@ void tune_sweep(gemm_dev *d, gemm_plan *p, const tec_gemm_args *g, size_t wsb, c
             goto fail;
     for (int r = -1; r < kTuneRounds; r++)
         for (int j = 0; j < n; j++) {
-            const int i = (j + (r > 0 ? r : 0)) % n; /* round r starts at candidate r */
+            const int i = tec_tune_candidate(r, j, n);
             if (r >= 0 && cudaEventRecord(p->ev[r * n + j], st) != cudaSuccess)
                 goto fail;
             if (p->swept[i] && cublasLtMatmul(d->handle, p->desc, &alpha, g->b, p->la, g->a, p->lb, &beta, g->c,
@@ -462,27 +472,18 @@ void tune_finish(gemm_plan *p)
     const cudaError_t e = cudaEventQuery(p->ev[nev - 1]);
     if (e == cudaErrorNotReady)
         return;
-    float t[kTuneAlgos];
-    int ok[kTuneAlgos];
-    for (int i = 0; i < n; i++) {
-        t[i] = 0.0f;
+    float ms[kTuneEvents] = {0}, t[kTuneAlgos];
+    int got[kTuneEvents] = {0}, ok[kTuneAlgos];
+    for (int i = 0; i < n; i++)
         ok[i] = e == cudaSuccess && p->swept[i];
+    for (int k = 0; k < nev - 1 && e == cudaSuccess; k++) {
+        got[k] = cudaEventElapsedTime(&ms[k], p->ev[k], p->ev[k + 1]) == cudaSuccess;
+        if (!got[k])
+            (void)cudaGetLastError();
     }
-    for (int r = 0; r < kTuneRounds && e == cudaSuccess; r++)
-        for (int j = 0; j < n; j++) {
-            const int i = (j + r) % n, k = r * n + j;
-            float ms = 0.0f;
-            if (!ok[i])
-                continue;
-            if (cudaEventElapsedTime(&ms, p->ev[k], p->ev[k + 1]) != cudaSuccess) {
-                (void)cudaGetLastError();
-                ok[i] = 0;
-            } else if (r == 0 || ms < t[i]) {
-                t[i] = ms;
-            }
-        }
     if (e != cudaSuccess)
         (void)cudaGetLastError();
+    tec_tune_reduce(ms, got, n, kTuneRounds, t, ok);
     const int best = tec_tune_pick(t, ok, n, 0.02f); /* 0 when none was timed */
     p->algo = p->algos[best];
     p->tune = kTuneDone;
