@@ -76,10 +76,6 @@ class Timer:
         self.cuda, self.device = device.type == "cuda", device
         self.group, self.warmup, self.iters, self.batch = group, warmup, iters, batch
 
-    def __call__(self, fn):
-        """Median time of fn() in ms, max over ranks; None if fn raises NotImplementedError."""
-        return self.many({"fn": fn}).get("fn")
-
     def many(self, fns):
         """{name: median ms of fn(), max over ranks} for the dict fns, measured in
         interleaved rounds: each round takes one sample of every fn in order. A fn

@@ -79,30 +79,28 @@ _GEMM_SM_MARGIN = {"cuda": 2, "cpu": 0}
 def _gemm_sm_margin(value, device):
     """value, or $TEC_UB_GEMM_SM_MARGIN, else the device's default: an int >= 0,
     and on CUDA fewer than the device's SMs."""
-    name = "gemm_sm_margin"
+    name, margin = "gemm_sm_margin", -1
     if value is None:
-        env = os.environ.get("TEC_UB_GEMM_SM_MARGIN")
-        if not env:
+        value = os.environ.get("TEC_UB_GEMM_SM_MARGIN")
+        if not value:
             return _GEMM_SM_MARGIN[device.type]
         name = "TEC_UB_GEMM_SM_MARGIN"
+        if value.isdigit():
+            margin = int(value)
+    elif not isinstance(value, bool):
         try:
-            value = int(env)
-        except ValueError:
-            raise ValueError(f"{name} must be an integer >= 0, got {env!r}") from None
-    try:
-        margin = operator.index(value)  # an int, numpy's included; not a float or a string
-    except TypeError:
-        margin = -1
-    if isinstance(value, bool) or margin < 0:
+            margin = operator.index(value)  # an int, numpy's included; not a float or a string
+        except TypeError:
+            pass
+    if margin < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     if margin > 65535:
         raise ValueError(f"{name} must be at most 65535, got {margin}")
-    value = margin
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if value >= sms:
-            raise ValueError(f"{name} must be below the {sms} SMs of {device}, got {value}")
-    return value
+        if margin >= sms:
+            raise ValueError(f"{name} must be below the {sms} SMs of {device}, got {margin}")
+    return margin
 
 
 def _min_chunk_flops(value, device):
