@@ -115,6 +115,11 @@ def test_buffer_views_and_ranges():
     assert chunk.data_ptr() == full.data_ptr() and chunk.shape == (8, 4)
     with pytest.raises(ValueError, match="buffer too small for the input"):
         c.get_buffer(shape=(9, 4))
+    # overlaps(): any byte in common with a buffer range, and nothing else
+    assert c.overlaps(full) and c.overlaps(full[7:]) and c.overlaps(full.view(-1)[5:6])
+    assert not c.overlaps(t) and not c.overlaps(full.clone())
+    assert c._overlaps(ptr + nbytes - 1, ptr + nbytes) and c._overlaps(ptr - 8, ptr + 1)
+    assert not c._overlaps(ptr + nbytes, ptr + nbytes + 64) and not c._overlaps(ptr - 64, ptr)
     c.close()
     full.fill_(1.0)  # still mapped while a view lives
     with pytest.raises(tec.EngineError, match="'views' is closed"):

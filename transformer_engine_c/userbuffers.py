@@ -30,6 +30,7 @@ CommTimeoutError = _C.CommTimeoutError
 _TRANSPORTS = {"shm": _C.TRANSPORT_SHM, "cpu": _C.TRANSPORT_SHM, "cuda_ipc": _C.TRANSPORT_CUDA_IPC,
                "cuda": _C.TRANSPORT_CUDA_IPC}
 _METHODS = ("ring_exchange", "pipeline", "bulk")
+_FALLBACK_KEYS = {"ag": "ag_fallback", "rs": "rs_fallback"}
 _counter = itertools.count()
 
 
@@ -472,15 +473,14 @@ class CommOverlap(_C.CommOverlap):
         creation, so every rank of the group takes the same path."""
         if self.pays(op, rows, k, n):
             return True
-        self._fallbacks[op + "_fallback"] += 1
+        self._fallbacks[_FALLBACK_KEYS[op]] += 1
         return False
 
     def overlaps(self, t):
         """Whether tensor t's bytes overlap this communicator's buffers (own
         region or a mapped peer's)."""
         p = t.data_ptr()
-        end = p + t.numel() * t.element_size()
-        return any(start < end and p < start + nbytes for start, nbytes in self.buffer_ranges())
+        return self._overlaps(p, p + t.numel() * t.element_size())
 
     def pays(self, op, rows, k, n):
         """take_overlap's answer without counting anything."""

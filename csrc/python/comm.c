@@ -341,6 +341,31 @@ static PyObject *py_buffer_ranges(PyObject *self, PyObject *const *args, Py_ssiz
     return list;
 }
 
+/* _overlaps(start, end) -> bool: whether bytes [start, end) meet any of
+ * buffer_ranges() (the layers ask it on every call: no list is built). */
+static PyObject *py_overlaps(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("_overlaps", 2);
+    CommObject *o = (CommObject *)self;
+    unsigned long long lo = PyLong_AsUnsignedLongLong(args[0]), hi;
+    if (PyErr_Occurred())
+        return NULL;
+    hi = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (o->comm) {
+        void *p[TEC_COMM_MAX_RANKS];
+        size_t b[TEC_COMM_MAX_RANKS];
+        const int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS);
+        for (int i = 0; i < n; i++) {
+            const unsigned long long s = (unsigned long long)(uintptr_t)p[i];
+            if (b[i] && s < hi && lo < s + b[i])
+                Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
 static PyObject *py_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("stats", 0);
@@ -461,6 +486,7 @@ static PyMethodDef comm_methods[] = {
     M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a device view"),
     M("_unpin", py_unpin, "_unpin(): drop a _pin"),
     M("buffer_ranges", py_buffer_ranges, "buffer_ranges() -> [(ptr, nbytes)]: own and mapped peers' regions"),
+    M("_overlaps", py_overlaps, "_overlaps(start, end) -> bool: whether bytes [start, end) meet buffer_ranges()"),
     M("stats", py_stats, "stats() -> dict of counters"),
     M("close", py_close, "close(): release the communicator (idempotent)"),
     {NULL, NULL, 0, NULL},

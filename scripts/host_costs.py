@@ -1,0 +1,109 @@
+"""Host time to issue one call of the engine's wrappers and layers, against
+PyTorch's equivalents (a diagnostic, not a test). One process, no
+collectives (TP=1), small tensors so the GPU keeps up with the host:
+what it prints is the CPU cost per call, the cost that bounds small shapes.
+
+    python3 scripts/host_costs.py [--device cuda] [--rows 1024 --hidden 1024]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import transformer_engine_c as tec
+from transformer_engine_c import _C, _engine
+from transformer_engine_c._saved import prepare_for_saving
+
+
+def per_call(fn, device, n=200, reps=7):
+    """Median over reps of the host time of n back-to-back calls, in us per call."""
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--profile", action="store_true", help="also a torch.profiler table of the LayerNormLinear step")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    T, H = args.rows, args.hidden
+    x = torch.randn(T, H, dtype=dtype, device=device)
+    w = torch.randn(H, H, dtype=dtype, device=device)
+    g, b = torch.ones(H, dtype=dtype, device=device), torch.zeros(H, dtype=dtype, device=device)
+    xg = x.clone().requires_grad_()
+    lin = tec.Linear(H, H, params_dtype=dtype, device=device)
+    lnl = tec.LayerNormLinear(H, H, params_dtype=dtype, device=device)
+    tlin = torch.nn.Linear(H, H, dtype=dtype, device=device)
+    tln = torch.nn.LayerNorm(H, dtype=dtype, device=device)
+    dy = torch.randn(T, H, dtype=dtype, device=device)
+    ws = _engine.workspace(device, _C.gemm_workspace_bytes(_engine.device_code(device)))
+    out = torch.empty(T, H, dtype=dtype, device=device)
+    dev, code = _engine.device_code(device), _engine.DTYPE_CODES[dtype]
+    stream = _engine.stream_of(device)
+    nbytes = ws.numel() if ws is not None else 0
+    wsp = ws.data_ptr() if ws is not None else 0
+
+    def raw_gemm():
+        _C.gemm(dev, code, code, 0, 1, T, H, H, x.data_ptr(), H, w.data_ptr(), H, out.data_ptr(), H,
+                0, 0, 0, wsp, nbytes, stream)
+
+    def lnl_step():
+        lnl(xg).backward(dy)
+
+    def torch_step():
+        tlin(tln(xg)).backward(dy)
+    cases = [
+        ("torch.empty", lambda: torch.empty(T, H, dtype=dtype, device=device)),
+        ("stream_of", lambda: _engine.stream_of(device)),
+        ("check_tensor", lambda: _engine.check_tensor(x, "A", ndim=2)),
+        ("_C.gemm (raw)", raw_gemm),
+        ("_engine.gemm", lambda: _engine.gemm(x, w, transb=True)),
+        ("torch.matmul", lambda: torch.matmul(x, w.t())),
+        ("_engine.norm_fwd", lambda: _engine.norm_fwd(x, g, b, 1e-5)),
+        ("F.layer_norm", lambda: F.layer_norm(x, (H,), g, b)),
+        ("prepare_for_saving", lambda: prepare_for_saving(x, w, g)),
+        ("_engine.gemm dgrad", lambda: _engine.gemm(dy, w)),
+        ("_engine.gemm wgrad + bias grad", lambda: _engine.gemm(dy, x, transa=True, bias_grad=True)),
+        ("_engine.norm_bwd", lambda: _engine.norm_bwd(dy, x, *_engine.norm_fwd(x, g, b, 1e-5)[1:], g)),
+    ]
+    with torch.no_grad():
+        cases += [("tec.Linear fwd (no_grad)", lambda: lin(x)), ("torch Linear fwd (no_grad)", lambda: tlin(x)),
+                  ("tec.LayerNormLinear fwd (no_grad)", lambda: lnl(x)),
+                  ("torch LN+Linear fwd (no_grad)", lambda: tlin(tln(x)))]
+        res = [(name, per_call(fn, device)) for name, fn in cases]
+    res += [("tec.Linear fwd (grad)", per_call(lambda: lin(xg), device)),
+            ("tec.LayerNormLinear fwd (grad)", per_call(lambda: lnl(xg), device)),
+            ("tec.LayerNormLinear fwd+bwd", per_call(lnl_step, device, n=50)),
+            ("torch LN+Linear fwd+bwd", per_call(torch_step, device, n=50))]
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                lnl_step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=45))
+    print(f"host us per call, {device}, {dtype}, [{T}, {H}]")
+    for name, us in res:
+        print(f"  {name:36s} {us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
