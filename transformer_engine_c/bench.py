@@ -9,8 +9,9 @@ Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
 (host clock on CPU), the maximum over ranks. The variants of a row are timed
 in interleaved rounds (one sample of each per round, every rank starting each
-sample together), so that the GPU's clock and temperature drift over a run
-weigh on all of them alike. A sample is --batch calls issued
+sample together, each round starting at the next variant), so that the GPU's
+clock and temperature drift over a run, and whatever ran just before a
+sample, weigh on all of them alike. A sample is --batch calls issued
 back to back, divided by --batch: the host runs ahead of the GPU as in
 training, so a row measures the GPU's time unless the host cannot keep up.
 --batch 1 times each call from an idle GPU instead (latency: the host's time
@@ -78,8 +79,9 @@ class Timer:
 
     def many(self, fns):
         """{name: median ms of fn(), max over ranks} for the dict fns, measured in
-        interleaved rounds: each round takes one sample of every fn in order. A fn
-        that raises NotImplementedError in its warm-up is left out of the result.
+        interleaved rounds: each round takes one sample of every fn, round i
+        starting at the i-th (so no fn always follows the same one). A fn that
+        raises NotImplementedError in its warm-up is left out of the result.
         Every rank must pass the same names in the same order (fns may be collective)."""
         import torch.distributed as dist
 
@@ -92,8 +94,10 @@ class Timer:
                 continue
             live[name] = fn
         times = {name: [] for name in live}
-        for _ in range(self.iters):
-            for name, fn in live.items():
+        order = list(live.items())
+        for i in range(self.iters):
+            k = i % len(order) if order else 0
+            for name, fn in order[k:] + order[:k]:
                 # Ranks start each sample together: a collective sample that follows a
                 # local one would otherwise also time the other rank's lag.
                 self.sync()
