@@ -14,7 +14,7 @@ from . import _C
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CUDA_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtec_cuda.so")
 _workspaces = {}
-_gemm_ws_bytes = {}  # device code -> the GEMM's workspace size (fixed per device)
+_gemm_devs = {}  # torch.device -> (engine device code, GEMM workspace or None, its bytes)
 
 
 def cuda_backend_built():
@@ -171,13 +171,19 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         check_tensor(bias, "bias", dtype=a.dtype, device=a.device, shape=(n,))
     bgrad = torch.empty(m, dtype=a.dtype, device=a.device) if bias_grad else None
     device = a.device
-    dev = device_code(device)
-    nbytes = _gemm_ws_bytes.get(dev)
-    if nbytes is None:
-        nbytes = _gemm_ws_bytes[dev] = _C.gemm_workspace_bytes(dev)
-    ws = workspace(device, nbytes)
+    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
     _C.gemm(dev, DTYPE_CODES[a.dtype], DTYPE_CODES[out.dtype], int(transa), int(transb), m, n, k,
             a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0),
-            _addr(bias), _addr(bgrad), int(bool(accumulate)), ws.data_ptr() if ws is not None else 0, nbytes,
-            stream_of(device) if dev >= 0 else 0)
+            _addr(bias), _addr(bgrad), int(bool(accumulate)), ws, nbytes, 0 if dev < 0 else stream_of(device))
     return (out, bgrad) if bias_grad else out
+
+
+def _gemm_dev(device):
+    """gemm's per-device facts, found once (a layer step runs several GEMMs):
+    (engine device code, workspace address, its bytes, the workspace tensor,
+    kept alive here)."""
+    dev = device_code(device)
+    nbytes = _C.gemm_workspace_bytes(dev)
+    ws = workspace(device, nbytes)
+    _gemm_devs[device] = entry = (dev, ws.data_ptr() if ws is not None else 0, nbytes, ws)
+    return entry

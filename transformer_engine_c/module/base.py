@@ -183,14 +183,24 @@ def check_input(inp, in_local, weight, tp, name="inp"):
     if tp.sp and tp.mode == "row" and inp.shape[0] % tp.size:
         raise ValueError(f"{name}: sequence length {inp.shape[0]} is not divisible by the tensor-parallel size "
                          f"{tp.size} (sequence_parallel reduce-scatters the output along the sequence)")
-    return inp.reshape(-1, inp.shape[-1]).contiguous()
+    return as_2d(inp)
 
 
-def out_shape(inp_shape, rows, cols):
-    """The output shape: the input's leading dims with rows tokens, cols features."""
+# A reshape or view costs microseconds of host time (more on a custom
+# Function's output), on every layer call: 2-D tensors skip them.
+
+def as_2d(t):
+    """t as a contiguous [tokens, features]: t itself when it already is one."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def like_input(y, inp_shape):
+    """y [tokens, features] with the input's leading dims (y itself for a 2-D input)."""
     if len(inp_shape) == 2:
-        return (rows, cols)
-    return (rows // inp_shape[1], inp_shape[1], cols)
+        return y
+    return y.view(y.shape[0] // inp_shape[1], inp_shape[1], y.shape[1])
 
 
 # -------------------------------------------------------------- GEMM steps

@@ -38,7 +38,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.zero_centered_gamma = layer.zero_centered_gamma
         ctx.ub = ub
-        y = y.view(base.out_shape(inp.shape, y.shape[0], y.shape[1]))
+        y = base.like_input(y, inp.shape)
         if layer.return_layernorm_output:
             return y, ln_out.view(inp.shape)
         return y
@@ -49,7 +49,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         x, ln_out, mu, rsigma, ln_weight, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
         w = weight_for_compute(weight)
-        dy = dout.reshape(-1, dout.shape[-1]).contiguous()
+        dy = base.as_2d(dout)
         need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         dln, res = base.column_backward(dy, ln_out, w, tp, ctx.ub, True, need_w, ctx.has_bias)
         if dln_out is not None:
@@ -67,7 +67,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                              with_dbeta=mu is not None, dparams=dparams)
         if dparams is not None:
             all_reduce(dparams, tp.group, tp.size)
-        return dx.view(ctx.inp_shape), dgamma, dbeta, dw, db, None
+        return base.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw, db, None
 
 
 class LayerNormLinear(base.TPModule):

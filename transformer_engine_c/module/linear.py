@@ -21,7 +21,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.ub = layer.ub
-        return y.view(base.out_shape(inp.shape, y.shape[0], y.shape[1]))
+        return base.like_input(y, inp.shape)
 
     @staticmethod
     def backward(ctx, dout):
@@ -29,7 +29,7 @@ class _LinearFn(torch.autograd.Function):
         x, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
         w = weight_for_compute(weight)
-        dy_local = dout.reshape(-1, dout.shape[-1]).contiguous()
+        dy_local = base.as_2d(dout)
         need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         dw = db = None
         if tp.mode == "column":
@@ -43,7 +43,7 @@ class _LinearFn(torch.autograd.Function):
                 dw, db = res if ctx.has_bias else (res, None)
         if dw is not None:
             dw = weight_grad(weight, dw)
-        return (dx.view(ctx.inp_shape) if dx is not None else None), dw, db, None
+        return (base.like_input(dx, ctx.inp_shape) if dx is not None else None), dw, db, None
 
 
 class Linear(base.TPModule):
