@@ -22,7 +22,12 @@ def test_bench_command_runs_on_cpu(tmp_path):
         assert row["path"] == "overlap", (case, row)  # the CPU transport overlaps every size
     for case in ("ag_gemm", "gemm_rs"):
         assert rows[case]["sequential"] > 0 and rows[case]["limit"] > 0
-    assert "| ag_gemm |" in (out / "bench.md").read_text()
+    md = (out / "bench.md").read_text()
+    assert "| ag_gemm |" in md and "## Targets" in md
+    assert rows["ag_gemm"]["norm_gbps"] > 0 and rows["ag_gemm"]["copy_gbps"] > 0
+    checked = {(t["target"], t["row"].split()[0]) for t in data["targets"]}
+    for case in ("ag_gemm", "gemm_rs", "mlp", "mlp_bulk"):  # every row: not slower than without overlap
+        assert ("not slower than without overlap (ours / ours_overlap)", case) in checked
 
 
 def test_timer_rotates_the_order_of_each_round(tmp_path):
@@ -47,3 +52,30 @@ def test_timer_rotates_the_order_of_each_round(tmp_path):
         assert set(res) == set("abc") and all(v >= 0 for v in res.values())
     finally:
         dist.destroy_process_group()
+
+
+def test_targets_name_each_issue_target_and_judge_it():
+    from transformer_engine_c.bench import targets
+
+    def row(case, tp, shape=(8192, 4096, 12288), **v):
+        return {"case": case, "tokens": shape[0], "hidden": shape[1], "n": shape[2], "tp": tp, **v}
+    rows = [row("ag_gemm", 4, speedup_vs_ours=1.3, speedup_vs_limit=0.92, speedup_vs_sequential=1.49,
+                gemm=0.30, ours_gemm=0.31, norm_gbps=3000.0, copy_gbps=4000.0),
+            row("gemm_rs", 4, speedup_vs_ours=1.2, speedup_vs_sequential=1.6, speedup_vs_async_tp=1.8),
+            row("mlp", 4, speedup_vs_ours=1.25),
+            row("ag_gemm", 2, speedup_vs_ours=1.2, speedup_vs_sequential=1.16),
+            row("mlp", 2, shape=(2048, 2048, 6144), speedup_vs_ours=0.99, speedup_vs_sequential=0.5)]
+    got = {(t["target"], t["row"]): t["met"] for t in targets(rows)}
+    head = "8192x4096x12288"
+    assert got[("TP=4: within 1.10x of the limit (limit / ours_overlap)", f"ag_gemm {head} tp=4")] is True
+    assert got[("TP=4: faster than sequential", f"ag_gemm {head} tp=4")] is False
+    assert got[("our GEMM against torch.matmul (gemm / ours_gemm)", f"ag_gemm {head} tp=4")] is True
+    assert got[("norm kernel bandwidth against a copy's", f"ag_gemm {head} tp=4")] is False
+    assert got[("TP=4: faster than sequential", f"gemm_rs {head} tp=4")] is True
+    assert got[("TP=4: faster than async-TP", f"gemm_rs {head} tp=4")] is False
+    assert got[("TP=4: MLP faster than without overlap", f"mlp {head} tp=4")] is True
+    assert got[("TP=2: faster than sequential", f"ag_gemm {head} tp=2")] is True
+    assert got[("not slower than without overlap (ours / ours_overlap)", "mlp 2048x2048x6144 tp=2")] is False
+    # the headline's targets are not applied to other shapes, nor TP=4's to TP=2
+    assert not any(t.startswith("TP=") for t, r in got if "2048x2048x6144" in r)
+    assert ("TP=4: faster than sequential", f"ag_gemm {head} tp=2") not in got

@@ -15,8 +15,10 @@ sample, weigh on all of them alike. A sample is --batch calls issued
 back to back, divided by --batch: the host runs ahead of the GPU as in
 training, so a row measures the GPU's time unless the host cannot keep up.
 --batch 1 times each call from an idle GPU instead (latency: the host's time
-to issue the first kernels is then part of every number). Results: a table on stdout and
-bench.json, bench.md (and bench.png where matplotlib is installed) in --out.
+to issue the first kernels is then part of every number). The norm and copy
+bandwidths are the GPU's time alone (see Timer.device_time). Results: a table
+on stdout and bench.json, bench.md (and bench.png where matplotlib is
+installed) in --out, each followed by the targets the rows are checked against.
 """
 import argparse
 import json
@@ -107,6 +109,41 @@ class Timer:
                          device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return dict(zip(live, t.tolist()))
+
+    def device_time(self, fns, calls=10, sleep_cycles=5_000_000):
+        """{name: median ms per call, max over ranks} of local (non-collective)
+        fns, the GPU's time alone: a sleep kernel (~2.5 ms) holds the stream
+        while the host queues `calls` calls, so the host's time to issue them
+        (more than a small kernel's run) cannot enter. Interleaved rounds as
+        in many(). On the CPU: the host clock, as sample()."""
+        import torch.distributed as dist
+
+        times = {name: [] for name in fns}
+        order = list(fns.items())
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        for i in range(self.iters):
+            k = i % len(order)
+            for name, fn in order[k:] + order[:k]:
+                self.sync()
+                if not self.cuda:
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3 / calls)
+                    continue
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(sleep_cycles)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / calls)
+        t = torch.tensor([statistics.median(times[n]) for n in fns], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return dict(zip(fns, t.tolist()))
 
     def sample(self, fn):
         """ms per call over --batch calls issued back to back, from an idle device."""
@@ -234,12 +271,15 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0], w, x))
         fns["ours_gemm"] = lambda: tec._engine.gemm(ln_total, w, transb=True)
-        fns["ours_norm"] = lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5)
-        fns["copy"] = lambda: dst.copy_(src)
         time_row(tec, row, timer, fns)
         row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
-        row["copy_gbps"] = 2 * src.numel() / row.pop("copy") / 1e6
-        row["norm_gbps"] = 2 * nbytes / row["ours_norm"] / 1e6
+        # Bandwidths from the GPU's time alone: issuing a norm call takes the
+        # host longer than the kernel runs at these sizes.
+        bw = timer.device_time({"ours_norm": lambda: tec._engine.norm_fwd(x, gamma, beta, 1e-5),
+                                "copy": lambda: dst.copy_(src)})
+        row["ours_norm"] = bw["ours_norm"]
+        row["copy_gbps"] = 2 * src.numel() / bw["copy"] / 1e6
+        row["norm_gbps"] = 2 * nbytes / bw["ours_norm"] / 1e6
     elif case == "gemm_rs":
         x, w = rnd(T, Nl), rnd(H, Nl) * 0.02
         part = torch.empty(T, H, dtype=dtype, device=device)
@@ -303,16 +343,64 @@ def table(rows):
     return "\n".join(lines)
 
 
+HEADLINE = (8192, 4096, 12288)
+
+
+def targets(rows):
+    """The issue's targets that a row of this run can be checked against:
+    [{"target", "row", "value", "need", "met"}]. Every row: not slower than
+    no overlap; ag_gemm rows: our GEMM against torch.matmul and the norm
+    kernel against a copy; at the headline shape, the TP=2 and TP=4 ratios.
+    They are set for H200s: on the CPU they are reported, not meant."""
+    out = []
+
+    def check(row, target, value, need):
+        if value is not None:
+            out.append({"target": target, "row": f"{row['case']} {row['tokens']}x{row['hidden']}x{row['n']} "
+                        f"tp={row['tp']}", "value": value, "need": need, "met": value >= need})
+    for r in rows:
+        check(r, "not slower than without overlap (ours / ours_overlap)", r.get("speedup_vs_ours"), 1.0)
+        if r["case"] == "ag_gemm":
+            if r.get("gemm") and r.get("ours_gemm"):
+                check(r, "our GEMM against torch.matmul (gemm / ours_gemm)", r["gemm"] / r["ours_gemm"], 0.95)
+            if r.get("norm_gbps") and r.get("copy_gbps"):
+                check(r, "norm kernel bandwidth against a copy's", r["norm_gbps"] / r["copy_gbps"], 0.80)
+        if (r["tokens"], r["hidden"], r["n"]) != HEADLINE:
+            continue
+        if r["tp"] == 2 and r["case"] == "ag_gemm":
+            check(r, "TP=2: faster than sequential", r.get("speedup_vs_sequential"), 1.15)
+        if r["tp"] == 4:
+            if r["case"] == "ag_gemm":
+                check(r, "TP=4: within 1.10x of the limit (limit / ours_overlap)", r.get("speedup_vs_limit"),
+                      1 / 1.10)
+                check(r, "TP=4: faster than sequential", r.get("speedup_vs_sequential"), 1.5)
+            if r["case"] == "gemm_rs":
+                check(r, "TP=4: faster than sequential", r.get("speedup_vs_sequential"), 1.5)
+                check(r, "TP=4: faster than async-TP", r.get("speedup_vs_async_tp"), 1.9)
+            if r["case"] == "mlp":
+                check(r, "TP=4: MLP faster than without overlap", r.get("speedup_vs_ours"), 1.25)
+    return out
+
+
+def targets_table(checks):
+    lines = ["| target | row | measured | needed | met |", "|---|---|---|---|---|"]
+    lines += [f"| {c['target']} | {c['row']} | {c['value']:.3f} | {c['need']:.3f} | {'yes' if c['met'] else 'NO'} |"
+              for c in checks]
+    return "\n".join(lines)
+
+
 def write(rows, args, out):
     os.makedirs(out, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters, "batch": args.batch}
+    checks = targets(rows)
     with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "targets": checks}, f, indent=1)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(f"# transformer_engine_c benchmark\n\n{json.dumps(meta)}\n\nTimes in ms (median, max over "
-                f"ranks); speedups are baseline time / overlapped time.\n\n{table(rows)}\n")
+                f"ranks); speedups are baseline time / overlapped time.\n\n{table(rows)}\n\n"
+                f"## Targets (set for H200s)\n\n{targets_table(checks)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -353,6 +441,7 @@ def worker(args):
         tec.destroy_ub()
     if rank == 0:
         print(table(rows))
+        print("\ntargets (set for H200s):\n" + targets_table(targets(rows)))
         if args.out:
             write(rows, args, args.out)
             print(f"wrote {args.out}/bench.json, bench.md")
