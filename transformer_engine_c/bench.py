@@ -95,70 +95,60 @@ class Timer:
             except NotImplementedError:
                 continue
             live[name] = fn
-        times = {name: [] for name in live}
-        order = list(live.items())
-        for i in range(self.iters):
-            k = i % len(order) if order else 0
-            for name, fn in order[k:] + order[:k]:
-                # Ranks start each sample together: a collective sample that follows a
-                # local one would otherwise also time the other rank's lag.
-                self.sync()
-                dist.barrier(group=self.group)
-                times[name].append(self.sample(fn))
-        t = torch.tensor([statistics.median(times[n]) for n in live] or [0.0], dtype=torch.float64,
-                         device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return dict(zip(live, t.tolist()))
+
+        def measure(fn):
+            # Ranks start each sample together: a collective sample that follows a
+            # local one would otherwise also time the other rank's lag.
+            self.sync()
+            dist.barrier(group=self.group)
+            return self.sample(fn, self.batch)
+        return self._rounds(live, measure)
 
     def device_time(self, fns, calls=10, sleep_cycles=5_000_000):
-        """{name: median ms per call, max over ranks} of local (non-collective)
-        fns, the GPU's time alone: a sleep kernel (~2.5 ms) holds the stream
-        while the host queues `calls` calls, so the host's time to issue them
-        (more than a small kernel's run) cannot enter. Interleaved rounds as
-        in many(). On the CPU: the host clock, as sample()."""
+        """As many(), for local (non-collective) fns, ms per call of the GPU's
+        time alone: a sleep kernel (~2.5 ms) holds the stream while the host
+        queues `calls` calls, so the host's time to issue them (more than a
+        small kernel's run) cannot enter. On the CPU: the host clock."""
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+
+        def measure(fn):
+            self.sync()
+            if self.cuda:
+                torch.cuda._sleep(sleep_cycles)
+            return self.sample(fn, calls)
+        return self._rounds(fns, measure)
+
+    def _rounds(self, fns, measure):
         import torch.distributed as dist
 
         times = {name: [] for name in fns}
         order = list(fns.items())
-        for fn in fns.values():
-            for _ in range(self.warmup):
-                fn()
         for i in range(self.iters):
-            k = i % len(order)
+            k = i % len(order) if order else 0
             for name, fn in order[k:] + order[:k]:
-                self.sync()
-                if not self.cuda:
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    times[name].append((time.perf_counter() - t0) * 1e3 / calls)
-                    continue
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(sleep_cycles)
-                start.record()
-                for _ in range(calls):
-                    fn()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / calls)
-        t = torch.tensor([statistics.median(times[n]) for n in fns], dtype=torch.float64, device=self.device)
+                times[name].append(measure(fn))
+        t = torch.tensor([statistics.median(times[n]) for n in fns] or [0.0], dtype=torch.float64,
+                         device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return dict(zip(fns, t.tolist()))
 
-    def sample(self, fn):
-        """ms per call over --batch calls issued back to back, from an idle device."""
+    def sample(self, fn, calls):
+        """ms per call over `calls` calls issued back to back, from whatever
+        the device was doing (idle after sync())."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(self.batch):
+            for _ in range(calls):
                 fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / self.batch
+            return start.elapsed_time(end) / calls
         t0 = time.perf_counter()
-        for _ in range(self.batch):
+        for _ in range(calls):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / self.batch
+        return (time.perf_counter() - t0) * 1e3 / calls
 
     def sync(self):
         if self.cuda:
