@@ -3,9 +3,10 @@
 Run under torchrun on the GPU machine:
     torchrun --nproc_per_node=2 scripts/order_control.py [TxHxN] [iters]
 Times the MLP forward+backward step (as the benchmark's mlp row) with the
-benchmark's Timer (whose rounds alternate the order): two identical
-plain-layer steps against each other (A/A: the noise floor), and the plain
-step against the overlapped layers' step, each twice. At a shape where the overlapped layers fall back, the two
+benchmark's Timer (whose rounds shuffle the order, so each comparison is
+also an order control): two identical plain-layer steps against each other
+(A/A: the noise floor), and the plain step against the overlapped layers'
+step, each repeated. At a shape where the overlapped layers fall back, the two
 run the same GPU work, so any difference beyond the A/A spread is host
 cost or position.
 """
@@ -43,6 +44,8 @@ def main():
                        ("A/A again", {"plain2": plain2, "plain1": plain1}),
                        ("plain vs overlap again", {"overlap layers": ub, "plain": plain1})):
         r = timer.many(fns)
+        if len(r) < 2:
+            raise SystemExit(f"{label}: only {list(r)} ran")
         a, b = list(r)
         if rank == 0:
             print(f"{label:22s} " + "  ".join(f"{k} {v:.3f} ms" for k, v in r.items())

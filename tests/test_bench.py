@@ -30,9 +30,11 @@ def test_bench_command_runs_on_cpu(tmp_path):
         assert ("not slower than without overlap (ours / ours_overlap)", case) in checked
 
 
-def test_timer_rotates_the_order_of_each_round(tmp_path):
-    """Timer.many: round i starts at the i-th variant, so no variant always
-    follows the same one (a host-bound sample depends on what ran before)."""
+def test_timer_shuffles_each_round_alike_on_every_rank(tmp_path):
+    """Timer.many: every round samples each variant once, in an order that
+    changes from round to round (a host-bound sample depends on what ran
+    just before it) but depends on the round alone (every rank must run the
+    same collectives in the same order)."""
     import torch
     import torch.distributed as dist
 
@@ -40,16 +42,25 @@ def test_timer_rotates_the_order_of_each_round(tmp_path):
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        seen = []
-        fns = {n: (lambda n=n: seen.append(n)) for n in "abc"}
+        runs = []
+        for _ in range(2):  # two timers stand for two ranks
+            seen = []
+            fns = {n: (lambda n=n: seen.append(n)) for n in "abcd"}
 
-        def missing():
-            raise NotImplementedError
-        fns["missing"] = missing  # left out of the rounds and the result
-        res = Timer(torch.device("cpu"), None, warmup=1, iters=4).many(fns)
-        assert seen[:3] == list("abc")  # the warm-up, in order
-        assert seen[3:] == list("abc" "bca" "cab" "abc")
-        assert set(res) == set("abc") and all(v >= 0 for v in res.values())
+            def missing():
+                raise NotImplementedError
+            fns["missing"] = missing  # left out of the rounds and the result
+            res = Timer(torch.device("cpu"), None, warmup=1, iters=30).many(fns)
+            assert set(res) == set("abcd") and all(v >= 0 for v in res.values())
+            assert seen[:4] == list("abcd")  # the warm-up, in order
+            rounds = [seen[4 + 4 * i:8 + 4 * i] for i in range(30)]
+            assert all(sorted(r) == list("abcd") for r in rounds)
+            runs.append(rounds)
+        assert runs[0] == runs[1]
+        rounds = runs[0]
+        assert len({tuple(r) for r in rounds}) > 5
+        before_b = {r[r.index("b") - 1] for r in rounds if r.index("b") > 0}
+        assert before_b == {"a", "c", "d"}  # b follows each of the others
     finally:
         dist.destroy_process_group()
 

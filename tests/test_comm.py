@@ -117,7 +117,7 @@ def test_buffer_views_and_ranges():
         c.get_buffer(shape=(9, 4))
     # overlaps(): any byte in common with a buffer range, and nothing else
     assert c.overlaps(full) and c.overlaps(full[7:]) and c.overlaps(full.view(-1)[5:6])
-    assert not c.overlaps(t) and not c.overlaps(full.clone())
+    assert not c.overlaps(t) and not c.overlaps(full.clone()) and not c.overlaps(full[3:3])
     assert c._overlaps(ptr + nbytes - 1, ptr + nbytes) and c._overlaps(ptr - 8, ptr + 1)
     assert not c._overlaps(ptr + nbytes, ptr + nbytes + 64) and not c._overlaps(ptr - 64, ptr)
     c.close()

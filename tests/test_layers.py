@@ -96,3 +96,37 @@ def test_deepcopy_shares_tp_config(device):
     assert m2.tp is m.tp and m2.weight is not m.weight
     x = torch.randn(4, 16, device=device)
     torch.testing.assert_close(m(x), m2(x))
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("layer", ["Linear", "LayerNormLinear"])
+def test_output_can_be_modified_in_place(device, ndim, layer):
+    """A residual add into the output (y += r) works for 2-D and 3-D inputs
+    alike, with the gradients of y + r; the normalised output that
+    LayerNormLinear also returns (and saves) cannot be, as autograd reports."""
+    m = getattr(tec, layer)(48, 40, device=device, **({"return_layernorm_output": True}
+                                                     if layer == "LayerNormLinear" else {}))
+    _randomise(m)
+    x = torch.randn(*_shapes(ndim), device=device, requires_grad=True)
+    out = m(x)
+    y = out[0] if isinstance(out, tuple) else out
+    assert y.shape == (*x.shape[:-1], 40)
+    r = torch.randn_like(y)
+    y_ref = y.detach().clone()
+    y += r
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dx = x.grad.clone()
+    x.grad = None
+    m.zero_grad()
+    fresh = m(x)
+    y2 = fresh[0] if isinstance(fresh, tuple) else fresh
+    torch.testing.assert_close(y.detach(), y_ref + r)
+    (y2 + r).backward(dy)
+    torch.testing.assert_close(dx, x.grad)
+    if layer == "LayerNormLinear":
+        y3, ln_out = m(x)
+        assert ln_out.shape == x.shape
+        ln_out.mul_(2)  # saved for backward: autograd catches the change
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y3.sum().backward()

@@ -14,7 +14,7 @@ from . import _C
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CUDA_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtec_cuda.so")
 _workspaces = {}
-_gemm_devs = {}  # torch.device -> (engine device code, GEMM workspace or None, its bytes)
+_gemm_devs = {}  # torch.device -> (engine device code, workspace address or 0, its bytes, the workspace)
 
 
 def cuda_backend_built():

@@ -9,7 +9,7 @@ Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
 (host clock on CPU), the maximum over ranks. The variants of a row are timed
 in interleaved rounds (one sample of each per round, every rank starting each
-sample together, each round starting at the next variant), so that the GPU's
+sample together, in an order shuffled anew each round), so that the GPU's
 clock and temperature drift over a run, and whatever ran just before a
 sample, weigh on all of them alike. A sample is --batch calls issued
 back to back, divided by --batch: the host runs ahead of the GPU as in
@@ -23,6 +23,7 @@ installed) in --out, each followed by the targets the rows are checked against.
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -81,8 +82,8 @@ class Timer:
 
     def many(self, fns):
         """{name: median ms of fn(), max over ranks} for the dict fns, measured in
-        interleaved rounds: each round takes one sample of every fn, round i
-        starting at the i-th (so no fn always follows the same one). A fn that
+        interleaved rounds: each round takes one sample of every fn, in an order
+        shuffled anew each round (what runs just before a sample varies). A fn that
         raises NotImplementedError in its warm-up is left out of the result.
         Every rank must pass the same names in the same order (fns may be collective)."""
         import torch.distributed as dist
@@ -124,10 +125,10 @@ class Timer:
         import torch.distributed as dist
 
         times = {name: [] for name in fns}
-        order = list(fns.items())
+        items = list(fns.items())
         for i in range(self.iters):
-            k = i % len(order) if order else 0
-            for name, fn in order[k:] + order[:k]:
+            # A shuffle seeded by the round alone: the same order on every rank.
+            for name, fn in random.Random(i).sample(items, len(items)):
                 times[name].append(measure(fn))
         t = torch.tensor([statistics.median(times[n]) for n in fns] or [0.0], dtype=torch.float64,
                          device=self.device)

@@ -342,7 +342,8 @@ static PyObject *py_buffer_ranges(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 /* _overlaps(start, end) -> bool: whether bytes [start, end) meet any of
- * buffer_ranges() (the layers ask it on every call: no list is built). */
+ * buffer_ranges() (the layers ask it on every call: no list is built). An
+ * empty range meets nothing. */
 static PyObject *py_overlaps(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("_overlaps", 2);
@@ -353,7 +354,7 @@ static PyObject *py_overlaps(PyObject *self, PyObject *const *args, Py_ssize_t n
     hi = PyLong_AsUnsignedLongLong(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    if (o->comm) {
+    if (o->comm && lo < hi) {
         void *p[TEC_COMM_MAX_RANKS];
         size_t b[TEC_COMM_MAX_RANKS];
         const int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS);

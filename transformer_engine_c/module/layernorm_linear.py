@@ -38,10 +38,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.zero_centered_gamma = layer.zero_centered_gamma
         ctx.ub = ub
-        y = base.like_input(y, inp.shape)
-        if layer.return_layernorm_output:
-            return y, ln_out.view(inp.shape)
-        return y
+        # 2-D results; the module gives them the input's leading dims
+        return (y, ln_out) if layer.return_layernorm_output else y
 
     @staticmethod
     def backward(ctx, dout, dln_out=None):
@@ -113,6 +111,10 @@ class LayerNormLinear(base.TPModule):
     def forward(self, inp):
         out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
                                        None if self.return_bias else self.bias, self)
+        if self.return_layernorm_output:
+            out = (base.like_input(out[0], inp.shape), base.like_input(out[1], inp.shape))
+        else:
+            out = base.like_input(out, inp.shape)
         if self.return_bias:
             return (*out, self.bias) if isinstance(out, tuple) else (out, self.bias)
         return out

@@ -21,7 +21,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.ub = layer.ub
-        return base.like_input(y, inp.shape)
+        return y  # 2-D; the module gives it the input's leading dims
 
     @staticmethod
     def backward(ctx, dout):
@@ -75,9 +75,9 @@ class Linear(base.TPModule):
         self.bias = torch.nn.Parameter(torch.zeros(bias_len, dtype=dtype, device=device)) if bias else None
 
     def forward(self, inp):
-        if self.return_bias:
-            return _LinearFn.apply(inp, self.weight, None, self), self.bias
-        return _LinearFn.apply(inp, self.weight, self.bias, self)
+        y = _LinearFn.apply(inp, self.weight, None if self.return_bias else self.bias, self)
+        y = base.like_input(y, inp.shape)
+        return (y, self.bias) if self.return_bias else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
