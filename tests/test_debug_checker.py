@@ -207,6 +207,41 @@ def test_our_layers_pass(device, comm):
     assert chk.checked >= 2 * (5 + 5 + 2 * 2 + 2)      # the layers', GELUs' (and square's) saves
 
 
+def test_in_place_change_of_a_saved_tensor_is_still_caught(comm):
+    """Saved-tensor hooks turn autograd's in-place check off; the checker keeps
+    it: a tensor modified after it was saved fails backward, as without the
+    checker, instead of silently giving wrong gradients."""
+    x = torch.randn(8, requires_grad=True)
+    with tec.debug.check_saved_tensors(comm):
+        a = x * 2
+        b = a.sin()  # saves a
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+    x.grad = None
+    with tec.debug.check_saved_tensors(comm):  # unmodified: the same gradient as without it
+        a = x * 2
+        a.sin().sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()))
+
+
+def test_layernorm_output_changed_in_place_under_the_checker_fails(comm):
+    """LayerNormLinear's returned normalised input is also saved for backward:
+    changing it in place is refused at once, with or without the checker."""
+    m = tec.LayerNormLinear(16, 8, device="cpu", return_layernorm_output=True)
+    for shape in ((4, 16), (2, 2, 16)):
+        x = torch.randn(*shape, requires_grad=True)
+        for checker in (True, False):
+            if checker:
+                with tec.debug.check_saved_tensors(comm):
+                    y, ln = m(x)
+            else:
+                y, ln = m(x)
+            assert ln.shape == x.shape
+            with pytest.raises(RuntimeError, match="inplace"):
+                ln.mul_(2)
+
+
 def test_adjacent_storage_is_not_flagged():
     """Storages that end exactly where a buffer starts, or start exactly where
     it ends, do not overlap it (ranges are end-exclusive)."""

@@ -9,7 +9,7 @@ Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
 (host clock on CPU), the maximum over ranks. The variants of a row are timed
 in interleaved rounds (one sample of each per round, every rank starting each
-sample together, in an order shuffled anew each round), so that the GPU's
+sample together, in an order that varies from round to round), so that the GPU's
 clock and temperature drift over a run, and whatever ran just before a
 sample, weigh on all of them alike. A sample is --batch calls issued
 back to back, divided by --batch: the host runs ahead of the GPU as in
@@ -76,14 +76,24 @@ def parse():
 
 
 class Timer:
-    def __init__(self, device, group, warmup, iters, batch=1):
+    def __init__(self, device, group, warmup, iters, batch=1, seed=None):
+        """seed: of the rounds' orders; None draws one that every rank of the
+        group agrees on (a collective), different from run to run."""
+        import torch.distributed as dist
+
         self.cuda, self.device = device.type == "cuda", device
         self.group, self.warmup, self.iters, self.batch = group, warmup, iters, batch
+        if seed is None:
+            t = torch.tensor([random.SystemRandom().randrange(1 << 31)], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            seed = int(t.item())
+        self.seed = seed
 
     def many(self, fns):
         """{name: median ms of fn(), max over ranks} for the dict fns, measured in
         interleaved rounds: each round takes one sample of every fn, in an order
-        shuffled anew each round (what runs just before a sample varies). A fn that
+        that varies (each fn in each position equally often, after varying
+        predecessors; see _rounds). A fn that
         raises NotImplementedError in its warm-up is left out of the result.
         Every rank must pass the same names in the same order (fns may be collective)."""
         import torch.distributed as dist
@@ -109,15 +119,18 @@ class Timer:
         """As many(), for local (non-collective) fns, ms per call of the GPU's
         time alone: a sleep kernel (~2.5 ms) holds the stream while the host
         queues `calls` calls, so the host's time to issue them (more than a
-        small kernel's run) cannot enter. On the CPU: the host clock."""
+        small kernel's run) cannot enter (without torch.cuda._sleep it can).
+        On the CPU: the host clock."""
         for fn in fns.values():
             for _ in range(self.warmup):
                 fn()
 
+        sleep = getattr(torch.cuda, "_sleep", None) if self.cuda else None  # a private PyTorch helper
+
         def measure(fn):
             self.sync()
-            if self.cuda:
-                torch.cuda._sleep(sleep_cycles)
+            if sleep is not None:
+                sleep(sleep_cycles)
             return self.sample(fn, calls)
         return self._rounds(fns, measure)
 
@@ -126,9 +139,15 @@ class Timer:
 
         times = {name: [] for name in fns}
         items = list(fns.items())
+        n = max(1, len(items))
         for i in range(self.iters):
-            # A shuffle seeded by the round alone: the same order on every rank.
-            for name, fn in random.Random(i).sample(items, len(items)):
+            # Each block of n rounds rotates one shuffled order: every fn takes
+            # every position once per block, and what precedes it changes from
+            # block to block. The order depends on the seed and the round only,
+            # so it is the same on every rank.
+            k = i % n
+            perm = random.Random(self.seed * 1_000_003 + i // n).sample(items, len(items))
+            for name, fn in perm[k:] + perm[:k]:
                 times[name].append(measure(fn))
         t = torch.tensor([statistics.median(times[n]) for n in fns] or [0.0], dtype=torch.float64,
                          device=self.device)
@@ -338,11 +357,16 @@ HEADLINE = (8192, 4096, 12288)
 
 
 def targets(rows):
-    """The issue's targets that a row of this run can be checked against:
-    [{"target", "row", "value", "need", "met"}]. Every row: not slower than
-    no overlap; ag_gemm rows: our GEMM against torch.matmul and the norm
-    kernel against a copy; at the headline shape, the TP=2 and TP=4 ratios.
-    They are set for H200s: on the CPU they are reported, not meant."""
+    """The performance targets (issue 6: the benchmark's own issue) that a row
+    of this run can be checked against: [{"target", "row", "value", "need",
+    "met"}]. Every row: not slower than no overlap; ag_gemm rows: our GEMM
+    against torch.matmul and the norm kernel against a copy; at the headline
+    shape, TP=2: AG+GEMM 1.15x over sequential; TP=4: AG+GEMM within 1.10x
+    of the limit and (as the issue puts it in brackets) 1.5x over
+    sequential, GEMM+RS 1.5x over sequential and 1.9x over async-TP, the MLP
+    1.25x over no overlap. They are set for H200s: on the CPU they are
+    reported, not meant. (The checker's cost has its own benchmark,
+    bench_checker.)"""
     out = []
 
     def check(row, target, value, need):

@@ -279,8 +279,17 @@ _ACTIONS = ("raise", "warn", "record")
 _EXTENTS = ("storage", "view")
 
 
-def _identity(x):
-    return x
+def _unpack_unmodified(saved):
+    """The checker's own unpack hook: the saved tensor, unless it was modified
+    in place since it was saved (autograd's own check, in its words)."""
+    t, version = saved
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} "
+            "instead (checked by tec.debug.check_saved_tensors, whose saved-tensor hooks turn autograd's own "
+            "check off)")
+    return t
 
 
 class SavedTensorChecker:
@@ -399,10 +408,13 @@ class SavedTensorChecker:
             # Autograd asks pack hooks not to return the tensor itself where
             # that makes a cycle (a saved output holding its own grad_fn). A
             # tensor without grad_fn (a parameter, or one needing no grad)
-            # cannot: keep it, identity preserved. Detach the rest.
+            # cannot: keep it, identity preserved. Detach the rest. With
+            # hooks installed autograd no longer checks that a saved tensor
+            # was not modified in place before backward: the version kept
+            # here lets the unpack hook check it instead.
             def pack(x):
                 check(x)
-                return x if x.grad_fn is None else x.detach()
+                return x if x.grad_fn is None else x.detach(), x._version
         else:
             def pack(x):
                 check(x)
@@ -419,7 +431,7 @@ class SavedTensorChecker:
         self._refresh()
         below = _top_hooks(True)    # compose with hooks already installed (an outer checker, save_on_cpu...)
         pack = self._compose(below[0] if below is not None else None)
-        unpack = below[1] if below is not None else _identity
+        unpack = below[1] if below is not None else _unpack_unmodified
         _acquire(self.track_modules)
         try:
             _push_hooks(pack, unpack)

@@ -38,8 +38,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
         ctx.zero_centered_gamma = layer.zero_centered_gamma
         ctx.ub = ub
-        # 2-D results; the module gives them the input's leading dims
-        return (y, ln_out) if layer.return_layernorm_output else y
+        # y is 2-D, the module gives it the input's leading dims. ln_out is
+        # also saved for backward: it is returned as a view made here, which
+        # autograd refuses to let be modified in place.
+        return (y, ln_out.view(inp.shape)) if layer.return_layernorm_output else y
 
     @staticmethod
     def backward(ctx, dout, dln_out=None):
@@ -112,7 +114,7 @@ class LayerNormLinear(base.TPModule):
         out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
                                        None if self.return_bias else self.bias, self)
         if self.return_layernorm_output:
-            out = (base.like_input(out[0], inp.shape), base.like_input(out[1], inp.shape))
+            out = (base.like_input(out[0], inp.shape), out[1])
         else:
             out = base.like_input(out, inp.shape)
         if self.return_bias:
