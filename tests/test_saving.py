@@ -408,6 +408,30 @@ def test_checkpoint_kwargs():
         tec.checkpoint(x, use_reentrant=True)
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("layer", ["Linear", "LayerNormLinear"])
+def test_checkpoint_of_a_layer_returning_its_bias(use_reentrant, layer):
+    """return_bias hands back the bias Parameter itself. Through torch's
+    reentrant checkpoint it used to come out as a non-leaf (the module's own
+    parameter given a grad_fn), and backward recursed without end; now it is
+    handed back untouched and the gradients match the plain run."""
+    m = getattr(tec, layer)(8, 6, return_bias=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    y, b = m(x)
+    (y + b).square().sum().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+    x.grad = None
+    m.zero_grad()
+    y, b = tec.checkpoint(m, x, use_reentrant=use_reentrant)
+    assert b is m.bias and m.bias.is_leaf and m.bias.grad_fn is None
+    (y + b).square().sum().backward()
+    got = [x.grad] + [p.grad for p in m.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    b2 = tec.checkpoint(lambda a: m.bias, x, use_reentrant=use_reentrant)  # a lone leaf output
+    assert b2 is m.bias and m.bias.is_leaf
+
+
 # -- torch.compile ----------------------------------------------------------------------------
 
 def _compiled_or_refused(fn, x, w):

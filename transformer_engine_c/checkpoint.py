@@ -36,11 +36,40 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, **k
                 raise ValueError(f"checkpoint: with use_reentrant=True, pass tensors that require grad "
                                  f"positionally (keyword arguments {bad} would get no gradient)")
 
-            def run(*a):
+            def call(*a):
                 return function(*a, **kwargs)
         else:
-            run = function
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True,
-                                                 preserve_rng_state=preserve_rng_state)
+            call = function
+        # A leaf that needs grad among the outputs (a layer's bias under
+        # return_bias) must not pass through torch's reentrant checkpoint: it
+        # comes out as that same Parameter turned into a non-leaf with a
+        # grad_fn, and backward then recurses without end. Such outputs are
+        # handed back directly; they hold no activation to recompute.
+        leaves = {}
+
+        def run(*a):
+            out = call(*a)
+            if isinstance(out, torch.Tensor):
+                if _grad_leaf(out):
+                    leaves[None] = out
+                    return None
+                return out
+            if isinstance(out, (tuple, list)):
+                found = {i: o for i, o in enumerate(out) if _grad_leaf(o)}
+                if found:
+                    leaves.update(found)
+                    return type(out)(None if i in found else o for i, o in enumerate(out))
+            return out
+        res = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True,
+                                                preserve_rng_state=preserve_rng_state)
+        if None in leaves:
+            return leaves[None]
+        if leaves:
+            return type(res)(leaves.get(i, o) for i, o in enumerate(res))
+        return res
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _grad_leaf(t):
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
