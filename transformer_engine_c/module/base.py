@@ -187,10 +187,11 @@ def check_input(inp, in_local, weight, tp, name="inp"):
 
 
 # A reshape or view costs microseconds of host time, on every layer call:
-# 2-D tensors skip them. The autograd Functions take and return 2-D tensors
-# (and 3-D grads for 3-D inputs); the modules view a 3-D input's output
-# outside the Function, so an output can be modified in place whatever the
-# input's rank (a view made inside a custom Function cannot be).
+# 2-D tensors skip them. The autograd Functions return 2-D outputs (and 3-D
+# grads for 3-D inputs); the modules view a 3-D input's output outside the
+# Function, so an output can be modified in place whatever the input's rank
+# (a view made inside a custom Function cannot be). LayerNormLinear's
+# normalised output, which is also saved, is the exception on purpose.
 
 def as_2d(t):
     """t as a contiguous [tokens, features]: t itself when it already is one."""
