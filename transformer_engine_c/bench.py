@@ -383,12 +383,9 @@ def targets(rows):
         if r["case"] == "ag_gemm":
             if r.get("gemm") and r.get("ours_gemm"):
                 check(r, "our GEMM against torch.matmul (gemm / ours_gemm)", r["gemm"] / r["ours_gemm"], 0.95)
-            if r.get("norm_gbps") and r.get("copy_gbps"):
-                check(r, "norm kernel bandwidth against a copy's (4x its bytes)", r["norm_gbps"] / r["copy_gbps"],
-                      0.80)
-            if r.get("norm_gbps") and r.get("copy_same_gbps"):
-                check(r, "norm kernel bandwidth against a copy's (its bytes)", r["norm_gbps"] / r["copy_same_gbps"],
-                      0.80)
+            for key, size in (("copy_gbps", "4x its bytes"), ("copy_same_gbps", "its bytes")):
+                if r.get("norm_gbps") and r.get(key):
+                    check(r, f"norm kernel bandwidth against a copy's ({size})", r["norm_gbps"] / r[key], 0.80)
         if (r["tokens"], r["hidden"], r["n"]) != HEADLINE:
             continue
         if r["tp"] == 2 and r["case"] == "ag_gemm":
@@ -413,12 +410,11 @@ def targets_table(checks):
     return "\n".join(lines)
 
 
-def write(rows, args, out):
+def write(rows, checks, args, out):
     os.makedirs(out, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters, "batch": args.batch}
-    checks = targets(rows)
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "targets": checks}, f, indent=1)
     with open(os.path.join(out, "bench.md"), "w") as f:
@@ -464,10 +460,11 @@ def worker(args):
     if hasattr(tec, "destroy_ub"):
         tec.destroy_ub()
     if rank == 0:
+        checks = targets(rows)
         print(table(rows))
-        print("\ntargets (set for H200s):\n" + targets_table(targets(rows)))
+        print("\ntargets (set for H200s):\n" + targets_table(checks))
         if args.out:
-            write(rows, args, args.out)
+            write(rows, checks, args, args.out)
             print(f"wrote {args.out}/bench.json, bench.md")
     dist.destroy_process_group()
     return 0
