@@ -5,9 +5,15 @@ the same keyword arguments to the constructors, the attributes the wrappers set
 before and after construction, an RNG tracker stand-in with Megatron's
 `.fork(name)`, Megatron's forward (is_first_microbatch, return_bias) and its
 DDP's main_grad / grad_added_to_main_grad protocol; then forward/backward over
-micro-batches against a float64 reference. Single process (tp_size=1); the
-device Megatron takes from torch.cuda.current_device() is the CPU here."""
+micro-batches against a float64 reference. Single process (tp_size=1; the
+device Megatron takes from torch.cuda.current_device() is the CPU here), and
+under torchrun (main(), launched by test_megatron_tensor_parallel): TP with
+sequence parallelism and Megatron's tp_comm_overlap arguments on
+initialize_ub's communicators, finalize_model_grads' reduction of the
+sequence-parallel main_grads, bf16 parameters with fp32 main_grad.
+  torchrun --nproc_per_node=2 tests/test_megatron_construction.py [--device cuda]"""
 import contextlib
+import sys
 import types
 
 import pytest
@@ -25,7 +31,7 @@ def make_config(**kw):
                sequence_parallel=False, gradient_accumulation_fusion=True, delay_wgrad_compute=False,
                tp_comm_overlap=False, symmetric_ar_type=None, disable_parameter_transpose_cache=False,
                normalization="LayerNorm", layernorm_epsilon=1e-5, layernorm_zero_centered_gamma=False,
-               tensor_model_parallel_size=1)
+               tensor_model_parallel_size=1, device="cpu")
     cfg.update(kw)
     return types.SimpleNamespace(**cfg)
 
@@ -66,7 +72,7 @@ def get_cuda_rng_tracker():
 
 
 def _extra_te_kwargs(config):
-    return {"params_dtype": config.params_dtype, "device": "cpu"}
+    return {"params_dtype": config.params_dtype, "device": config.device}
 
 
 def _cond_init(config, init_method):
@@ -412,3 +418,114 @@ def test_is_first_microbatch_overwrites_main_grad():
     assert m.weight.grad is not None and m.weight.grad.shape == m.weight.shape
     assert m.weight.grad.count_nonzero() == 0  # the dummy wgrad is zeros under zero_out_wgrad
     assert rel_err(m.weight.main_grad, 4 * wgrad) < 1e-5
+
+
+def test_megatron_tensor_parallel():
+    from distributed.launch import run_torchrun
+    out = run_torchrun("../test_megatron_construction.py", 2, timeout=300, pass_line="PASS megatron tp=2")
+    assert "stats ok" in out
+
+
+def test_megatron_tensor_parallel_cuda(monkeypatch):
+    from distributed.launch import gpu_count, run_torchrun
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, this machine has {gpu_count()}")
+    monkeypatch.setenv("TEC_UB_MIN_CHUNK_FLOPS", "0")
+    run_torchrun("../test_megatron_construction.py", 2, ["--device", "cuda"], timeout=300,
+                 pass_line="PASS megatron tp=2")
+
+
+def main():
+    """tp = world, sequence parallel, tp_comm_overlap on: fc1 (LayerNorm +
+    column, bulk dgrad/wgrad) and fc2 (row, RS/AG overlap) over two
+    micro-batches, against float64 on the full tensors."""
+    import argparse
+
+    import torch.distributed as dist
+
+    import common
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = ap.parse_args()
+    rank, tp, dev = common.setup(args.device)
+    group = dist.new_group(list(range(tp)))
+    S, B = 8 * tp, 2
+    TRACKER.__init__()
+    TRACKER.add("model-parallel-rng", 2718 + rank)  # Megatron: a different seed per TP rank
+    if args.device == "cuda":
+        TRACKER.states.clear()  # the stand-in forks the CPU generator only
+    config = make_config(params_dtype=torch.bfloat16, sequence_parallel=True, tensor_model_parallel_size=tp,
+                         tp_comm_overlap=True, tp_comm_overlap_ag=True, tp_comm_overlap_rs=True,
+                         tp_comm_bulk_wgrad=True, tp_comm_bulk_dgrad=True, tp_comm_overlap_rs_dgrad=False,
+                         device=dev)
+    # Megatron's _initialize_tp_communicators (TE >= 2.7): no dtype, no tp_group
+    te.module.base.initialize_ub(shape=[S * B, IN], tp_size=tp,
+                                 quantization_modes=[te.module.base.UserBufferQuantizationMode.NONE],
+                                 ub_cfgs=None, bootstrap_backend="nccl" if args.device == "cuda" else "gloo")
+    fc1 = TELayerNormColumnParallelLinear(IN, FFN, config=config, init_method=init_normal, gather_output=False,
+                                          bias=True, skip_bias_add=False, is_expert=False,
+                                          tp_comm_buffer_name="fc1", tp_group=group)
+    fc2 = TERowParallelLinear(FFN, IN, config=config, init_method=init_normal, bias=True, input_is_parallel=True,
+                              skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2", tp_group=group)
+    problems = []
+    # TE's in_features / out_features are this rank's sizes: Megatron's
+    # split_te_layernorm_column_parallel_linear multiplies out_features by tp_size
+    for what, got, want in (("fc1.out_features", fc1.out_features, FFN // tp), ("fc1.in_features", fc1.in_features, IN),
+                            ("fc2.in_features", fc2.in_features, FFN // tp), ("fc2.out_features", fc2.out_features, IN),
+                            ("fc1.tp_size", fc1.tp_size, tp), ("fc2.tp_size", fc2.tp_size, tp)):
+        if got != want:
+            problems.append(f"{what} is {got}, TE's is {want}")
+    g = torch.Generator().manual_seed(5)
+    full = {"fc1.layer_norm_weight": 1 + 0.2 * torch.randn(IN, generator=g),
+            "fc1.layer_norm_bias": 0.2 * torch.randn(IN, generator=g),
+            "fc1.weight": 0.1 * torch.randn(FFN, IN, generator=g), "fc1.bias": 0.2 * torch.randn(FFN, generator=g),
+            "fc2.weight": 0.1 * torch.randn(IN, FFN, generator=g), "fc2.bias": 0.2 * torch.randn(IN, generator=g)}
+    split = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
+    model = torch.nn.ModuleDict({"fc1": fc1, "fc2": fc2})
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            v = full[n] if n not in split else full[n].chunk(tp, split[n])[rank]
+            p.copy_(v.bfloat16())
+    sp = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
+    assert sp == ["fc1.layer_norm_bias", "fc1.layer_norm_weight", "fc2.bias"], sp
+    ddp = DDPStandIn(model, overlap_grad_reduce=True)
+    names = ["fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad"]
+    before = {n: dict(te.module.base.get_ub(n).stats()) for n in names}
+    ref = {n: v.bfloat16().double().requires_grad_() for n, v in full.items()}
+    for mb in range(2):
+        x = torch.randn(S, B, IN, generator=g)
+        dy = torch.randn(S, B, IN, generator=g)
+        xl, dyl = x.chunk(tp)[rank].to(dev, torch.bfloat16), dy.chunk(tp)[rank].to(dev, torch.bfloat16)
+        h, _ = fc1(xl)
+        out, bias = fc2(F.gelu(h))
+        y = out + bias
+        y.backward(dyl)
+        xr = x.bfloat16().double()
+        n_ = F.layer_norm(xr, (IN,), ref["fc1.layer_norm_weight"], ref["fc1.layer_norm_bias"], 1e-5)
+        yr = F.linear(F.gelu(F.linear(n_, ref["fc1.weight"], ref["fc1.bias"])), ref["fc2.weight"]) + ref["fc2.bias"]
+        yr.backward(dy.bfloat16().double())
+        err = rel_err(y, yr.detach().chunk(tp)[rank])
+        assert err < 1.5e-2, f"micro-batch {mb}: output off by {err}"
+    for p in ddp.params:  # finalize_model_grads: all-reduce the sequence-parallel main_grads over TP
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.main_grad, group=group)
+    for n, p in model.named_parameters():
+        want = ref[n].grad if n not in split else ref[n].grad.chunk(tp, split[n])[rank]
+        err = rel_err(p.main_grad, want)
+        assert p.main_grad.dtype == torch.float32 and err < 1.5e-2, f"{n}.main_grad off by {err}"
+        assert p.grad is None
+    grew = {n: {k: te.module.base.get_ub(n).stats()[k] - before[n][k] for k in before[n]} for n in names}
+    for n, k in (("fc1_fprop", "ag_overlap"), ("fc1_dgrad", "bulk_ag"), ("fc1_wgrad", "bulk_rs"),
+                 ("fc2_fprop", "rs_overlap"), ("fc2_dgrad", "ag_overlap")):
+        assert grew[n][k] == 2, f"{n}.stats()[{k!r}] grew by {grew[n][k]} over 2 micro-batches: {grew}"
+    te.module.base.destroy_ub()
+    dist.barrier()
+    if rank == 0:
+        print("stats ok", flush=True)
+        print("\n".join(f"FAILED: {p}" for p in problems) or f"PASS megatron tp={tp}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

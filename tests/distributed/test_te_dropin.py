@@ -71,15 +71,6 @@ def test_te_layers_with_overlap_cuda(nproc, tp, forced_overlap):
     _check_overlap(out, tp or nproc)
 
 
-def test_te_layer_overlap_single_case_cli():
-    """TE's own command line, one case per launch, as its pytest file runs it."""
-    out = run_torchrun("run_te_layer_overlap.py", 2, ["--layer-type", "LayerNormLinear", "--linear-parallel-mode",
-                                                      "column", "--overlap-rs-dgrad", "--seq-length", "8"],
-                       timeout=300)
-    assert "ok LayerNormLinear column DGRAD+RS tp=2\n" in out
-    assert "(1 cases" in out
-
-
 def test_compare_is_te_worst_element_rule():
     """The runners' comparison (TE's _compare_tensors) catches what it must
     and passes what TE passes."""
