@@ -117,9 +117,10 @@ def run_case(kind, mode, sp, kwargs, autocast_dtype=None):
         single = RowLayerNormLinearReference(HIDDEN_SIZE, HIDDEN_SIZE, dtype, kwargs.get("normalization", "LayerNorm"),
                                              bias=kwargs.get("bias", True))
     else:
-        single = getattr(te, kind)(HIDDEN_SIZE, HIDDEN_SIZE, **kwargs)
+        single = getattr(te, kind)(HIDDEN_SIZE, HIDDEN_SIZE, device=common.DEV, **kwargs)
+    # (TE's test leaves device to its default, CUDA; ours is explicit so that the CPU run works on a GPU host)
     distributed = getattr(te, kind)(HIDDEN_SIZE, HIDDEN_SIZE, tp_size=WORLD, tp_group=GROUP, parallel_mode=mode,
-                                    sequence_parallel=sp, **kwargs)
+                                    sequence_parallel=sp, device=common.DEV, **kwargs)
     if kwargs.get("init_method") is constant_init:
         for m, what in ((single, "single-node"), (distributed, "distributed")):
             if not bool((m.weight == 0.5).all()):
