@@ -54,19 +54,49 @@ def test_unknown_normalization():
         tec.LayerNormLinear(16, 8, normalization="BatchNorm", device="cpu")
 
 
-def test_layernorm_linear_row_mode():
-    with pytest.raises(ValueError, match=r"parallel_mode='row' is not supported by LayerNormLinear"):
-        tec.LayerNormLinear(16, 8, parallel_mode="row", device="cpu")
+def test_symmetric_ar_type_is_named():
+    for cls in (tec.Linear, tec.LayerNormLinear):
+        with pytest.raises(NotImplementedError, match=r"symmetric_ar_type='multimem_all_reduce'"):
+            cls(16, 8, symmetric_ar_type="multimem_all_reduce", device="cpu")
+
+
+def test_delay_wgrad_with_bulk_wgrad():
+    c = tec.CommOverlap((8, 16), torch.float32, device="cpu", name="bad_delay")
+    try:
+        with pytest.raises(ValueError, match="delay_wgrad_compute cannot be combined with ub_bulk_wgrad"):
+            tec.Linear(16, 8, parallel_mode="column", delay_wgrad_compute=True, ub_bulk_wgrad=True, ub_comm=c,
+                       device="cpu")
+    finally:
+        c.close()
+
+
+def test_backward_dw_without_backward():
+    m = tec.Linear(16, 8, delay_wgrad_compute=True, device="cpu")
+    with pytest.raises(RuntimeError, match="no delayed weight gradient is pending"):
+        m.backward_dw()
+
+
+def test_fuse_wgrad_accumulation_needs_main_grad():
+    m = tec.Linear(16, 8, fuse_wgrad_accumulation=True, device="cpu")
+    y = m(torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="needs the weight's main_grad"):
+        y.sum().backward()
+    m.weight.main_grad = torch.zeros(8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="main_grad must be a contiguous float32 tensor of shape"):
+        m(torch.randn(4, 16)).sum().backward()
+
+
+def test_fp8_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match="FP8"):
+        tec.Linear(16, 8, device="cpu")(torch.randn(4, 16), fp8_output=True)
+    with pytest.raises(NotImplementedError, match="FP8"):
+        with tec.fp8_autocast():
+            pass
 
 
 def test_unknown_parallel_mode():
     with pytest.raises(ValueError, match=r"parallel_mode must be None, 'column' or 'row', got 'diagonal'"):
         tec.Linear(16, 8, parallel_mode="diagonal", device="cpu")
-
-
-def test_sequence_parallel_without_mode():
-    with pytest.raises(ValueError, match="sequence_parallel=True needs parallel_mode"):
-        tec.Linear(16, 8, sequence_parallel=True, device="cpu")
 
 
 def test_tp_size_without_group():

@@ -158,20 +158,22 @@ def test_errors_prepare():
 
 
 def test_errors_restore():
+    """The C entry point's checks (tec.restore_from_saved adds TE's list form on top)."""
+    from transformer_engine_c import _C
     a = torch.randn(2)
     saved, objs = tec.prepare_for_saving(a, None)
     with pytest.raises(TypeError, match="takes 2 positional arguments"):
-        tec.restore_from_saved(objs)
+        _C.restore_from_saved(objs)
     with pytest.raises(TypeError, match="must be the objects returned by prepare_for_saving"):
-        tec.restore_from_saved([None, None], saved)
+        _C.restore_from_saved([None, None], saved)
     with pytest.raises(TypeError, match="must be the saved tensors"):
-        tec.restore_from_saved(objs, 3)
+        _C.restore_from_saved(objs, 3)
     with pytest.raises(ValueError, match=r"expected 2 saved tensors \(prepare_for_saving of 2 objects\), got 1"):
-        tec.restore_from_saved(objs, saved[:1])
+        _C.restore_from_saved(objs, saved[:1])
     assert not objs.consumed  # a failed check does not consume
-    assert tec.restore_from_saved(objs, list(saved)) == [a, None]
+    assert _C.restore_from_saved(objs, list(saved)) == [a, None]
     with pytest.raises(ValueError, match="already restored"):
-        tec.restore_from_saved(objs, saved)
+        _C.restore_from_saved(objs, saved)
     with pytest.raises(TypeError):
         _C.SavedObjects()
 

@@ -1,20 +1,29 @@
-"""transformer_engine_c: tensor-parallel Linear and LayerNormLinear layers
-whose engine is C and CUDA C (see README.md)."""
+"""transformer_engine_c: TransformerEngine's tensor-parallel Linear and
+LayerNormLinear layers (same names, arguments and semantics, so
+`import transformer_engine_c as te` serves code written against
+`transformer_engine.pytorch` for what is offered) whose engine is C and CUDA
+C, with userbuffers overlap of the sequence-parallel collectives (see
+README.md)."""
 import torch
 
 from . import _C
 
 _C._init(torch.Tensor)
 
-from . import debug  # noqa: E402,F401  (tec.debug)
+from . import debug, fp8, module, quantization, recipe  # noqa: E402,F401
 from ._C import CommTimeoutError, EngineError  # noqa: E402
-from ._C import prepare_for_saving, restore_from_saved  # noqa: E402
+from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_saved  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
+from .distributed import allreduce_sequence_parallel_grads  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
+from .module.base import UserBufferQuantizationMode, destroy_ub, get_ub, initialize_ub  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.linear import Linear  # noqa: E402
-from .userbuffers import LAYER_NAMES, CommOverlap, close_comms, destroy_ub, get_ub, initialize_ub  # noqa: E402
+from .quantization import autocast, fp8_autocast, fp8_model_init, quantized_model_init  # noqa: E402
+from .userbuffers import LAYER_NAMES, CommOverlap, close_comms  # noqa: E402
 
 __all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError", "prepare_for_saving",
-           "restore_from_saved", "DistributedWeight", "checkpoint", "CommOverlap", "initialize_ub",
-           "get_ub", "destroy_ub", "close_comms"]
+           "restore_from_saved", "restore_from_func_ctx", "DistributedWeight", "checkpoint", "CommOverlap",
+           "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
+           "allreduce_sequence_parallel_grads", "autocast", "fp8_autocast", "fp8_model_init",
+           "quantized_model_init"]

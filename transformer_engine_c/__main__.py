@@ -103,6 +103,7 @@ def worker(args):
                 p.grad = None
             y = fc2(F.gelu(fc1(x)))
             y.backward(dy)
+            tec.allreduce_sequence_parallel_grads(fc1, fc2)  # the norm's and row bias's partial sums (SP)
             return y
 
         y = step()

@@ -54,3 +54,31 @@ def all_reduce(x, group, size):
     if size > 1:
         dist.all_reduce(x, group=group)
     return x
+
+
+def allreduce_sequence_parallel_grads(*modules):
+    """Sum, over each layer's tensor-parallel group, the gradients of the
+    parameters that carry `sequence_parallel = True` (norm weights and
+    biases, a row layer's bias): under sequence parallelism each rank's
+    gradient of those is a partial sum over its own tokens. This is the step
+    Megatron's finalize_model_grads runs for TransformerEngine layers; call
+    it after backward (and before the optimizer) in other training loops,
+    with the model (or several modules).
+    One all-reduce per group, of all such gradients flattened together
+    (collective: every rank of a group must hold the same gradients)."""
+    by_group, seen = {}, set()
+    for m in (sub for module in modules for sub in module.modules()):
+        tp = getattr(m, "tp", None)
+        if tp is None or getattr(tp, "size", 1) == 1:
+            continue
+        for p in m.parameters(recurse=False):
+            if getattr(p, "sequence_parallel", False) and p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                by_group.setdefault(id(tp.group), (tp.group, []))[1].append(p.grad)
+    for group, grads in by_group.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -93,8 +93,14 @@ static PyObject *so_get_consumed(PyObject *self, void *closure)
     return PyBool_FromLong(((SavedObjects *)self)->consumed);
 }
 
+static PyObject *so_get_n_saved(PyObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(((SavedObjects *)self)->n_saved);
+}
+
 static PyGetSetDef so_getset[] = {
     {"consumed", so_get_consumed, NULL, "True once restore_from_saved has used these objects.", NULL},
+    {"n_saved", so_get_n_saved, NULL, "How many saved tensors restore_from_saved takes.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

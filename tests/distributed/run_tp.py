@@ -62,6 +62,14 @@ def check_case(kind, mode, sp, dtype, device, rank, size, group):
     x = local(x_full, x_dim).to(dtype).to(device).requires_grad_()
     y = m(x)
     y.backward(local(dy_full, y_dim).to(dtype).to(device))
+    # As with TE (and Megatron), gradients of parameters marked
+    # sequence_parallel are partial sums the training loop reduces.
+    marked = {n for n, p in m.named_parameters() if getattr(p, "sequence_parallel", False)}
+    want = {"layer_norm_weight", "layer_norm_bias"} & set(full) if sp else set()
+    if sp and mode == "row":
+        want.add("bias")
+    assert marked == want, (kind, mode, sp, marked)
+    tec.allreduce_sequence_parallel_grads(m)
 
     tol = TOL[dtype]
     errs = {"output": rel_err(y, local(yr, y_dim)), "input grad": rel_err(x.grad, local(xr.grad, x_dim))}

@@ -1,148 +1,301 @@
-"""What Linear and LayerNormLinear share: constructor checks, parameter
-creation, input validation and the tensor-parallel GEMM steps (fprop, dgrad,
-wgrad) with their non-overlapped collectives."""
-import math
+"""TransformerEngine's `module/base.py`, as this package offers it: the
+userbuffers registry with TE's signatures (initialize_ub, get_ub, destroy_ub,
+UserBufferQuantizationMode) and TransformerEngineBaseModule, what every
+layer module shares:
+
+* TE's constructor semantics: tensor-parallel group and size, the userbuffers
+  flags (a flag that does not apply is ignored, as in TE), parameters created
+  as TE creates them (one contiguous weight, optionally split into named
+  parameters by `parameters_split`; `init_method` under the RNG tracker's
+  fork; TE's parallel attributes on every parameter);
+* the compute dtype of a call (torch.autocast's, else the parameters');
+* delayed weight gradients (`delay_wgrad_compute`, `backward_dw()`);
+* the gathered DistributedWeight kept across the micro-batches of a step
+  (`is_first_microbatch`).
+
+The autograd Functions' GEMM steps live in module/_common.py.
+"""
+import enum
 
 import torch
+import torch.distributed as dist
 
-from .. import _engine
-from ..distributed import all_gather_rows, all_reduce, reduce_scatter_rows, resolve_tp
+from .. import userbuffers as _ub
+from ._common import TPConfig, UBConfig
+from ._weights import is_distributed_weight
 
-PARALLEL_MODES = (None, "column", "row")
-UB_FLAGS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
-
-
-def default_device(device):
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
-    return device
+__all__ = ["initialize_ub", "get_ub", "destroy_ub", "UserBufferQuantizationMode", "TransformerEngineBaseModule"]
 
 
-def default_dtype(params_dtype):
-    dtype = params_dtype or torch.get_default_dtype()
-    _engine.dtype_code(dtype, "params_dtype")
-    return dtype
+# ------------------------------------------------------------ the registry
 
 
-class TPConfig:
-    """The tensor-parallel facts a layer's autograd function needs."""
-
-    __slots__ = ("mode", "sp", "group", "size", "rank")
-
-    def __init__(self, parallel_mode, sequence_parallel, tp_group, tp_size):
-        if parallel_mode not in PARALLEL_MODES:
-            raise ValueError(f"parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
-        self.group, self.size, self.rank = resolve_tp(tp_group, tp_size)
-        self.mode = parallel_mode
-        if sequence_parallel and parallel_mode is None:
-            raise ValueError("sequence_parallel=True needs parallel_mode='column' or 'row'")
-        self.sp = bool(sequence_parallel) and self.size > 1
-
-    def __deepcopy__(self, memo):
-        # Immutable and holding a process group (which cannot be copied): a
-        # deep-copied layer shares its tensor-parallel group, as it should.
-        return self
-
-    def local_features(self, in_features, out_features):
-        """(local in, local out) of the weight shard."""
-        for name, n, split in (("out_features", out_features, self.mode == "column"),
-                               ("in_features", in_features, self.mode == "row")):
-            if n <= 0:
-                raise ValueError(f"{name} must be positive, got {n}")
-            if split and n % self.size:
-                raise ValueError(f"{name}={n} is not divisible by the tensor-parallel size {self.size}")
-        if self.mode == "column":
-            return in_features, out_features // self.size
-        if self.mode == "row":
-            return in_features // self.size, out_features
-        return in_features, out_features
+class UserBufferQuantizationMode(enum.Enum):
+    """The buffer formats TE's initialize_ub can create: NONE (the activation
+    dtype) is supported, FP8 raises NotImplementedError."""
+    NONE = "none"
+    FP8 = "fp8"
 
 
-_UB_VALID = {"column": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
-             "row": ("ub_overlap_rs", "ub_overlap_ag")}
+_domains = {}  # (world size, tp size) -> this rank's tensor-parallel domain group
 
 
-class UBConfig:
-    """Which userbuffers overlaps a layer runs and on which communicators.
+def _domain_group(tp_size):
+    """The tensor-parallel group of this rank when initialize_ub is not given
+    one: the world if tp_size is its size, else TE's domains of tp_size
+    consecutive ranks (made once; collective, like TE's)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if tp_size != 1:
+            raise ValueError(f"initialize_ub: tp_size={tp_size} needs torch.distributed to be initialized")
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size == world:
+        return None
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"initialize_ub: tp_size={tp_size} does not divide the world size {world} "
+                         "(tensor-parallel domains are tp_size consecutive ranks)")
+    key = (world, tp_size)
+    if key not in _domains:
+        mine = None
+        for start in range(0, world, tp_size):  # every rank creates every domain, in the same order
+            g = dist.new_group(list(range(start, start + tp_size)))
+            if start <= rank < start + tp_size:
+                mine = g
+        _domains[key] = mine
+    return _domains[key]
 
-    Roles: "fprop" (column: input all-gather + GEMM; row: GEMM + output
-    reduce-scatter), "dgrad" (column: dgrad reduce-scatter, or the bulk
-    all-gather of the saved input; row: grad_output all-gather + dgrad) and
-    "wgrad" (column: bulk reduce-scatter of dgrad during wgrad). Communicators
-    come from ub_comm (a CommOverlap for every role, or {role: CommOverlap})
-    or from the registry as f"{ub_name}_{role}"."""
 
-    def __init__(self, layer, flags, ub_name, ub_comm, tp):
-        self.flags = {k: bool(flags.get(k)) for k in UB_FLAGS}
-        on = [k for k, v in self.flags.items() if v]
-        self.enabled = bool(on)
-        self.comms = {}
-        cls = type(layer).__name__
-        if not on:
-            if ub_name is not None or ub_comm is not None:
-                raise ValueError(f"{cls}: ub_name/ub_comm given but no ub_* overlap flag is set")
-            return
-        mode = tp.mode
-        if mode is None:
-            raise ValueError(f"{cls}: {', '.join(on)} need parallel_mode='column' or 'row'")
-        bad = [k for k in on if k not in _UB_VALID[mode]]
-        if bad:
-            raise ValueError(f"{cls}: {', '.join(bad)} do not apply to a {mode}-parallel layer "
-                             f"(valid: {', '.join(_UB_VALID[mode])})")
-        if tp.size > 1 and not tp.sp:
-            raise ValueError(f"{cls}: {', '.join(on)} overlap the sequence-parallel collectives and need "
-                             "sequence_parallel=True")
-        f = self.flags
-        if f["ub_overlap_rs_dgrad"] and (f["ub_bulk_dgrad"] or f["ub_bulk_wgrad"]):
-            raise ValueError(f"{cls}: ub_overlap_rs_dgrad already overlaps the dgrad reduce-scatter (with the "
-                             "dgrad GEMM); it cannot be combined with ub_bulk_dgrad/ub_bulk_wgrad, which use the "
-                             "dgrad and wgrad communicators for the bulk all-gather / reduce-scatter")
-        roles = set()
-        if mode == "column":
-            if f["ub_overlap_ag"]:
-                roles.add("fprop")
-            if f["ub_overlap_rs_dgrad"] or f["ub_bulk_dgrad"]:
-                roles.add("dgrad")
-            if f["ub_bulk_wgrad"]:
-                roles.add("wgrad")
-        else:
-            if f["ub_overlap_rs"]:
-                roles.add("fprop")
-            if f["ub_overlap_ag"]:
-                roles.add("dgrad")
-        for role in sorted(roles):
-            if isinstance(ub_comm, dict):
-                c = ub_comm.get(role)
-                if c is None:
-                    raise ValueError(f"{cls}: ub_comm has no communicator for role {role!r} "
-                                     f"(needed by {', '.join(on)})")
-            elif ub_comm is not None:
-                c = ub_comm
-            elif ub_name is not None:
-                from ..userbuffers import get_ub
-                c = get_ub(f"{ub_name}_{role}")
+def initialize_ub(shape, tp_size, use_fp8=False, quantization_modes=None, dtype=torch.bfloat16, ub_cfgs=None,
+                  bootstrap_backend=None, with_cublasmp=False, *, tp_group=None, **kwargs):
+    """Create the userbuffers communicators of TE's layer names (qkv, proj,
+    fc1, fc2 x fprop, dgrad, wgrad); collective over the tensor-parallel group.
+
+    TE's arguments mean what they mean in TE: `shape` is [sequence * batch,
+    hidden] of the full activations; `tp_size` the tensor-parallel size, whose
+    domains are tp_size consecutive ranks of the world when no `tp_group` is
+    given (ours, keyword only); `ub_cfgs` {layer name: {method, ...}}.
+    `bootstrap_backend` may be "nccl" or "gloo" (the handles are exchanged over
+    the tensor-parallel process group either way); MPI bootstrapping,
+    cuBLASMp and FP8 buffers raise NotImplementedError. Further keywords
+    (transport, device, timeout, min_chunk_flops, gemm_sm_margin) are
+    CommOverlap's."""
+    modes = list(quantization_modes) if quantization_modes is not None else []
+    if use_fp8 or any(UserBufferQuantizationMode(m) is UserBufferQuantizationMode.FP8 for m in modes):
+        raise NotImplementedError("FP8 userbuffers (use_fp8 / UserBufferQuantizationMode.FP8) are not supported")
+    if with_cublasmp:
+        raise NotImplementedError("initialize_ub(with_cublasmp=True): cuBLASMp overlap is not supported")
+    if bootstrap_backend not in (None, "nccl", "gloo"):
+        if bootstrap_backend == "mpi":
+            raise NotImplementedError("initialize_ub(bootstrap_backend='mpi'): bootstrapping goes through "
+                                      "torch.distributed; use 'nccl' or 'gloo'")
+        raise ValueError(f"bootstrap_backend must be None, 'nccl' or 'gloo', got {bootstrap_backend!r}")
+    if tp_group is None:
+        tp_group = _domain_group(int(tp_size))
+    _ub.initialize_ub(shape, tp_size, dtype=dtype, ub_cfgs=ub_cfgs, tp_group=tp_group, **kwargs)
+
+
+def get_ub(name, use_fp8=False):
+    """The communicator initialize_ub created for a TE layer name."""
+    if use_fp8:
+        raise NotImplementedError("get_ub(use_fp8=True): FP8 userbuffers are not supported")
+    return _ub.get_ub(name)
+
+
+def destroy_ub():
+    """Close every communicator initialize_ub created (collective)."""
+    _ub.destroy_ub()
+
+
+# ------------------------------------------------------ the module base
+
+
+def _init_normal(std):
+    def init(t):
+        return torch.nn.init.normal_(t, mean=0.0, std=std)
+    return init
+
+
+# TransformerEngine's default weight initialisation (init_method=None).
+default_init_method = _init_normal(0.023)
+
+
+def _split_sizes(parameters_split, out_features):
+    """TE's parameters_split: (weight names, bias names, sizes along out_features)."""
+    if parameters_split is None:
+        return ["weight"], ["bias"], [out_features]
+    if not parameters_split:
+        raise ValueError("parameters_split cannot split the weight into 0 parameters")
+    if isinstance(parameters_split, dict):
+        names, sizes = list(parameters_split), [int(v) for v in parameters_split.values()]
+    elif all(isinstance(n, str) for n in parameters_split):
+        names = list(parameters_split)
+        sizes = [out_features // len(names)] * len(names)
+    else:
+        raise TypeError(f"parameters_split must be a tuple of names or a dict name -> size, got {parameters_split!r}")
+    if sum(sizes) != out_features:
+        raise ValueError(f"parameters_split sizes {sizes} do not add up to out_features={out_features}")
+    stems = [n.rstrip("_") for n in names]
+    return [f"{s}_weight" for s in stems], [f"{s}_bias" for s in stems], sizes
+
+
+def _set_tp_attributes(t, is_parallel, dim):
+    """TE's (and Megatron's) tensor-model-parallel attributes."""
+    t.tensor_model_parallel = is_parallel
+    t.partition_dim = dim
+    t.partition_stride = 1
+
+
+class TransformerEngineBaseModule(torch.nn.Module):
+    """Base of this package's layers (see the module docstring)."""
+
+    def __init__(self, name=None):
+        super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        self.name = name
+        self._wgrad_queue = []       # Wgrad steps delay_wgrad_compute left for backward_dw()
+        self._wgrad_hooks = []
+        self._gathered = {}          # id(DistributedWeight) -> (it, the full weight) for is_first_microbatch
+
+    # -- construction -------------------------------------------------------
+
+    def _setup_tp(self, parallel_mode, sequence_parallel, tp_group, tp_size, ub_flags, ub_name, ub_comm,
+                  symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation):
+        if symmetric_ar_type is not None:
+            raise NotImplementedError(f"symmetric_ar_type={symmetric_ar_type!r}: symmetric-memory all-reduce "
+                                      "is not supported (use None)")
+        self.tp = TPConfig(parallel_mode, sequence_parallel, tp_group, tp_size)
+        self.tp_size, self.tp_group = self.tp.size, self.tp.group
+        self.ub = UBConfig(self, ub_flags, ub_name, ub_comm, self.tp)
+        self.ub_name = ub_name
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        if self.delay_wgrad_compute and self.ub["ub_bulk_wgrad"]:
+            raise ValueError(f"{type(self).__name__}: delay_wgrad_compute cannot be combined with ub_bulk_wgrad "
+                             "(the bulk reduce-scatter of dgrad runs under the wgrad GEMM), as in "
+                             "TransformerEngine")
+        self.symmetric_ar_type = symmetric_ar_type
+
+    def _make_linear_params(self, out_features, in_local, dtype, device, init_method, get_rng_state_tracker,
+                            rng_tracker_name, bias, parameters_split):
+        """The weight [out/tp or out, in_local] as one contiguous tensor, and
+        the bias, registered whole or as the named slices of parameters_split
+        (each initialised on its own, as TE does)."""
+        self.weight_names, self.bias_names, sizes = _split_sizes(parameters_split, out_features)
+        if self.tp.mode == "column":
+            for name, n in zip(self.weight_names, sizes):
+                if n % self.tp.size:
+                    raise ValueError(f"{name}: {n} output features are not divisible by the tensor-parallel "
+                                     f"size {self.tp.size}")
+            sizes = [n // self.tp.size for n in sizes]
+        self.parameter_split_sizes = sizes
+        out_local = sum(sizes)
+        init = init_method or default_init_method
+        weight = torch.empty(out_local, in_local, dtype=dtype, device=device)
+        biases = torch.zeros(out_local, dtype=dtype, device=device) if bias else None
+        row = 0
+        for i, n in enumerate(sizes):
+            w = torch.nn.Parameter(weight[row:row + n])
+            if get_rng_state_tracker is None:
+                init(w.data)
             else:
-                raise ValueError(f"{cls}: {', '.join(on)} need ub_name (registry, see initialize_ub) or ub_comm")
-            if c.tp_size != tp.size:
-                raise ValueError(f"{cls}: communicator '{c.name}' has {c.tp_size} ranks, the layer's tp group "
-                                 f"{tp.size}")
-            self.comms[role] = c
-        if f["ub_bulk_dgrad"] and f["ub_bulk_wgrad"] and self.comms["dgrad"] is self.comms["wgrad"]:
-            raise ValueError(f"{cls}: ub_bulk_dgrad and ub_bulk_wgrad run at the same time (the wgrad GEMM reads "
-                             "the gathered input from the dgrad communicator while the wgrad one "
-                             "reduce-scatters): give two communicators (ub_comm={'dgrad': a, 'wgrad': b})")
+                tracker = get_rng_state_tracker()
+                with (tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()):
+                    init(w.data)
+            _set_tp_attributes(w, True, 1 if self.tp.mode == "row" else 0)
+            self.register_parameter(self.weight_names[i], w)
+            if bias:
+                b = torch.nn.Parameter(biases[row:row + n])
+                if self.tp.mode == "row":
+                    b.sequence_parallel = self.tp.sp
+                elif self.tp.mode == "column":
+                    _set_tp_attributes(b, True, 0)
+                self.register_parameter(self.bias_names[i], b)
+            else:  # as TE: an empty tensor, not a parameter
+                setattr(self, self.bias_names[i], torch.empty(0, dtype=dtype, device=device))
+            row += n
+        self.use_bias = bool(bias)
+        if self.delay_wgrad_compute:
+            for name in self.weight_names + (self.bias_names if bias else []):
+                getattr(self, name).skip_backward_post_hook = True
 
-    def __getitem__(self, k):
-        return self.flags[k]
+    # -- per call -----------------------------------------------------------
 
+    def _weight_params(self):
+        return [getattr(self, n) for n in self.weight_names]
 
-class TPModule(torch.nn.Module):
-    """What the layers share as modules: the tensor-parallel facts TE exposes."""
+    def _weight_tensor(self):
+        """The weight the GEMMs use: the parameter itself, or the split
+        parameters concatenated (differentiably)."""
+        if len(self.weight_names) == 1:
+            return getattr(self, self.weight_names[0])
+        return torch.cat(self._weight_params())
+
+    def _bias_tensor(self):
+        """The bias parameter (concatenated when split), or None without one."""
+        if not self.use_bias:
+            return None
+        if len(self.bias_names) == 1:
+            return getattr(self, self.bias_names[0])
+        return torch.cat([getattr(self, n) for n in self.bias_names])
+
+    def _full_weight(self, w, is_first_microbatch, dtype):
+        """The full weight for a GEMM, in the compute dtype: a DistributedWeight
+        is gathered on every call, or, when the caller says which micro-batch
+        this is (is_first_microbatch not None), once on the first and reused
+        until the next first micro-batch."""
+        if is_distributed_weight(w):
+            if is_first_microbatch is None:
+                full = w.materialize()
+            else:
+                kept = self._gathered.get(id(w))
+                if is_first_microbatch or kept is None or kept[0] is not w:
+                    kept = self._gathered[id(w)] = (w, w.materialize())
+                full = kept[1]
+        else:
+            full = w
+        return full if full.dtype == dtype else full.to(dtype)
+
+    # -- delayed weight gradients -------------------------------------------
+
+    def need_backward_dw(self):
+        """True when delay_wgrad_compute left weight gradients for backward_dw()."""
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook):
+        """Call `hook()` after each backward_dw() has put its gradients in
+        place (Megatron registers its gradient-reduction hooks here)."""
+        self._wgrad_hooks.append(hook)
+
+    def backward_dw(self):
+        """Compute the weight (and bias) gradients a delay_wgrad_compute
+        backward left, oldest first, one backward's worth per call: into
+        main_grad with fuse_wgrad_accumulation, else added to .grad."""
+        if not self.delay_wgrad_compute:
+            return
+        if not self._wgrad_queue:
+            raise RuntimeError(f"{type(self).__name__}.backward_dw(): no delayed weight gradient is pending "
+                               "(run backward first)")
+        wg, dy_total, x_total, db_local = self._wgrad_queue.pop(0)
+        wg.delay = False
+        dw, db = wg.compute(dy_total, x_total)
+        if wg.bias_from_local:
+            db = db_local
+        if dw is not None and not wg.fuse:
+            row = 0
+            for p in wg.params:
+                _add_grad(p, dw[row:row + p.shape[0]])
+                row += p.shape[0]
+        if db is not None and self.use_bias:
+            row = 0
+            for name in self.bias_names:
+                b = getattr(self, name)
+                _add_grad(b, db[row:row + b.shape[0]])
+                row += b.shape[0]
+        for hook in self._wgrad_hooks:
+            hook()
+
+    # -- what TE's modules expose ---------------------------------------------
 
     @property
     def parallel_mode(self):
@@ -152,201 +305,17 @@ class TPModule(torch.nn.Module):
     def sequence_parallel(self):
         return self.tp.sp
 
+    def set_tensor_parallel_group(self, tp_group):
+        """TE's setter: the layer's collectives use `tp_group` from now on (its
+        size must stay the layer's tensor-parallel size)."""
+        self.tp = TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
+        self.tp_group = self.tp.group
 
-def check_ub_flags(layer, flags, ub_comm=None, tp=None):
-    return UBConfig(layer, flags, flags.get("ub_name"), ub_comm, tp if tp is not None else layer.tp)
 
-
-def make_weight(out_local, in_local, dtype, device, init_method):
-    w = torch.empty(out_local, in_local, dtype=dtype, device=device)
-    if init_method is not None:
-        init_method(w)
+def _add_grad(p, g):
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g.clone() if g._base is not None else g
     else:
-        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-    return torch.nn.Parameter(w)
+        p.grad.add_(g)
 
-
-def check_input(inp, in_local, weight, tp, name="inp"):
-    """Validate the layer input; return it as a contiguous 2-D [tokens, in]."""
-    if not isinstance(inp, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(inp).__name__}")
-    if not inp.is_floating_point():
-        raise TypeError(f"{name} has dtype {inp.dtype}; expected {weight.dtype}")
-    if inp.dtype != weight.dtype:
-        raise TypeError(f"{name} has dtype {inp.dtype} but the layer's parameters are {weight.dtype}")
-    if inp.device != weight.device:
-        raise ValueError(f"{name} is on {inp.device} but the layer's parameters are on {weight.device}")
-    if inp.dim() not in (2, 3):
-        raise ValueError(f"{name} must be 2-D [tokens, hidden] or 3-D [seq, batch, hidden], got shape {tuple(inp.shape)}")
-    if inp.shape[-1] != in_local:
-        raise ValueError(f"{name} has last dimension {inp.shape[-1]}; expected {in_local} (shape {tuple(inp.shape)})")
-    if tp.sp and tp.mode == "row" and inp.shape[0] % tp.size:
-        raise ValueError(f"{name}: sequence length {inp.shape[0]} is not divisible by the tensor-parallel size "
-                         f"{tp.size} (sequence_parallel reduce-scatters the output along the sequence)")
-    return as_2d(inp)
-
-
-# A reshape or view costs microseconds of host time, on every layer call:
-# 2-D tensors skip them. The autograd Functions return 2-D outputs (and 3-D
-# grads for 3-D inputs); the modules view a 3-D input's output outside the
-# Function, so an output can be modified in place whatever the input's rank
-# (a view made inside a custom Function cannot be). LayerNormLinear's
-# normalised output, which is also saved, is the exception on purpose.
-
-def as_2d(t):
-    """t as a contiguous [tokens, features]: t itself when it already is one."""
-    if t.dim() == 2 and t.is_contiguous():
-        return t
-    return t.reshape(-1, t.shape[-1]).contiguous()
-
-
-def like_input(y, inp_shape):
-    """y [tokens, features] with the input's leading dims (y itself for a 2-D input)."""
-    if len(inp_shape) == 2:
-        return y
-    return y.view(y.shape[0] // inp_shape[1], inp_shape[1], y.shape[1])
-
-
-# -------------------------------------------------------------- GEMM steps
-
-
-def gather_input(x, tp, async_op=False):
-    """Column + sequence parallel: the full-sequence input every rank needs
-    (with async_op: (it, work to wait for or None))."""
-    if tp.mode == "column" and tp.sp:
-        return all_gather_rows(x, tp.group, tp.size, async_op)
-    return (x, None) if async_op else x
-
-
-def fprop(x_total, w, bias, tp):
-    """Y = X W^T (+ bias) followed by the row-parallel reduction."""
-    fused_bias = bias if tp.mode != "row" else None
-    y = _engine.gemm(x_total, w, transb=True, bias=fused_bias)
-    if tp.mode == "row":
-        y = reduce_scatter_rows(y, tp.group, tp.size) if tp.sp else all_reduce(y, tp.group, tp.size)
-        if bias is not None:
-            y += bias
-    return y
-
-
-def gather_grad_output(dy, tp):
-    """Row + sequence parallel: the full-sequence grad_output for dgrad/wgrad."""
-    return all_gather_rows(dy, tp.group, tp.size) if tp.mode == "row" and tp.sp else dy
-
-
-def dgrad(dy_total, w, tp):
-    """dX = dY W, followed by the column-parallel reduction."""
-    dx = _engine.gemm(dy_total, w)
-    if tp.mode == "column":
-        dx = reduce_scatter_rows(dx, tp.group, tp.size) if tp.sp else all_reduce(dx, tp.group, tp.size)
-    return dx
-
-
-def wgrad(dy_total, x_total, with_bias):
-    """dW = dY^T X, and the bias gradient (sum of dY over tokens)."""
-    return _engine.gemm(dy_total, x_total, transa=True, bias_grad=with_bias)
-
-
-# ------------------------------------------------------ userbuffers steps
-
-
-def outside_buffers(t, ub):
-    """t, or a copy of it if it lives in one of the layer's communicator
-    buffers (a caller may pass get_buffer(local_chunk=True) as the input):
-    what is saved for backward must not alias a buffer the next layer reuses."""
-    if ub.enabled and any(comm.overlaps(t) for comm in ub.comms.values()):
-        return t.clone()
-    return t
-
-
-def ub_fprop(x, w, bias, tp, ub):
-    """fprop through a communicator when the layer's flags say so and the
-    overlap pays at this shape (CommOverlap.take_overlap), else None."""
-    if not ub.enabled:
-        return None
-    if tp.mode == "column" and ub["ub_overlap_ag"]:
-        c = ub.comms["fprop"]
-        if c.take_overlap("ag", x.shape[0], x.shape[1], w.shape[0]):
-            return c.ag_gemm(x, w, bias=bias)
-    elif tp.mode == "row" and ub["ub_overlap_rs"]:
-        c = ub.comms["fprop"]
-        if c.take_overlap("rs", x.shape[0] // tp.size, x.shape[1], w.shape[0]):
-            return c.gemm_rs(x, w, bias=bias)
-    return None
-
-
-def column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
-    """Column layer backward (dy: [S, out/tp]; x_local: the saved local input).
-    Returns (dx, (dw, db) or None), running the ub overlaps the flags ask for."""
-    try:
-        return _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias)
-    except BaseException:
-        for comm in ub.comms.values():  # no bulk operation is left pending
-            comm._abandon()
-        raise
-
-
-def wgrad_gather_comm(x_local, w, tp, ub):
-    """The communicator that gathers a column layer's input for wgrad on the
-    copy engines when ub_bulk_dgrad does not: the layer's fprop communicator
-    (it gathered the same input in the forward, so its buffer fits), idle
-    during the backward unless it is also the dgrad one, and only where the
-    forward overlapped at this shape. None: NCCL gathers it."""
-    if not (ub.enabled and tp.sp and ub["ub_overlap_ag"]):
-        return None
-    c = ub.comms["fprop"]
-    if c is ub.comms.get("dgrad") or c is ub.comms.get("wgrad"):
-        return None
-    if x_local.numel() * x_local.element_size() * tp.size > c.nbytes:
-        return None
-    return c if c.pays("ag", x_local.shape[0], x_local.shape[1], w.shape[0]) else None
-
-
-def _column_backward(dy, x_local, w, tp, ub, need_dx, need_w, with_bias):
-    f = ub.flags if ub.enabled else dict.fromkeys(UB_FLAGS, False)
-    x_total = gathering = bulk_gather = None
-    if f["ub_bulk_dgrad"]:
-        bulk_gather = ub.comms["dgrad"]
-    elif need_w:
-        bulk_gather = wgrad_gather_comm(x_local, w, tp, ub)
-    if bulk_gather is not None:  # the input all-gather for wgrad runs during the dgrad GEMM
-        bulk_gather.bulk_ag_start(x_local)
-    elif need_w and need_dx:
-        x_total, gathering = gather_input(x_local, tp, async_op=True)
-    dx = dx_partial = None
-    if need_dx:
-        if f["ub_overlap_rs_dgrad"] and ub.comms["dgrad"].take_overlap("rs", dy.shape[0] // tp.size, dy.shape[1],
-                                                                      w.shape[1]):
-            dx = ub.comms["dgrad"].gemm_rs(dy, w, transb=False)
-        elif f["ub_bulk_wgrad"]:
-            dx_partial = _engine.gemm(dy, w)
-        else:
-            dx = dgrad(dy, w, tp)
-    if bulk_gather is not None:
-        x_total = bulk_gather.bulk_ag_finish()
-    if dx_partial is not None:
-        ub.comms["wgrad"].bulk_rs_start(dx_partial)
-    res = None
-    if need_w:
-        if gathering is not None:
-            gathering.wait()
-        elif x_total is None:
-            x_total = gather_input(x_local, tp)
-        res = wgrad(dy, x_total, with_bias)
-        res = res if with_bias else (res, None)
-    if dx_partial is not None:
-        dx = ub.comms["wgrad"].bulk_rs_finish()
-    return dx, res
-
-
-def row_backward(dy_local, w, tp, ub, need_dx):
-    """Row layer: (dx or None, dy_total for wgrad). With ub_overlap_ag the
-    grad_output all-gather overlaps dgrad; dy_total is then a buffer view,
-    valid until the communicator's next use (wgrad runs right after)."""
-    if ub.enabled and ub["ub_overlap_ag"] and need_dx and ub.comms["dgrad"].take_overlap(
-            "ag", dy_local.shape[0], dy_local.shape[1], w.shape[1]):
-        c = ub.comms["dgrad"]
-        dx = c.ag_gemm(dy_local, w, transb=False)
-        return dx, c.get_buffer(shape=(dy_local.shape[0] * c.tp_size, dy_local.shape[1]), dtype=dy_local.dtype)
-    dy = gather_grad_output(dy_local, tp)
-    return (dgrad(dy, w, tp) if need_dx else None), dy

@@ -1,125 +1,164 @@
-"""tec.LayerNormLinear: LayerNorm or RMSNorm followed by a column-parallel
-(or non-parallel) linear layer, both in the C engine."""
+"""tec.LayerNormLinear: TransformerEngine's LayerNormLinear (same
+constructor, parameters and semantics): LayerNorm or RMSNorm followed by a
+linear layer, both in the C engine, with userbuffers overlap of the
+sequence-parallel collectives."""
 import torch
 
 from .. import _engine
-from .._saved import prepare_for_saving, restore_from_saved
-from ..distributed import all_reduce
-from . import base
-from ._weights import weight_for_compute, weight_grad
+from .._C import prepare_for_saving, restore_from_saved
+from ..distributed import reduce_scatter_rows
+from . import _common as C
+from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, layer):
-        tp = layer.tp
-        x = base.check_input(inp, layer.in_features, weight, tp)
-        w = weight_for_compute(weight)
-        ub = layer.ub
-        if ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap("ag", x.shape[0], x.shape[1],
-                                                                                 w.shape[0]):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, dtype, cast):
+        tp, ub = layer.tp, layer.ub
+        x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
+        w = layer._full_weight(weight, is_first_microbatch, dtype)
+        g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
+        beta = ln_bias if ln_bias is None or ln_bias.dtype == dtype else ln_bias.to(dtype)
+        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+        ln_total = None
+        if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap(
+                "ag", x.shape[0], x.shape[1], w.shape[0]):
             # The norm writes straight into this rank's slot of the buffer;
             # what is saved (and returned) is a copy, never the buffer, made
             # on the comm stream while the GEMMs run.
             comm = ub.comms["fprop"]
             slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
-            ln_view, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma,
-                                                   out=slot)
+            ln_view, mu, rsigma = _engine.norm_fwd(x, g, beta, layer.eps, layer.zero_centered_gamma, out=slot)
             ln_out = torch.empty_like(x)
-            y = comm.ag_gemm(ln_view, w, bias=bias, local_copy=ln_out)
+            y = comm.ag_gemm(ln_view, w, bias=b, local_copy=ln_out)
+            if layer.return_layernorm_output_gathered:
+                ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
             del slot, ln_view
         else:
-            ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, layer.eps, layer.zero_centered_gamma)
-            y = base.fprop(base.gather_input(ln_out, tp), w, bias, tp)
+            ln_out, mu, rsigma = _engine.norm_fwd(x, g, beta, layer.eps, layer.zero_centered_gamma)
+            y = C.ub_fprop(ln_out, w, b, tp, ub) if tp.mode == "row" else None
+            if y is None:
+                ln_total = C.gather_input(ln_out, tp)
+                y = C.fprop(ln_total, w, b, tp)
         saved, ctx.objects = prepare_for_saving(x, ln_out, mu, rsigma, ln_weight, weight)
         ctx.save_for_backward(*saved)
-        ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
-        ctx.zero_centered_gamma = layer.zero_centered_gamma
-        ctx.ub = ub
-        # y is 2-D, the module gives it the input's leading dims. ln_out is
-        # also saved for backward: it is returned as a view made here, which
-        # autograd refuses to let be modified in place.
-        return (y, ln_out.view(inp.shape)) if layer.return_layernorm_output else y
+        ctx.layer, ctx.inp_shape, ctx.has_bias, ctx.dtype = layer, inp.shape, bias is not None, dtype
+        ctx.first_mb = is_first_microbatch
+        if not layer.return_layernorm_output:
+            return y  # 2-D; the module gives it the input's leading dims
+        if layer.return_layernorm_output_gathered and tp.mode == "column" and tp.sp:
+            # The full sequence: the GEMM's gathered input (or a copy of the
+            # buffer's); its gradient is reduce-scattered back in backward.
+            shape = (ln_total.shape[0] // inp.shape[1], *inp.shape[1:]) if inp.dim() == 3 else ln_total.shape
+            return y, ln_total.view(shape)
+        # ln_out is also saved for backward: it is returned as a view made
+        # here, which autograd refuses to let be modified in place.
+        return y, ln_out.view(inp.shape)
 
     @staticmethod
     def backward(ctx, dout, dln_out=None):
-        tp = ctx.tp
+        layer = ctx.layer
+        tp, ub, dtype = layer.tp, layer.ub, ctx.dtype
         x, ln_out, mu, rsigma, ln_weight, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
-        w = weight_for_compute(weight)
-        dy = base.as_2d(dout)
-        need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        dln, res = base.column_backward(dy, ln_out, w, tp, ctx.ub, True, need_w, ctx.has_bias)
+        w = layer._full_weight(weight, None if ctx.first_mb is None else False, dtype)
+        g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
+        dy = C.as_2d(dout if dout.dtype == dtype else dout.to(dtype))
+        wg = None
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            wg = C.Wgrad(layer, weight, ctx.has_bias, ctx.first_mb, bias_from_local=tp.mode == "row" and tp.sp)
+        if tp.mode == "row":
+            dln, dw, db = C.row_backward(dy, ln_out, w, tp, ub, True, wg)
+        else:
+            dln, dw, db = C.column_backward(dy, ln_out, w, tp, ub, True, wg)
         if dln_out is not None:
-            dln = dln + dln_out.reshape(dln.shape)
-        dw = db = None
-        if res is not None:
-            dw, db = res
-            dw = weight_grad(weight, dw)
-        # Under sequence parallelism each rank normalised only its own tokens:
-        # the parameter grads are summed over the group, both rows of one
-        # tensor in one collective (so the two .grad tensors share a storage).
-        dparams = torch.empty(1 + (mu is not None), x.shape[1], dtype=ln_weight.dtype,
-                              device=x.device) if tp.sp else None
-        dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, ln_weight, ctx.zero_centered_gamma,
-                                             with_dbeta=mu is not None, dparams=dparams)
-        if dparams is not None:
-            all_reduce(dparams, tp.group, tp.size)
-        return base.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw, db, None
+            dln_out = C.as_2d(dln_out if dln_out.dtype == dtype else dln_out.to(dtype))
+            if dln_out.shape[0] != dln.shape[0]:  # the gathered output's gradient: this rank's rows, summed
+                dln_out = reduce_scatter_rows(dln_out, tp.group, tp.size)
+            dln = dln + dln_out
+        # Under sequence parallelism the norm's parameter gradients are this
+        # rank's partial sums: the parameters carry `sequence_parallel` and
+        # the framework sums them over the group, as with TransformerEngine.
+        dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, g, layer.zero_centered_gamma,
+                                             with_dbeta=mu is not None)
+        return C.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw, db, None, None, None, None
 
 
-class LayerNormLinear(base.TPModule):
-    """Normalisation (LayerNorm or RMSNorm over the last dim) then y = n W^T + b.
+class LayerNormLinear(TransformerEngineBaseModule):
+    """Normalisation (LayerNorm or RMSNorm over the last dim) then
+    y = n W^T + b: TransformerEngine's `LayerNormLinear`, arguments in TE's
+    order with TE's meaning.
 
-    parallel_mode None or "column" (the normalised input is all-gathered along
-    the sequence under sequence_parallel). layer_norm_weight / layer_norm_bias
-    are full [in_features]; under sequence_parallel their gradients are summed
-    over the tensor-parallel group in backward, so every rank holds the full
-    gradient. return_layernorm_output=True also returns the normalised input
-    (this rank's tokens, before any gather).
+    parallel_mode None, "column" (the normalised input is all-gathered along
+    the sequence under sequence_parallel) or "row" (the input's features are
+    split, each rank normalises its slice as TE does, the output is summed
+    over the group). layer_norm_weight / layer_norm_bias cover the input
+    features this rank holds and carry `sequence_parallel`: under sequence
+    parallelism their gradients are this rank's partial sums, which the
+    training framework sums over the group (`tec.allreduce_sequence_parallel_grads`
+    outside Megatron). return_layernorm_output=True also returns the
+    normalised input (this rank's tokens, or the whole sequence with
+    return_layernorm_output_gathered). Beyond TE (keyword only): ub_comm
+    (communicators given directly) and rng_tracker_name.
     """
 
-    def __init__(self, in_features, out_features, eps=1e-5, bias=True, *, normalization="LayerNorm",
-                 zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device=None,
-                 parallel_mode=None, sequence_parallel=False, tp_group=None, tp_size=1,
-                 ub_overlap_ag=False, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
-                 ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, return_bias=False,
-                 init_method=None, ub_comm=None):
-        super().__init__()
+    def __init__(self, in_features, out_features, eps=1e-5, sequence_parallel=False, fuse_wgrad_accumulation=False,
+                 tp_group=None, tp_size=1, get_rng_state_tracker=None, init_method=None, bias=True,
+                 normalization="LayerNorm", return_bias=False, params_dtype=None, parallel_mode=None,
+                 return_layernorm_output=False, return_layernorm_output_gathered=False, parameters_split=None,
+                 zero_centered_gamma=False, device=None, ub_overlap_ag=False, ub_overlap_rs=False,
+                 ub_overlap_rs_dgrad=False, ub_bulk_wgrad=False, ub_bulk_dgrad=False, ub_name=None,
+                 delay_wgrad_compute=False, symmetric_ar_type=None, name=None, *, ub_comm=None,
+                 rng_tracker_name=None):
+        super().__init__(name)
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
-        if parallel_mode == "row":
-            raise ValueError("parallel_mode='row' is not supported by LayerNormLinear (the normalisation "
-                             "needs the whole hidden dimension); use 'column' or None")
         self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
-        self.tp = base.TPConfig(parallel_mode, sequence_parallel, tp_group, tp_size)
-        self.ub = base.check_ub_flags(self, dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-                                       ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name), ub_comm)
+        self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
+        self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered and return_layernorm_output)
+        self._setup_tp(parallel_mode, sequence_parallel, tp_group, tp_size,
+                       dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                            ub_bulk_wgrad=ub_bulk_wgrad),
+                       ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
-        dtype, device = base.default_dtype(params_dtype), base.default_device(device)
+        dtype, device = C.default_dtype(params_dtype), C.default_device(device)
+        self.rng_tracker_name = rng_tracker_name
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.layer_norm_weight = torch.nn.Parameter(init_gamma(in_features, dtype=dtype, device=device))
-        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(in_features, dtype=dtype, device=device))
-                                if normalization == "LayerNorm" else None)
-        self.weight = base.make_weight(self.out_local, self.in_local, dtype, device, init_method)
-        self.bias = torch.nn.Parameter(torch.zeros(self.out_local, dtype=dtype, device=device)) if bias else None
-
-    def forward(self, inp):
-        out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-                                       None if self.return_bias else self.bias, self)
-        if self.return_layernorm_output:
-            out = (base.like_input(out[0], inp.shape), out[1])
+        self.layer_norm_weight = torch.nn.Parameter(init_gamma(self.in_local, dtype=dtype, device=device))
+        self.layer_norm_weight.sequence_parallel = self.tp.sp
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(self.in_local, dtype=dtype, device=device))
+            self.layer_norm_bias.sequence_parallel = self.tp.sp
         else:
-            out = base.like_input(out, inp.shape)
+            self.layer_norm_bias = None
+        self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker,
+                                 rng_tracker_name, bias, parameters_split)
+
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+        """inp [tokens, in] or [seq, batch, in]; is_first_microbatch as in Linear.
+        Returns out, (out, bias), (out, ln_out) or (out, bias, ln_out), as TE."""
+        if fp8_output or fp8_grad:
+            raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        weight = self._weight_tensor()
+        bias = self._bias_tensor()
+        dtype, cast = C.compute_dtype(weight.device, weight.dtype)
+        out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, weight,
+                                       None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
+        if self.return_layernorm_output:
+            y, ln_out = C.like_input(out[0], inp.shape), out[1]
+        else:
+            y = C.like_input(out, inp.shape)
         if self.return_bias:
-            return (*out, self.bias) if isinstance(out, tuple) else (out, self.bias)
-        return out
+            if bias is None:
+                bias = getattr(self, self.bias_names[0])
+            bias = bias if bias.dtype == dtype else bias.to(dtype)
+            return (y, bias, ln_out) if self.return_layernorm_output else (y, bias)
+        return (y, ln_out) if self.return_layernorm_output else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,85 +1,113 @@
-"""tec.Linear: a tensor-parallel linear layer (TE's names and shapes) whose
-GEMMs run in the C engine."""
+"""tec.Linear: TransformerEngine's Linear (same constructor, parameters and
+semantics) whose GEMMs run in the C engine, with userbuffers overlap of the
+sequence-parallel collectives."""
 import torch
 
-from .._saved import prepare_for_saving, restore_from_saved
-from . import base
-from ._weights import weight_for_compute, weight_grad
+from .._C import prepare_for_saving, restore_from_saved
+from . import _common as C
+from .base import TransformerEngineBaseModule
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, layer):
-        tp = layer.tp
-        x = base.check_input(inp, layer.in_local, weight, tp)
-        w = weight_for_compute(weight)
-        y = base.ub_fprop(x, w, bias, tp, layer.ub)
+    def forward(ctx, inp, weight, bias, layer, is_first_microbatch, dtype, cast):
+        tp, ub = layer.tp, layer.ub
+        x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
+        w = layer._full_weight(weight, is_first_microbatch, dtype)
+        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+        y = C.ub_fprop(x, w, b, tp, ub)
         if y is None:
-            y = base.fprop(base.gather_input(x, tp), w, bias, tp)
-        # Save the local (not gathered) input: column + SP re-gathers it in backward.
-        saved, ctx.objects = prepare_for_saving(base.outside_buffers(x, layer.ub), weight)
+            y = C.fprop(C.gather_input(x, tp), w, b, tp)
+        # Save the local (not gathered) input: column + SP re-gathers it in
+        # backward. save_original_input keeps the caller's tensor instead (no
+        # second copy when the cast or 2-D view made one).
+        kept = inp if layer.save_original_input else x
+        saved, ctx.objects = prepare_for_saving(C.outside_buffers(kept, ub), weight)
         ctx.save_for_backward(*saved)
-        ctx.tp, ctx.inp_shape, ctx.has_bias = tp, inp.shape, bias is not None
-        ctx.ub = layer.ub
+        ctx.layer, ctx.inp_shape, ctx.has_bias, ctx.dtype = layer, inp.shape, bias is not None, dtype
+        # A cached gathered weight is reused in backward (no second gather).
+        ctx.first_mb = is_first_microbatch
         return y  # 2-D; the module gives it the input's leading dims
 
     @staticmethod
     def backward(ctx, dout):
-        tp = ctx.tp
+        layer = ctx.layer
+        tp, ub, dtype = layer.tp, layer.ub, ctx.dtype
         x, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
-        w = weight_for_compute(weight)
-        dy_local = base.as_2d(dout)
-        need_dx, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dw = db = None
+        if layer.save_original_input:
+            x = C.as_2d(x if x.dtype == dtype else x.to(dtype))
+        w = layer._full_weight(weight, None if ctx.first_mb is None else False, dtype)
+        dy = C.as_2d(dout if dout.dtype == dtype else dout.to(dtype))
+        need_dx = ctx.needs_input_grad[0]
+        wg = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            wg = C.Wgrad(layer, weight, ctx.has_bias, ctx.first_mb, bias_from_local=tp.mode == "row" and tp.sp)
         if tp.mode == "column":
-            dx, res = base.column_backward(dy_local, x, w, tp, ctx.ub, need_dx, need_w, ctx.has_bias)
-            if res is not None:
-                dw, db = res
+            dx, dw, db = C.column_backward(dy, x, w, tp, ub, need_dx, wg)
         else:
-            dx, dy = base.row_backward(dy_local, w, tp, ctx.ub, need_dx)
-            if need_w:
-                res = base.wgrad(dy, base.gather_input(x, tp), ctx.has_bias)
-                dw, db = res if ctx.has_bias else (res, None)
-        if dw is not None:
-            dw = weight_grad(weight, dw)
-        return (base.like_input(dx, ctx.inp_shape) if dx is not None else None), dw, db, None
+            dx, dw, db = C.row_backward(dy, x, w, tp, ub, need_dx, wg)
+        return (C.like_input(dx, ctx.inp_shape) if dx is not None else None), dw, db, None, None, None, None
 
 
-class Linear(base.TPModule):
-    """y = x W^T + b with optional tensor parallelism.
+class Linear(TransformerEngineBaseModule):
+    """y = x W^T + b with optional tensor parallelism, TransformerEngine's
+    `Linear` (arguments in TE's order, with TE's meaning).
 
-    parallel_mode="column": weight [out/tp, in], output features split.
+    parallel_mode="column": weight [out/tp, in], output features split (the
+    input is all-gathered along the sequence under sequence_parallel).
     parallel_mode="row": weight [out, in/tp], input features split, output
-    reduced (reduce-scattered along the sequence with sequence_parallel).
-    Inputs are [tokens, in] or [seq, batch, in] (sequence first, split across
-    ranks under sequence_parallel), in the parameters' dtype and device.
+    summed over the group (reduce-scattered along the sequence under
+    sequence_parallel); the bias is added once after the reduction and, under
+    sequence_parallel, carries `sequence_parallel = True`: its gradient is
+    this rank's partial sum, which the training framework sums over the
+    group (Megatron does; `tec.allreduce_sequence_parallel_grads` does it
+    for other loops). Inputs are [tokens, in] or [seq, batch, in], sequence
+    first. Beyond TE (keyword only): `ub_comm` gives the layer its
+    communicator(s) directly instead of the registry.
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, params_dtype=None, device=None,
-                 parallel_mode=None, sequence_parallel=False, tp_group=None, tp_size=1,
-                 ub_overlap_ag=False, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
-                 ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, return_bias=False,
-                 init_method=None, ub_comm=None):
-        super().__init__()
+    def __init__(self, in_features, out_features, sequence_parallel=False, fuse_wgrad_accumulation=False,
+                 tp_group=None, tp_size=1, get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
+                 bias=True, return_bias=False, params_dtype=None, parallel_mode=None, parameters_split=None,
+                 device=None, ub_overlap_ag=False, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
+                 ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, delay_wgrad_compute=False,
+                 symmetric_ar_type=None, save_original_input=False, name=None, *, ub_comm=None):
+        super().__init__(name)
         self.in_features, self.out_features = in_features, out_features
-        self.tp = base.TPConfig(parallel_mode, sequence_parallel, tp_group, tp_size)
-        self.ub = base.check_ub_flags(self, dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-                                       ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                                       ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name), ub_comm)
+        self._setup_tp(parallel_mode, sequence_parallel, tp_group, tp_size,
+                       dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                            ub_bulk_wgrad=ub_bulk_wgrad),
+                       ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
-        dtype, device = base.default_dtype(params_dtype), base.default_device(device)
-        self.return_bias = return_bias
-        self.weight = base.make_weight(self.out_local, self.in_local, dtype, device, init_method)
-        bias_len = self.out_local if self.tp.mode == "column" else out_features
-        self.bias = torch.nn.Parameter(torch.zeros(bias_len, dtype=dtype, device=device)) if bias else None
+        dtype, device = C.default_dtype(params_dtype), C.default_device(device)
+        self.return_bias = bool(return_bias)
+        self.save_original_input = bool(save_original_input)
+        self.rng_tracker_name = rng_tracker_name
+        self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker, rng_tracker_name, bias,
+                                 parameters_split)
 
-    def forward(self, inp):
-        y = _LinearFn.apply(inp, self.weight, None if self.return_bias else self.bias, self)
-        y = base.like_input(y, inp.shape)
-        return (y, self.bias) if self.return_bias else y
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+        """inp [tokens, in] or [seq, batch, in]. is_first_microbatch (TE): None,
+        or whether this is the first micro-batch of a step (main_grad is then
+        overwritten rather than accumulated, and a DistributedWeight is
+        gathered once per step)."""
+        if fp8_output or fp8_grad:
+            raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        weight = self._weight_tensor()
+        bias = self._bias_tensor()
+        dtype, cast = C.compute_dtype(weight.device, weight.dtype)
+        y = _LinearFn.apply(inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype,
+                            cast)
+        y = C.like_input(y, inp.shape)
+        if self.return_bias:
+            if bias is None:
+                bias = getattr(self, self.bias_names[0])
+            return y, (bias if bias.dtype == dtype else bias.to(dtype))
+        return y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, parallel_mode={self.tp.mode}, "
+                f"bias={self.use_bias}, parallel_mode={self.tp.mode}, "
                 f"sequence_parallel={self.tp.sp}, tp_size={self.tp.size}")

@@ -1,0 +1,2 @@
+"""Mirror of `transformer_engine.common` for the names code written against
+TransformerEngine imports from it (the recipes)."""
