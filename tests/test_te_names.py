@@ -214,3 +214,26 @@ def test_autocast_bf16_with_fp32_params():
     ref = torch.nn.functional.linear(n.bfloat16().double(), m.weight.detach().bfloat16().double(), m.bias.double())
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("split", [("query_", "key_", "value_"), {"query": 4, "key": 2, "value": 6}])
+def test_parameters_split(split):
+    """TE's parameters_split: named slices of weight/bias along dim 0 (names end
+    in _weight / _bias, trailing underscores stripped) acting as one GEMM."""
+    m = te.Linear(8, 12, parameters_split=split, device="cpu", name="qkv")
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["query_weight", "query_bias", "key_weight", "key_bias", "value_weight", "value_bias"], names
+    if isinstance(split, dict):
+        assert [tuple(getattr(m, f"{k}_weight").shape) for k in split] == [(4, 8), (2, 8), (6, 8)]
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.cat([getattr(m, f"{k}_weight") for k in ("query", "key", "value")])
+    b = torch.cat([getattr(m, f"{k}_bias") for k in ("query", "key", "value")])
+    y = m(x)
+    ref = torch.nn.functional.linear(x.detach().double(), w.detach().double(), b.detach().double())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
+    y.backward(torch.ones_like(y))
+    assert torch.allclose(m.key_bias.grad, torch.full_like(m.key_bias, 5.0))
+    assert m.name == "qkv"
