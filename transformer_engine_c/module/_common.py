@@ -265,7 +265,7 @@ class Wgrad:
         """(dw for autograd, db for autograd): computed now, or (None, None)
         after queueing the GEMM for backward_dw()."""
         db_local = None
-        if self.bias_from_local:
+        if self.bias_from_local and self.with_bias:
             db_local = dy_local.sum(0, dtype=torch.float32).to(dy_local.dtype)
         if self.delay:
             dy_total, x_total = outside_buffers(dy_total, ub), outside_buffers(x_total, ub)

@@ -115,7 +115,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         super().__init__(name)
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
-        self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
@@ -126,6 +125,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                             ub_bulk_wgrad=ub_bulk_wgrad),
                        ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
+        self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
         dtype, device = C.default_dtype(params_dtype), C.default_device(device)
         self.rng_tracker_name = rng_tracker_name
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones

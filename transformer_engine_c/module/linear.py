@@ -74,13 +74,13 @@ class Linear(TransformerEngineBaseModule):
                  ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, delay_wgrad_compute=False,
                  symmetric_ar_type=None, save_original_input=False, name=None, *, ub_comm=None):
         super().__init__(name)
-        self.in_features, self.out_features = in_features, out_features
         self._setup_tp(parallel_mode, sequence_parallel, tp_group, tp_size,
                        dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                             ub_bulk_wgrad=ub_bulk_wgrad),
                        ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
+        self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
         dtype, device = C.default_dtype(params_dtype), C.default_device(device)
         self.return_bias = bool(return_bias)
         self.save_original_input = bool(save_original_input)
