@@ -187,3 +187,47 @@ def _gemm_dev(device):
     ws = workspace(device, nbytes)
     _gemm_devs[device] = entry = (dev, ws.data_ptr() if ws is not None else 0, nbytes, ws)
     return entry
+
+
+# ------------------------------------------------- the layers' fast paths
+# A layer validates its input once (shape, dtype, device, layout); these skip
+# the generic checks for it and check only what the layer does not own (a
+# parameter may have been replaced), falling back to the checked wrappers,
+# which raise the named errors, when anything differs. On tiny shapes every
+# microsecond of host time is the layer's whole cost.
+
+
+def linear(x, w, bias=None):
+    """Y = X W^T (+ bias) for a contiguous 2-D x the caller validated."""
+    m, k = x.shape
+    n = w.shape[0]
+    dtype, device = x.dtype, x.device
+    if (w.dim() != 2 or w.shape[1] != k or w.dtype != dtype or w.device != device or not w.is_contiguous()
+            or bias is not None and (bias.shape != (n,) or bias.dtype != dtype or bias.device != device
+                                     or not bias.is_contiguous())):
+        return gemm(x, w, transb=True, bias=bias)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    code = DTYPE_CODES[dtype]
+    _C.gemm(dev, code, code, 0, 1, m, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
+            0 if bias is None else bias.data_ptr(), 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
+    return out
+
+
+def norm_forward(x, gamma, beta, eps, zero_centered_gamma):
+    """norm_fwd for a contiguous 2-D x the caller validated: (y, mu, rsigma)."""
+    rows, cols = x.shape
+    dtype, device = x.dtype, x.device
+    if (gamma.shape != (cols,) or gamma.dtype != dtype or gamma.device != device or not gamma.is_contiguous()
+            or beta is not None and (beta.shape != (cols,) or beta.dtype != dtype or beta.device != device
+                                     or not beta.is_contiguous())):
+        return norm_fwd(x, gamma, beta, eps, zero_centered_gamma)
+    y = torch.empty(rows, cols, dtype=dtype, device=device)
+    mu = torch.empty(rows, dtype=torch.float32, device=device) if beta is not None else None
+    rsigma = torch.empty(rows, dtype=torch.float32, device=device)
+    dev = -1 if device.type == "cpu" else device_code(device)
+    _C.norm_fwd(dev, DTYPE_CODES[dtype], rows, cols, x.data_ptr(), gamma.data_ptr(),
+                0 if beta is None else beta.data_ptr(), y.data_ptr(), 0 if mu is None else mu.data_ptr(),
+                rsigma.data_ptr(), float(eps), 1 if zero_centered_gamma else 0,
+                0 if dev < 0 else stream_of(device))
+    return y, mu, rsigma

@@ -221,7 +221,7 @@ def gather_input(x, tp, async_op=False):
 def fprop(x_total, w, bias, tp):
     """Y = X W^T (+ bias) followed by the row-parallel reduction."""
     fused_bias = bias if tp.mode != "row" else None
-    y = _engine.gemm(x_total, w, transb=True, bias=fused_bias)
+    y = _engine.linear(x_total, w, fused_bias)
     if tp.mode == "row":
         y = reduce_scatter_rows(y, tp.group, tp.size) if tp.sp else all_reduce(y, tp.group, tp.size)
         if bias is not None:

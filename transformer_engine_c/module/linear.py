@@ -8,16 +8,25 @@ from . import _common as C
 from .base import TransformerEngineBaseModule
 
 
+def _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast):
+    """The forward's work, shared by the autograd Function and the no-grad
+    path (which skips the Function: nothing to save, no graph node):
+    (output [tokens, out], the validated 2-D input)."""
+    tp = layer.tp
+    x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
+    w = layer._full_weight(weight, is_first_microbatch, dtype)
+    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    y = C.ub_fprop(x, w, b, tp, layer.ub) if layer.ub.enabled else None
+    if y is None:
+        y = C.fprop(C.gather_input(x, tp), w, b, tp)
+    return y, x
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, layer, is_first_microbatch, dtype, cast):
-        tp, ub = layer.tp, layer.ub
-        x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
-        w = layer._full_weight(weight, is_first_microbatch, dtype)
-        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        y = C.ub_fprop(x, w, b, tp, ub)
-        if y is None:
-            y = C.fprop(C.gather_input(x, tp), w, b, tp)
+        ub = layer.ub
+        y, x = _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast)
         # Save the local (not gathered) input: column + SP re-gathers it in
         # backward. save_original_input keeps the caller's tensor instead (no
         # second copy when the cast or 2-D view made one).
@@ -98,8 +107,8 @@ class Linear(TransformerEngineBaseModule):
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight.device, weight.dtype)
-        y = _LinearFn.apply(inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype,
-                            cast)
+        args = (inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
+        y = _LinearFn.apply(*args) if torch.is_grad_enabled() else _forward(*args)[0]
         y = C.like_input(y, inp.shape)
         if self.return_bias:
             if bias is None:
