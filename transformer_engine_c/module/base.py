@@ -254,7 +254,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 full = kept[1]
         else:
             full = w
-        return full if full.dtype == dtype else full.to(dtype)
+        if full.dtype != dtype:
+            return full.to(dtype, memory_format=torch.contiguous_format)
+        return full if full.is_contiguous() else full.contiguous()  # torch accepts any layout; so do we
 
     # -- delayed weight gradients -------------------------------------------
 

@@ -24,7 +24,7 @@ def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, 
     beta = ln_bias if ln_bias is None or ln_bias.dtype == dtype else ln_bias.to(dtype)
     b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
     ln_total = None
-    if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap(
+    if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and x.shape[0] and ub.comms["fprop"].take_overlap(
             "ag", x.shape[0], x.shape[1], w.shape[0]):
         # The norm writes straight into this rank's slot of the buffer;
         # what is saved (and returned) is a copy, never the buffer, made
@@ -168,9 +168,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
             y, ln_ret, _ = _forward(*args)
             out = y if ln_ret is None else (y, ln_ret)
         if self.return_layernorm_output:
-            y, ln_out = C.like_input(out[0], inp.shape), out[1]
+            y, ln_out = C.like_input(out[0], inp.shape, self.tp), out[1]
         else:
-            y = C.like_input(out, inp.shape)
+            y = C.like_input(out, inp.shape, self.tp)
         if self.return_bias:
             if bias is None:
                 bias = getattr(self, self.bias_names[0])

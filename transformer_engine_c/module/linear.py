@@ -94,8 +94,8 @@ class Linear(TransformerEngineBaseModule):
         self.return_bias = bool(return_bias)
         self.save_original_input = bool(save_original_input)
         self.rng_tracker_name = rng_tracker_name
-        self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker, rng_tracker_name, bias,
-                                 parameters_split)
+        self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker,
+                                 rng_tracker_name, bias, parameters_split)
 
     def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
         """inp [tokens, in] or [seq, batch, in]. is_first_microbatch (TE): None,
@@ -109,7 +109,7 @@ class Linear(TransformerEngineBaseModule):
         dtype, cast = C.compute_dtype(weight.device, weight.dtype)
         args = (inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
         y = _LinearFn.apply(*args) if torch.is_grad_enabled() else _forward(*args)[0]
-        y = C.like_input(y, inp.shape)
+        y = C.like_input(y, inp.shape, self.tp)
         if self.return_bias:
             if bias is None:
                 bias = getattr(self, self.bias_names[0])
