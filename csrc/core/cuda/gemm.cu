@@ -179,7 +179,7 @@ struct gemm_key {
     int64_t m, n, k, lda, ldb, ldc;
 };
 
-/* Algorithm choice by measurement (opt-in: TEC_GEMM_TUNE=1). The heuristic's
+/* Algorithm choice by measurement (opt-in: the TEC_GEMM_TUNE policy). The heuristic's
  * first answer is within 1% of cublasGemmEx's choice, but another of its
  * answers is 2-7% faster at most layer shapes on H200 when timed alone
  * (scripts/gemm_algos.cu). So a plan keeps the heuristic's candidates; with
@@ -219,8 +219,6 @@ struct gemm_dev {
 
 gemm_dev *g_devs[kMaxDevices];
 pthread_mutex_t g_devs_lock = PTHREAD_MUTEX_INITIALIZER;
-int g_fuse_epilogue = -1; /* TEC_CUDA_GEMM_EPILOGUE=0 turns the fused epilogues off */
-int g_tune = -1;          /* TEC_GEMM_TUNE=1 turns the algorithm sweep on */
 
 /* Counters readable through tec_cuda_gemm_stats (see the bottom). */
 enum { kStatFused, kStatEpilogueKernel, kStatSimt, kStatPlans, kStatSweeps, kStatTuned, kStatTunedOther,
@@ -240,24 +238,18 @@ tec_status get_dev(int device, gemm_dev **out)
     tec_status st = TEC_OK;
     *out = NULL;
     if (device < 0 || device >= kMaxDevices)
-        return tec_cuda_fail(TEC_ERR_INVALID_ARG, __FILE__, __LINE__, "gemm: device %d out of range", device);
+        return TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG, "gemm: device %d out of range", device);
     gemm_dev *d = __atomic_load_n(&g_devs[device], __ATOMIC_ACQUIRE);
     if (d) {
         *out = d;
         return TEC_OK;
     }
     pthread_mutex_lock(&g_devs_lock);
-    if (g_fuse_epilogue < 0) {
-        const char *e = getenv("TEC_CUDA_GEMM_EPILOGUE");
-        g_fuse_epilogue = !(e && e[0] == '0');
-        e = getenv("TEC_GEMM_TUNE");
-        g_tune = e && e[0] == '1';
-    }
     d = g_devs[device];
     if (!d) {
         d = (gemm_dev *)calloc(1, sizeof *d);
         if (!d) {
-            st = tec_cuda_fail(TEC_ERR_NO_MEMORY, __FILE__, __LINE__, "gemm: no memory for the plan cache");
+            st = TEC_CUDA_FAIL(TEC_ERR_NO_MEMORY, "gemm: no memory for the plan cache");
             goto fail;
         }
         TEC_CUBLAS_CHECK_GOTO(cublasLtCreate(&d->handle), st, fail);
@@ -505,12 +497,12 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
     cudaStream_t st = (cudaStream_t)stream;
     gemm_dev *d = NULL;
     gemm_plan tmp, *plan = NULL;
-    int locked = 0, temp = 0, prev;
+    int locked = 0, temp = 0;
+    const unsigned policy = tec_cuda_gemm_policy();
     if (g->m == 0 || g->n == 0)
         return TEC_OK;
-    tec_status s = tec_cuda_enter(device, &prev);
-    if (s != TEC_OK)
-        return s;
+    TEC_CUDA_ENTER(device);
+    tec_status s = TEC_OK;
 
     if (g->k == 0) { /* C = 0 (or unchanged) + bias; bias_grad = 0 */
         if (!g->accumulate || g->bias) {
@@ -532,7 +524,7 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
         memset(&key, 0, sizeof key);
         const void *epi_ptr = NULL;
         key.epi = CUBLASLT_EPILOGUE_DEFAULT;
-        if (g_fuse_epilogue && g->c_dtype == g->ab_dtype) {
+        if (!(policy & TEC_GEMM_UNFUSED_EPILOGUE) && g->c_dtype == g->ab_dtype) {
             if (g->bias) {
                 key.epi = CUBLASLT_EPILOGUE_BIAS;
                 epi_ptr = g->bias;
@@ -546,7 +538,9 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
         key.transa = g->transa;
         key.transb = g->transb;
         if (g->sm_margin > 0) { /* leave SMs free for the comm stream's kernels */
-            const int sms = tec_cuda_sm_count(device);
+            int sms;
+            if ((s = tec_cuda_sm_count(device, &sms)) != TEC_OK)
+                goto out;
             key.sm_target = sms - g->sm_margin > 1 ? sms - g->sm_margin : 1;
         }
         key.align_a = tec_cuda_ptr_align(g->a);
@@ -575,7 +569,7 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
                 goto out;
             if (!temp)
                 d->nplans++;
-            if (!temp && !plan->simt && g_tune && plan->nalgo > 1)
+            if (!temp && !plan->simt && (policy & TEC_GEMM_TUNE) && plan->nalgo > 1)
                 plan->tune = kTuneReady;
             stat_add(kStatPlans);
         }
@@ -584,7 +578,7 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *g, void *stream)
             pthread_mutex_unlock(&d->lock);
             locked = 0;
             if ((g->m + 15) / 16 > kMaxGridY) {
-                s = tec_cuda_fail(TEC_ERR_NOT_SUPPORTED, __FILE__, __LINE__,
+                s = TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED,
                                   "gemm: cuBLASLt has no algorithm and m=%lld is too large for the fallback kernel",
                                   (long long)g->m);
                 goto out;
@@ -633,7 +627,6 @@ out:
         pthread_mutex_unlock(&d->lock);
     if (temp)
         plan_release(&tmp);
-    tec_cuda_leave(device, prev);
     return s;
 }
 
