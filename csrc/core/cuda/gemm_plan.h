@@ -2,8 +2,8 @@
  * gemm_tune.cu): what a cuBLASLt plan holds, the per-device plan cache (a
  * hash of the call's shape, pointer alignments and epilogue, least recently
  * used plan evicted), and the algorithm sweep run on a plan. Exercised by
- * tests/test_kernels.py (device="cuda", test_gemm_algorithm_sweep, and the
- * cache test that cycles through more shapes than the cache holds). */
+ * tests/test_kernels.py (device="cuda", test_gemm_algorithm_sweep) and
+ * tests/test_gemm_cache.py (eviction, concurrent fused-bias GEMMs). */
 #ifndef TEC_GEMM_PLAN_H
 #define TEC_GEMM_PLAN_H
 
