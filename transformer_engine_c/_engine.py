@@ -27,7 +27,17 @@ def _load_cuda_backend():
             raise RuntimeError(
                 "transformer_engine_c was built without its CUDA backend (nvcc or the cuBLASLt "
                 "headers were not found at build time); rebuild with TEC_CUDA=1 to see why")
-        _C.load_cuda_backend(_CUDA_LIB)
+        _C.load_cuda_backend(_CUDA_LIB, _gemm_policy())
+
+
+def _gemm_policy():
+    """The CUDA GEMM's policy bits (TEC_GEMM_* in tec.h), from the environment, read
+    once when the backend loads: TEC_GEMM_TUNE=1 times cuBLASLt's candidate algorithms
+    and keeps the fastest; TEC_CUDA_GEMM_EPILOGUE=0 does bias and bias gradient with
+    separate kernels instead of cuBLASLt's fused epilogues."""
+    tune = os.environ.get("TEC_GEMM_TUNE", "")[:1] == "1"
+    unfused = os.environ.get("TEC_CUDA_GEMM_EPILOGUE", "")[:1] == "0"
+    return (1 if tune else 0) | (2 if unfused else 0)
 
 
 def device_code(device):
