@@ -50,6 +50,7 @@ sys.path.insert(0, sys.argv[1])
 from test_kernels import _gemm_stats, rand, gemm_ref, TOL, rel_err, _engine
 from transformer_engine_c import _C
 dt, dev = torch.bfloat16, torch.device("cuda", 0)
+_engine.device_code(dev)  # loads the CUDA backend (the raw _C calls below do not)
 m, n, k, nthreads, iters = 256, 384, 512, 4, 40
 a = rand(m, k, dtype=dt, device=dev)
 w = rand(n, k, dtype=dt, device=dev)
