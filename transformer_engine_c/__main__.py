@@ -120,9 +120,12 @@ def worker(args):
         print(f"  data: generated sequences of {args.seq} tokens (a Markov chain's first {args.period}, then "
               f"repeated), batch {args.batch}, {len(data.train)} training / {len(data.heldout)} held-out "
               f"sequences; the generator's own held-out loss is {optimal:.3f}", flush=True)
+    modes = [False] if args.no_overlap or size == 1 else [False, True]
+    if rank == 0 and size == 1 and not args.no_overlap:
+        print("  one rank: no tensor-parallel communication to overlap, one run (overlap off)")
     tty = sys.stdout.isatty()
     runs = []
-    for overlap in ([False] if args.no_overlap else [False, True]):
+    for overlap in modes:
         label = f"overlap {'on ' if overlap else 'off'}"
         runs.append(train.run(cfg, data, overlap, device, dtype, tp, train.Progress(label, args.steps, rank == 0,
                                                                                    tty)))
@@ -181,9 +184,9 @@ def report(args, size, device, runs, s, optimal, ok):
                 ran = ", ".join(f"{k}={v}" for k, v in st.items() if v)
                 if ran:
                     print(f"    {name:<11} {ran}")
-        if r["distributed_weight_gathers"]:
-            print(f"  DistributedWeight all-gathers ({'on' if r['overlap'] else 'off'}): "
-                  f"{r['distributed_weight_gathers']}")
+    if runs[0]["distributed_weight_gathers"]:
+        print("  DistributedWeight all-gathers of the head's weight (forward, backward, held-out evaluation): "
+              + ", ".join(f"overlap {'on' if r['overlap'] else 'off'} {r['distributed_weight_gathers']}" for r in runs))
     print(f"  loss fell well below its start (last {w}-step mean < half the first): "
           f"{'yes' if s['loss_falls'] else 'NO'}")
     if "agree" in s:
@@ -194,7 +197,7 @@ def report(args, size, device, runs, s, optimal, ok):
         r0, r1 = runs
         if r0["tokens_per_s"] and r1["tokens_per_s"]:
             print(f"  tokens/s overlap on / off: {r1['tokens_per_s'] / r0['tokens_per_s']:.2f}x"
-                  + (" (2 CPU ranks on shared cores: a demonstration, not a speed measurement)"
+                  + (f" ({size} CPU ranks on shared cores: a demonstration, not a speed measurement)"
                      if device.type == "cpu" else ""))
     if "overlapped" in s:
         print(f"  every overlapped path ran (ag_overlap, rs_overlap, bulk_ag, bulk_rs > 0, no fallback): "

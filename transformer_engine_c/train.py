@@ -154,17 +154,21 @@ class GPT(torch.nn.Module):
         if distributed_weight:
             self.head.weight = DistributedWeight.from_full(self.head.weight, group=tp_group)
         self.replicated = list(self.parameters())
-        # Tensor-parallel shards: a different seed per rank (each rank's heads
-        # and FFN columns are different weights), as Megatron's RNG tracker does.
-        rng = torch.get_rng_state()
-        torch.manual_seed(torch.initial_seed() + 1000 * (1 + self.tp_rank))
         self.blocks = torch.nn.ModuleList(Block(hidden, heads, ffn, tp_group, self.tp_size, overlap, **kw)
                                           for _ in range(layers))
-        torch.set_rng_state(rng)
-        with torch.no_grad():   # residual branches start small (GPT-2)
+        # Tensor-parallel weights: each rank takes its slice of a full weight
+        # drawn from one seed, so the model is the same whatever the number of
+        # ranks (a run on 1 rank and on 2 follow the same curve).
+        g = torch.Generator().manual_seed(torch.initial_seed() + 1)
+        with torch.no_grad():
             for blk in self.blocks:
-                blk.attn.proj.weight.mul_(1 / math.sqrt(2 * layers))
-                blk.mlp.fc2.weight.mul_(1 / math.sqrt(2 * layers))
+                for layer, split_dim, scale in ((blk.attn.qkv, 0, 1.0), (blk.attn.proj, 1, (2 * layers) ** -0.5),
+                                                (blk.mlp.fc1, 0, 1.0), (blk.mlp.fc2, 1, (2 * layers) ** -0.5)):
+                    # uniform(+-1/sqrt(fan_in)) as nn.Linear; residual branches
+                    # scaled down by sqrt(2 * layers) as in GPT-2
+                    bound = scale / math.sqrt(layer.in_features)
+                    full = (torch.rand(layer.out_features, layer.in_features, generator=g) * 2 - 1) * bound
+                    layer.weight.copy_(full.chunk(self.tp_size, split_dim)[self.tp_rank])
 
     def forward(self, tokens):
         """tokens [seq, batch] (every rank the whole sequence) -> logits of this
