@@ -129,7 +129,7 @@ def sync_grads():
         g.copy_(part.view_as(g))
 
 
-data = batch_of_sequences()
+data, recent = batch_of_sequences(), []
 with tec.debug.check_saved_tensors():                       # fails if anything saved aliases a userbuffer
     for step in range(args.steps):
         seqs = next(data)
@@ -143,8 +143,10 @@ with tec.debug.check_saved_tensors():                       # fails if anything 
         opt.zero_grad()
         total = loss.detach()
         dist.all_reduce(total, group=tp)                    # the mean loss over all tokens
+        recent.append(total.item())
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {total.item():.4f}", flush=True)
+            print(f"step {step:4d}  loss {sum(recent) / len(recent):.4f}", flush=True)  # mean since the last line
+            recent = []
 
 if overlap:
     for name in tec.LAYER_NAMES:                            # which overlapped paths ran, per communicator
