@@ -27,6 +27,7 @@ ap.add_argument("--hidden", type=int, default=64)
 ap.add_argument("--heads", type=int, default=4)
 ap.add_argument("--seq", type=int, default=64)
 ap.add_argument("--batch", type=int, default=8)
+ap.add_argument("--lr", type=float, default=3e-3)
 ap.add_argument("--no-overlap", action="store_true")
 args = ap.parse_args()
 
@@ -98,7 +99,7 @@ class GPT(torch.nn.Module):
 
 model = GPT()
 # (bf16 parameters are stepped directly here; the main job keeps fp32 master copies)
-opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
 
 def batch_of_sequences():

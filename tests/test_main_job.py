@@ -121,7 +121,7 @@ def test_example_trains():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                            os.path.join(ROOT, "examples", "train.py"), "--steps", "41", "--layers", "1",
-                           "--hidden", "32", "--heads", "2", "--seq", "32"],
+                           "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "16", "--lr", "1e-2"],
                           env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
