@@ -86,6 +86,7 @@ class GPT(torch.nn.Module):
         self.pos = torch.nn.Embedding(S, H, dtype=dtype, device=device)
         self.head = tec.LayerNormLinear(H, V, params_dtype=dtype, device=device)  # not tensor parallel
         self.replicated = list(self.parameters())   # same on every rank; grads need summing (see below)
+        torch.manual_seed(100 + rank)               # each rank's shards (its heads, its FFN columns) differ
         self.blocks = torch.nn.ModuleList(Block() for _ in range(args.layers))
 
     def forward(self, tokens):                              # tokens: [seq, batch], all of it on every rank
