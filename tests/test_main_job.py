@@ -5,6 +5,7 @@ overlapped path ran and the saved-tensor checker saw tensors and no alias; that
 the same model on 1 rank follows the same curve (the gradient
 synchronisation is right); that sizes the ranks do not divide are refused;
 that examples/train.py trains; and that the job's own checks can fail."""
+import importlib.util
 import json
 import math
 import os
@@ -73,6 +74,12 @@ def test_main_job_trains_and_overlap_agrees(two_ranks):
         assert st[name][key] >= 80, (name, key, st[name])
     assert all(s["ag_fallback"] == s["rs_fallback"] == 0 for s in st.values()), st
     assert "overlap on vs off" in out and "qkv_fprop" in out and "no saved tensor aliased" in out
+    png = os.path.join(rep["args"]["out"], "main_job.png")
+    if importlib.util.find_spec("matplotlib") is not None:
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib is not installed: no PNG" in out and not os.path.exists(png)
 
 
 def test_one_rank_follows_the_same_curve(two_ranks, tmp_path):

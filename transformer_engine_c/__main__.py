@@ -132,6 +132,9 @@ def worker(args):
     ok, summary = judge(runs, dtype)
     if rank == 0:
         report(args, size, device, runs, summary, optimal, ok)
+    # Every rank waits for the report: a rank that exited first with a failure
+    # would have torchrun kill rank 0 while it writes.
+    dist.barrier(group=tp)
     dist.destroy_process_group()
     return 0 if ok else 1
 
