@@ -114,7 +114,8 @@ def worker(args):
     if rank == 0:
         print(f"transformer_engine_c main job: {size} ranks on {device.type} (one tensor-parallel group, "
               f"sequence parallel), {args.dtype}")
-        print(f"  model: {args.layers} blocks, hidden {args.hidden}, {args.heads} heads, ffn {args.ffn}, "
+        print(f"  model: {args.layers} block{'s' if args.layers > 1 else ''}, hidden {args.hidden}, "
+              f"{args.heads} heads, ffn {args.ffn}, "
               f"vocab {args.vocab}; activation checkpointing {'on' if args.checkpoint else 'off'}"
               + ("; head weight a DistributedWeight" if args.distributed_weight else ""))
         print(f"  data: generated sequences of {args.seq} tokens (a Markov chain's first {args.period}, then "
@@ -189,7 +190,8 @@ def report(args, size, device, runs, s, optimal, ok):
                     print(f"    {name:<11} {ran}")
     if runs[0]["distributed_weight_gathers"]:
         print("  DistributedWeight all-gathers of the head's weight (forward, backward, held-out evaluation): "
-              + ", ".join(f"overlap {'on' if r['overlap'] else 'off'} {r['distributed_weight_gathers']}" for r in runs))
+              + ", ".join(f"overlap {'on' if r['overlap'] else 'off'} {r['distributed_weight_gathers']}"
+                          for r in runs))
     print(f"  loss fell well below its start (last {w}-step mean < half the first): "
           f"{'yes' if s['loss_falls'] else 'NO'}")
     if "agree" in s:
