@@ -27,6 +27,10 @@ DEFAULTS = {"cpu": dict(layers=2, hidden=64, heads=4, seq=64, batch=8, vocab=32,
                          lr=1e-3)}
 
 
+def dflt(name):
+    return f" (default {DEFAULTS['cpu'][name]:g} on CPU, {DEFAULTS['cuda'][name]:g} on GPUs)"
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m transformer_engine_c", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,16 +38,20 @@ def parse(argv=None):
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpus else "cpu")
     ap.add_argument("--nproc", type=int, default=None,
                     help="ranks, all in one tensor-parallel group (default: 2 on CPU, every GPU)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per run")
-    ap.add_argument("--layers", type=int, default=None, help="transformer blocks")
-    ap.add_argument("--hidden", type=int, default=None, help="hidden size")
-    ap.add_argument("--heads", type=int, default=None, help="attention heads (divisible by the ranks)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run" + dflt("steps"))
+    ap.add_argument("--layers", type=int, default=None, help="transformer blocks" + dflt("layers"))
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size" + dflt("hidden"))
+    ap.add_argument("--heads", type=int, default=None, help="attention heads, divisible by the ranks"
+                    + dflt("heads"))
     ap.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (divisible by the ranks)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary of the generated language")
-    ap.add_argument("--period", type=int, default=None, help="length of the repeated part of each sequence")
-    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length, divisible by the ranks"
+                    + dflt("seq"))
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step" + dflt("batch"))
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary of the generated language"
+                    + dflt("vocab"))
+    ap.add_argument("--period", type=int, default=None, help="length of the repeated part of each sequence"
+                    + dflt("period"))
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)" + dflt("lr"))
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="parameters and activations (default: float32 on CPU, bfloat16 on GPUs)")
     ap.add_argument("--seed", type=int, default=1234)
