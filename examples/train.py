@@ -146,8 +146,9 @@ with tec.debug.check_saved_tensors():                       # fails if anything 
         total = loss.detach()
         dist.all_reduce(total, group=tp)                    # the mean loss over all tokens
         recent.append(total.item())
-        if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {sum(recent) / len(recent):.4f}", flush=True)  # mean since the last line
+        if step % 20 == 0 or step == args.steps - 1:
+            if rank == 0:                                   # the mean since the last line
+                print(f"step {step:4d}  loss {sum(recent) / len(recent):.4f}", flush=True)
             recent = []
 
 if overlap:
