@@ -126,6 +126,10 @@ def test_buffer_views_and_ranges():
         c.get_buffer()
     with pytest.raises(tec.EngineError, match="closed"):
         c.ag_gemm(t, t)
+    assert c.buffer_ranges()  # the views pin the mapping past close()
+    del full, chunk
+    gc.collect()
+    assert c.buffer_ranges() == []  # the last view gone: unmapped
 
 
 def test_timeout_setting(monkeypatch):

@@ -4,7 +4,7 @@ import torch
 
 from . import _C
 
-_C._init(torch.Tensor)
+_C._init(torch.Tensor, torch.nn.Parameter)
 
 from . import debug  # noqa: E402,F401  (tec.debug)
 from ._C import CommTimeoutError, EngineError  # noqa: E402

@@ -12,6 +12,7 @@ Lifetime: `get_buffer()` returns a non-owning view; the next operation on the
 communicator overwrites it. Save copies or local chunks for backward, never a
 buffer view.
 """
+import ctypes
 import itertools
 import math
 import operator
@@ -145,6 +146,34 @@ class _DeviceView:
             comm._unpin()
 
 
+def _unpin_on_del(self):
+    comm = self.__dict__.get("_comm")
+    if comm is not None:
+        comm._unpin()
+
+
+_HOST_VIEW_TYPES = {}
+
+
+def _host_view(comm, nbytes):
+    """A non-owning ctypes byte array over a CPU communicator's buffer that
+    keeps the mapping alive (pinned) while torch holds it (torch.frombuffer
+    keeps the object it reads). The limited C API of 3.10 has no buffer
+    protocol for _C's own types, hence ctypes."""
+    cls = _HOST_VIEW_TYPES.get(nbytes)
+    if cls is None:
+        cls = _HOST_VIEW_TYPES.setdefault(
+            nbytes, type("_HostView", (ctypes.c_ubyte * nbytes,), {"__del__": _unpin_on_del}))
+    ptr = comm._pin()
+    try:
+        view = cls.from_address(ptr)
+    except BaseException:
+        comm._unpin()
+        raise
+    view._comm = comm  # only once pinned: __del__ unpins what was pinned
+    return view
+
+
 class CommOverlap(_C.CommOverlap):
     """A userbuffers communicator.
 
@@ -265,7 +294,7 @@ class CommOverlap(_C.CommOverlap):
         through the tensor's storage, a cycle the garbage collector cannot
         see, and a dropped communicator would never be freed."""
         if self.device.type == "cpu":
-            flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
+            flat = torch.frombuffer(_host_view(self, self.nbytes), dtype=torch.uint8)
         else:
             flat = torch.as_tensor(_DeviceView(self, self.nbytes), device=self.device)
         return flat.view(dtype)

@@ -111,7 +111,7 @@ static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs
 static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("load_cuda_backend", 1);
-    const char *path = PyUnicode_AsUTF8(args[0]);
+    const char *path = PyUnicode_AsUTF8AndSize(args[0], NULL);
     if (!path)
         return NULL;
     return run(m, tec_load_cuda_backend(path));
