@@ -78,7 +78,7 @@ def _group_rank_size(tp_group, tp_size):
 # overlapped schedule has nothing to hide its fixed costs behind (flag waits,
 # copy-engine start, tp GEMM launches and, for RS, the reduction), and the
 # layers run their non-overlapped path instead. Measured on H200s at TP=2
-# (docs/performance.md): GEMM+RS lost at 12.9 GFLOP chunks (0.87x) and won
+# (docs/performance-log.md): GEMM+RS lost at 12.9 GFLOP chunks (0.87x) and won
 # from 34 GFLOP (1.35-1.40x). AG+GEMM was a coin flip at 12.9 GFLOP (five
 # runs, 0.89-1.78x, median 0.99x), lost slightly at 34 GFLOP (0.93x, 0.96x)
 # and won from 69 GFLOP: at these sizes the host's time to issue the
@@ -88,7 +88,7 @@ def _group_rank_size(tp_group, tp_size):
 _MIN_CHUNK_FLOPS = {"cuda": {"ag": 40e9, "rs": 16e9}, "cpu": {"ag": 0.0, "rs": 0.0}}
 # SMs a schedule's chunk GEMMs leave free: cuBLAS's persistent GEMM kernels
 # fill every SM, and the comm stream's flag kernels and local copies then wait
-# for the GEMM's tail (docs/performance.md, fourth session).
+# for the GEMM's tail (docs/performance-log.md, fourth session).
 _GEMM_SM_MARGIN = {"cuda": 2, "cpu": 0}
 
 
