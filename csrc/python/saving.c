@@ -25,7 +25,8 @@
  * compare each (an exact Parameter is never a distributed weight: the layers'
  * own test, module/_weights.py, says the same). The marker and the delegation
  * method are looked up only for other tensor subclasses and other objects,
- * by interned name. On the limited API a miss raises (and clears) an
+ * by interned name. Unless an object delegates, the tensors to save are the
+ * call's argument tuple itself (METH_VARARGS: no copy). On the limited API a miss raises (and clears) an
  * AttributeError: a DistributedWeight finds its marker, so only foreign
  * subclasses pay for that. */
 #include "module.h"
@@ -145,20 +146,33 @@ static PyType_Spec so_spec = {
 
 static int truthy(PyObject *v) { return v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v); }
 
-/* Replace *out by a tuple of `size` slots holding its first `filled` items
- * (the rest empty, to be set). */
-static int regrow(PyObject **out, Py_ssize_t filled, Py_ssize_t size)
+/* The tensors to save, built lazily: while every object is saved as itself
+ * the result is the argument tuple itself (no copy); the first delegating
+ * object makes a tuple of its own. */
+typedef struct {
+    PyObject *args;  /* the call's argument tuple (borrowed) */
+    PyObject *tup;   /* NULL: identical to args so far */
+    Py_ssize_t pos;  /* items emitted */
+} saved_out;
+
+/* Save o itself at the next position. */
+static void emit(saved_out *ob, PyObject *o)
 {
-    PyObject *t = PyTuple_New(size);
+    if (ob->tup)
+        PyTuple_SetItem(ob->tup, ob->pos, Py_NewRef(o));
+    ob->pos++;
+}
+
+/* Give the result `size` slots, keeping the ob->pos items emitted so far. */
+static int regrow(saved_out *ob, Py_ssize_t size)
+{
+    PyObject *t = PyTuple_New(size), *from = ob->tup ? ob->tup : ob->args;
     if (!t)
         return -1;
-    for (Py_ssize_t j = 0; j < filled && j < size; j++) {
-        PyObject *v = PyTuple_GetItem(*out, j);
-        Py_INCREF(v);
-        PyTuple_SetItem(t, j, v);
-    }
-    Py_DECREF(*out);
-    *out = t;
+    for (Py_ssize_t j = 0; j < ob->pos && j < size; j++)
+        PyTuple_SetItem(t, j, Py_NewRef(PyTuple_GetItem(from, j)));
+    Py_XDECREF(ob->tup);
+    ob->tup = t;
     return 0;
 }
 
@@ -175,10 +189,10 @@ static void delegate_error(Py_ssize_t i, PyObject *o, const char *fmt, PyObject 
     Py_XDECREF(wn);
 }
 
-/* Delegate to o.prepare_for_saving(): append its tensors to *out at *pos
- * (growing *out by k - 1) and record (state, k) in entry `e`. */
+/* Delegate to o.prepare_for_saving(): append its k tensors to the result
+ * (k - 1 more slots) and record (state, k) in entry `e`. */
 static int prepare_delegate(tec_module_state *s, PyTypeObject *tt, saved_entry *e, Py_ssize_t i,
-                            PyObject *o, PyObject **out, Py_ssize_t *pos)
+                            PyObject *o, saved_out *ob)
 {
     PyObject *r = PyObject_CallMethodObjArgs(o, s->str_prepare_for_saving, NULL);
     if (!r)
@@ -218,13 +232,11 @@ static int prepare_delegate(tec_module_state *s, PyTypeObject *tt, saved_entry *
             goto done;
         }
     }
-    if (k != 1 && regrow(out, *pos, PyTuple_Size(*out) + k - 1) < 0)
+    Py_ssize_t size = ob->tup ? PyTuple_Size(ob->tup) : PyTuple_Size(ob->args);
+    if ((!ob->tup || k != 1) && regrow(ob, size + k - 1) < 0)
         goto done;
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *t = PyTuple_GetItem(ts, j);
-        Py_INCREF(t);
-        PyTuple_SetItem(*out, (*pos)++, t);
-    }
+    for (Py_ssize_t j = 0; j < k; j++)
+        emit(ob, PyTuple_GetItem(ts, j));
     e->obj = Py_NewRef(state);
     e->count = k;
     e->kind = SAVED_DELEGATE;
@@ -237,7 +249,7 @@ done:
 
 /* Everything that is neither None nor an exact torch.Tensor / nn.Parameter. */
 static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so, Py_ssize_t i,
-                         PyObject *o, PyObject **out, Py_ssize_t *pos)
+                         PyObject *o, saved_out *ob)
 {
     saved_entry *e = &so->e[i];
     int is_tensor = PyObject_TypeCheck(o, tt);
@@ -255,7 +267,7 @@ static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so
                 e->obj = Py_NewRef(o);
                 e->kind = SAVED_REF;
                 so->n_special++;
-                PyTuple_SetItem(*out, (*pos)++, Py_NewRef(o));
+                emit(ob, o);
                 return 0;
             }
         }
@@ -264,7 +276,7 @@ static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so
     if (has < 0)
         return -1;
     if (has) {
-        if (prepare_delegate(s, tt, e, i, o, out, pos) < 0)
+        if (prepare_delegate(s, tt, e, i, o, ob) < 0)
             return -1;
         so->n_special++;
         return 0;
@@ -277,16 +289,17 @@ static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so
         Py_XDECREF(tn);
         return -1;
     }
-    PyTuple_SetItem(*out, (*pos)++, Py_NewRef(o));
+    emit(ob, o);
     return 0;
 }
 
-static PyObject *py_prepare_for_saving(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *py_prepare_for_saving(PyObject *m, PyObject *args)
 {
     tec_module_state *s = tec_state(m);
     PyTypeObject *tt = (PyTypeObject *)s->tensor_type, *pt = (PyTypeObject *)s->parameter_type;
     if (!tt)
         return PyErr_Format(PyExc_RuntimeError, "prepare_for_saving: _C._init(torch.Tensor) was not called");
+    const Py_ssize_t nargs = PyTuple_Size(args);
     SavedObjects *so = PyObject_GC_NewVar(SavedObjects, (PyTypeObject *)s->SavedObjects_type, nargs);
     if (!so)
         return NULL;
@@ -294,31 +307,32 @@ static PyObject *py_prepare_for_saving(PyObject *m, PyObject *const *args, Py_ss
     so->n_saved = 0;
     so->n_special = 0;
     so->consumed = 0;
-    PyObject *out = PyTuple_New(nargs);
-    if (!out)
-        goto fail;
-    Py_ssize_t pos = 0;
+    saved_out ob = {.args = args, .tup = NULL, .pos = 0};
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        PyObject *o = args[i];
+        PyObject *o = PyTuple_GetItem(args, i);
         so->e[i].count = 1;
         if (o == Py_None || Py_TYPE(o) == tt || Py_TYPE(o) == pt) {
-            PyTuple_SetItem(out, pos++, Py_NewRef(o));
+            emit(&ob, o);
             continue;
         }
-        if (prepare_other(s, tt, so, i, o, &out, &pos) < 0)
+        if (prepare_other(s, tt, so, i, o, &ob) < 0)
             goto fail;
     }
-    so->n_saved = pos;
+    so->n_saved = ob.pos;
     if (so->n_special)
         PyObject_GC_Track(so); /* only a container that holds references can be in a cycle */
+    PyObject *out = ob.tup ? ob.tup : Py_NewRef(args);
+    ob.tup = NULL;
     PyObject *res = PyTuple_New(2);
-    if (!res)
+    if (!res) {
+        Py_DECREF(out);
         goto fail;
+    }
     PyTuple_SetItem(res, 0, out);
     PyTuple_SetItem(res, 1, (PyObject *)so);
     return res;
 fail:
-    Py_XDECREF(out);
+    Py_XDECREF(ob.tup);
     Py_DECREF(so);
     return NULL;
 }
@@ -415,7 +429,7 @@ done:
 }
 
 PyMethodDef tec_saving_methods[] = {
-    {"prepare_for_saving", (PyCFunction)(void (*)(void))py_prepare_for_saving, METH_FASTCALL,
+    {"prepare_for_saving", (PyCFunction)(void (*)(void))py_prepare_for_saving, METH_VARARGS,
      "prepare_for_saving(*tensors) -> (tensors_to_save, objects)."},
     {"restore_from_saved", (PyCFunction)(void (*)(void))py_restore_from_saved, METH_FASTCALL,
      "restore_from_saved(objects, saved_tensors) -> list."},
