@@ -33,7 +33,8 @@ _TRANSPORTS = {"shm": _C.TRANSPORT_SHM, "cpu": _C.TRANSPORT_SHM, "cuda_ipc": _C.
 _METHODS = ("ring_exchange", "pipeline", "bulk")
 # TE's `method` names mapped to the schedules of csrc/core/comm.c (README,
 # "TE's ub_cfgs"). Every communicator runs every operation; the method
-# changes no code path here, it is checked and reported (stats()).
+# changes no code path here: it is checked, kept as CommOverlap.method, and
+# stats() counts the schedules that ran by these names.
 #   ag_gemm: "pull"  -- tp_size chunk GEMMs; the comm side pulls each peer's
 #            chunk straight from the peer's buffer while the GEMM of the
 #            previous one runs (own chunk first). TE's ring_exchange relays
@@ -219,7 +220,7 @@ class CommOverlap(_C.CommOverlap):
     "cuda_ipc". method ("ring_exchange", "pipeline" or "bulk", TE's names):
     every communicator runs every operation with one schedule each (ag_gemm:
     pull, gemm_rs: push, bulk_*: bulk; README, "TE's ub_cfgs"); stats()
-    reports the method and what ran. num_splits: None, or tp_size (the split
+    counts what ran by schedule name. num_splits: None, or tp_size (the split
     the pull and push schedules use); other values raise, as does any value
     with method="bulk".
     min_chunk_flops: below this many FLOPs per chunk GEMM a layer runs its
@@ -557,17 +558,16 @@ class CommOverlap(_C.CommOverlap):
         return 2.0 * rows * k * n >= self._min_chunk_flops[op]
 
     def stats(self):
-        """Counters: how often each path ran (ag_overlap, rs_overlap, bulk_ag,
-        bulk_rs, non_overlap, ag_fallback, rs_fallback) and traffic; "method"
-        (TE's name this communicator was given) and "schedules": how often each
-        schedule ran, by name ("ag_gemm:pull", "gemm_rs:push", "bulk_ag:bulk",
-        "bulk_rs:bulk"; the first two in tp_size chunks)."""
+        """Integer counters: how often each path ran (ag_overlap, rs_overlap,
+        bulk_ag, bulk_rs, non_overlap, ag_fallback, rs_fallback), traffic, and
+        how often each schedule ran, by its name (README, "TE's ub_cfgs"):
+        "pull" (ag_gemm) and "push" (gemm_rs), in tp_size chunks whatever the
+        method; bulk_ag / bulk_rs are the bulk schedules. The TE method the
+        communicator was given is its `method` attribute."""
         st = super().stats()
         st.update(self._fallbacks)
-        st["method"] = self.method
-        st["schedules"] = {f"{op}:{_SCHEDULES[op]}": st[key] for op, key in
-                           (("ag_gemm", "ag_overlap"), ("gemm_rs", "rs_overlap"), ("bulk_ag", "bulk_ag"),
-                            ("bulk_rs", "bulk_rs"))}
+        st[_SCHEDULES["ag_gemm"]] = st["ag_overlap"]
+        st[_SCHEDULES["gemm_rs"]] = st["rs_overlap"]
         return st
 
     def close(self):
