@@ -69,6 +69,7 @@ typedef struct {
     PyObject_VAR_HEAD
     Py_ssize_t n_saved;   /* length of tensors_to_save */
     Py_ssize_t n_special; /* entries that are not PLAIN */
+    Py_ssize_t n_delegate; /* of those, DELEGATE entries */
     int consumed;
     saved_entry e[];
 } SavedObjects;
@@ -279,6 +280,7 @@ static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so
         if (prepare_delegate(s, tt, e, i, o, ob) < 0)
             return -1;
         so->n_special++;
+        so->n_delegate++;
         return 0;
     }
     if (!is_tensor) {
@@ -306,6 +308,7 @@ static PyObject *py_prepare_for_saving(PyObject *m, PyObject *args)
     memset(so->e, 0, (size_t)nargs * sizeof(saved_entry));
     so->n_saved = 0;
     so->n_special = 0;
+    so->n_delegate = 0;
     so->consumed = 0;
     saved_out ob = {.args = args, .tup = NULL, .pos = 0};
     for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -422,7 +425,19 @@ static PyObject *py_restore_from_saved(PyObject *m, PyObject *const *args, Py_ss
         goto done;
     }
     so->consumed = 1;
-    res = so->n_special ? restore_special(s, so, tup) : PySequence_List(tup);
+    if (so->n_delegate) {
+        res = restore_special(s, so, tup);
+    } else if ((res = PySequence_List(tup)) && so->n_special) {
+        /* only kept references: one saved tensor per object, so positions
+         * match; put the original objects in place of what was unpacked */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            saved_entry *e = &so->e[i];
+            if (e->kind == SAVED_REF) {
+                PyList_SetItem(res, i, e->obj); /* moves the container's reference */
+                e->obj = NULL;
+            }
+        }
+    }
 done:
     Py_DECREF(tup);
     return res;
