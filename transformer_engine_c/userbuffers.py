@@ -633,7 +633,7 @@ def _check_ub_cfg(layer, cfg):
             lo = _CFG_NOOP_INT[key]
             if isinstance(val, bool) or not isinstance(val, int) or (lo is not None and val < lo):
                 raise ValueError(f"{where} must be an int{'' if lo is None else f' >= {lo}'}, got {val!r}")
-        elif key in _CFG_NOOP_BOOL and not isinstance(val, (bool, int)):
+        elif key in (*_CFG_NOOP_BOOL, "use_ce") and not isinstance(val, (bool, int)):
             raise ValueError(f"{where} must be a bool, got {val!r}")
         elif key in _CFG_REFUSED and val:
             raise ValueError(f"{where}={val!r}: {_CFG_REFUSED[key]}")
