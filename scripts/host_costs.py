@@ -4,6 +4,10 @@ collectives (TP=1), small tensors so the GPU keeps up with the host:
 what it prints is the CPU cost per call, the cost that bounds small shapes.
 
     python3 scripts/host_costs.py [--device cuda] [--rows 1024 --hidden 1024]
+
+It ends with the layers against the same layers built from plain PyTorch
+modules at [4, 16] (nn.Linear; nn.LayerNorm + nn.Linear), the comparison the
+host-cost target is set on.
 """
 import argparse
 import time
@@ -95,6 +99,7 @@ def main():
             ("tec.LayerNormLinear fwd (grad)", per_call(lambda: lnl(xg), device)),
             ("tec.LayerNormLinear fwd+bwd", per_call(lnl_step, device, n=50)),
             ("torch LN+Linear fwd+bwd", per_call(torch_step, device, n=50))]
+    compare = layer_comparison(device, dtype)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -104,6 +109,44 @@ def main():
     print(f"host us per call, {device}, {dtype}, [{T}, {H}]")
     for name, us in res:
         print(f"  {name:36s} {us:8.1f}")
+    print(f"\nlayers against the same layer built from plain PyTorch modules, {device}, [4, 16] "
+          "(least of interleaved rounds; target: ratio <= 1.25)")
+    print(f"  {'case':36s} {'ours':>8s} {'torch':>8s} {'ratio':>7s}")
+    for name, ours, ref in compare:
+        print(f"  {name:36s} {ours:8.1f} {ref:8.1f} {ours / ref:7.2f}")
+
+
+def layer_comparison(device, dtype, rounds=15):
+    """(case, our us, torch us) per layer call at [4, 16], where the time is
+    all host work: tec.Linear against nn.Linear, tec.LayerNormLinear against
+    nn.LayerNorm + nn.Linear, no-grad forward and forward+backward. Ours and
+    torch's alternate round by round, so load on the machine hits both."""
+    H = 16
+    x = torch.randn(4, H, dtype=dtype, device=device)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(4, H, dtype=dtype, device=device)
+    lin = tec.Linear(H, H, params_dtype=dtype, device=device)
+    lnl = tec.LayerNormLinear(H, H, params_dtype=dtype, device=device)
+    tlin = torch.nn.Linear(H, H, dtype=dtype, device=device)
+    tln = torch.nn.LayerNorm(H, dtype=dtype, device=device)
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+    cases = [("Linear fwd (no_grad)", no_grad(lambda: lin(x)), no_grad(lambda: tlin(x))),
+             ("LayerNormLinear fwd (no_grad)", no_grad(lambda: lnl(x)), no_grad(lambda: tlin(tln(x)))),
+             ("Linear fwd+bwd", lambda: lin(xg).backward(dy), lambda: tlin(xg).backward(dy)),
+             ("LayerNormLinear fwd+bwd", lambda: lnl(xg).backward(dy), lambda: tlin(tln(xg)).backward(dy))]
+    out = []
+    for name, ours, ref in cases:
+        best = [float("inf"), float("inf")]
+        for _ in range(rounds):
+            for i, fn in enumerate((ours, ref)):
+                best[i] = min(best[i], per_call(fn, device, n=100, reps=1))
+        out.append((name, best[0], best[1]))
+    return out
 
 
 if __name__ == "__main__":

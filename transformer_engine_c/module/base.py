@@ -230,14 +230,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     # -- per call -----------------------------------------------------------
 
+    # Parameters are read from _parameters directly: nn.Module.__getattr__
+    # costs several times a dict lookup, on every call (a parameter the user
+    # assigned later, a DistributedWeight say, is registered there too).
+
     def _weight_params(self):
-        return [getattr(self, n) for n in self.weight_names]
+        return [self._parameters[n] for n in self.weight_names]
 
     def _weight_tensor(self):
         """The weight the GEMMs use: the parameter itself, or the split
         parameters concatenated (differentiably)."""
         if len(self.weight_names) == 1:
-            return getattr(self, self.weight_names[0])
+            return self._parameters[self.weight_names[0]]
         return torch.cat(self._weight_params())
 
     def _bias_tensor(self):
@@ -245,8 +249,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if not self.use_bias:
             return None
         if len(self.bias_names) == 1:
-            return getattr(self, self.bias_names[0])
-        return torch.cat([getattr(self, n) for n in self.bias_names])
+            return self._parameters[self.bias_names[0]]
+        return torch.cat([self._parameters[n] for n in self.bias_names])
 
     def _full_weight(self, w, is_first_microbatch, dtype):
         """The full weight for a GEMM, in the compute dtype: a DistributedWeight
