@@ -11,7 +11,7 @@ from transformer_engine_c import _C, _engine
 from helpers import TOL, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-LIMIT, ALPHA = 1.25, 1.702  # a small clamp limit, so random inputs cross it
+LIMIT, ALPHA, OFFSET = 1.25, 1.5, 0.75  # a small clamp limit, so random inputs cross it
 
 
 def _f64(name):
@@ -26,6 +26,8 @@ def _f64(name):
         return lambda x: F.relu(x) ** 2
     if name in ("silu", "swiglu"):
         return F.silu
+    if name == "glu":
+        return torch.sigmoid
     assert name == "clamped_swiglu"
     return lambda x: torch.clamp(x, max=LIMIT) * torch.sigmoid(ALPHA * torch.clamp(x, max=LIMIT))
 
@@ -40,7 +42,7 @@ def act_ref(name, x, swap_halves=False):
     if swap_halves:
         a, g = g, a
     if name == "clamped_swiglu":
-        g = torch.clamp(g, -LIMIT, LIMIT) + 1
+        g = torch.clamp(g, -LIMIT, LIMIT) + OFFSET
     return f(a) * g
 
 
@@ -53,7 +55,7 @@ def poison(t):
 
 
 def kw(name):
-    return dict(limit=LIMIT, alpha=ALPHA) if name == "clamped_swiglu" else {}
+    return dict(limit=LIMIT, alpha=ALPHA, glu_linear_offset=OFFSET) if name == "clamped_swiglu" else {}
 
 
 NAMES = sorted(_engine.ACTIVATIONS)
@@ -181,19 +183,19 @@ def test_engine_rejects_bad_arguments():
     """The C checks behind the wrappers (engine INVALID_ARG -> ValueError)."""
     x, y = torch.randn(4, 16), torch.empty(4, 8)
     with pytest.raises(ValueError, match="unknown activation 7"):
-        _C.act_fwd(-1, 7, 0, 4, 8, x.data_ptr(), 0, y.data_ptr(), 7.0, 1.702, 0)
+        _C.act_fwd(-1, 7, 0, 4, 8, x.data_ptr(), 0, y.data_ptr(), 7.0, 1.702, 1.0, 0)
     with pytest.raises(ValueError, match="clamped_swiglu needs limit > 0"):
-        _C.act_fwd(-1, 21, 0, 4, 8, x.data_ptr(), 0, y.data_ptr(), 0.0, 1.702, 0)
+        _C.act_fwd(-1, 21, 0, 4, 8, x.data_ptr(), 0, y.data_ptr(), 0.0, 1.702, 1.0, 0)
     with pytest.raises(ValueError, match="missing x or y"):
-        _C.act_fwd(-1, 20, 0, 4, 8, 0, 0, y.data_ptr(), 7.0, 1.702, 0)
+        _C.act_fwd(-1, 20, 0, 4, 8, 0, 0, y.data_ptr(), 7.0, 1.702, 1.0, 0)
     with pytest.raises(ValueError, match="rows=4 cols=0"):
-        _C.act_fwd(-1, 20, 0, 4, 0, x.data_ptr(), 0, y.data_ptr(), 7.0, 1.702, 0)
+        _C.act_fwd(-1, 20, 0, 4, 0, x.data_ptr(), 0, y.data_ptr(), 7.0, 1.702, 1.0, 0)
     with pytest.raises(ValueError, match="unknown dtype 5"):
-        _C.act_fwd(-1, 0, 5, 4, 8, x.data_ptr(), 0, y.data_ptr(), 7.0, 1.702, 0)
+        _C.act_fwd(-1, 0, 5, 4, 8, x.data_ptr(), 0, y.data_ptr(), 7.0, 1.702, 1.0, 0)
     dx, db = torch.empty(4, 16), torch.empty(16)
     with pytest.raises(ValueError, match="workspace of 0 bytes, 64 needed"):
         _C.act_bwd(-1, 20, 0, 4, 8, y.data_ptr(), x.data_ptr(), dx.data_ptr(), db.data_ptr(), 0, 0,
-                   7.0, 1.702, 0)
+                   7.0, 1.702, 1.0, 0)
     with pytest.raises(TypeError, match="act_bwd"):
         _C.act_bwd(-1, 20, 0)
 
@@ -201,3 +203,12 @@ def test_engine_rejects_bad_arguments():
 def test_clamped_swiglu_rejects_bad_params():
     with pytest.raises(ValueError, match="limit > 0 and alpha > 0"):
         _engine.act_fwd(torch.randn(4, 16), "clamped_swiglu", limit=-1.0)
+
+
+def test_clamped_swiglu_defaults_are_te_s(device):
+    """Without activation_params: limit 7, alpha 1.702, gate offset 1 (TE's)."""
+    x = rand(32, 64, dtype=torch.float32, device=device, scale=6.0)
+    a, g = x.double().cpu().chunk(2, dim=-1)
+    m = torch.clamp(a, max=7.0)
+    ref = m * torch.sigmoid(1.702 * m) * (torch.clamp(g, -7.0, 7.0) + 1.0)
+    assert rel_err(_engine.act_fwd(x, "clamped_swiglu"), ref) < TOL[torch.float32]

@@ -14,7 +14,7 @@
 #endif
 
 /* Element-wise function ids: the low 4 bits of tec_activation. */
-enum { TEC_F_GELU = 0, TEC_F_RELU = 1, TEC_F_QGELU = 2, TEC_F_SRELU = 3, TEC_F_SILU = 4, TEC_F_CLAMPED_SILU = 5 };
+enum { TEC_F_GELU = 0, TEC_F_RELU = 1, TEC_F_QGELU = 2, TEC_F_SRELU = 3, TEC_F_SILU = 4, TEC_F_CLAMPED_SILU = 5, TEC_F_SIGMOID = 6 };
 
 TEC_ACT_FN float tec_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -27,6 +27,7 @@ TEC_ACT_FN float tec_act_f(int f, float x, float limit, float alpha)
     case TEC_F_QGELU: return x * tec_sigmoid(1.702f * x);
     case TEC_F_SRELU: return x > 0.0f ? x * x : 0.0f;
     case TEC_F_SILU: return x * tec_sigmoid(x);
+    case TEC_F_SIGMOID: return tec_sigmoid(x);
     default: {
         const float m = x < limit ? x : limit;
         return m * tec_sigmoid(alpha * m);
@@ -52,6 +53,10 @@ TEC_ACT_FN float tec_act_df(int f, float x, float limit, float alpha)
         const float s = tec_sigmoid(x);
         return x * s * (1.0f - s) + s;
     }
+    case TEC_F_SIGMOID: {
+        const float s = tec_sigmoid(x);
+        return s * (1.0f - s);
+    }
     default: {
         if (x > limit)
             return 0.0f;
@@ -62,12 +67,12 @@ TEC_ACT_FN float tec_act_df(int f, float x, float limit, float alpha)
 }
 
 /* The gate value a gated activation multiplies by, and its derivative
- * (identity, except clamp(g, -limit, limit) + 1 for the clamped swiglu). */
-TEC_ACT_FN float tec_act_gate(int f, float g, float limit)
+ * (identity, except clamp(g, -limit, limit) + offset for the clamped swiglu). */
+TEC_ACT_FN float tec_act_gate(int f, float g, float limit, float offset)
 {
     if (f != TEC_F_CLAMPED_SILU)
         return g;
-    return (g < -limit ? -limit : (g > limit ? limit : g)) + 1.0f;
+    return (g < -limit ? -limit : (g > limit ? limit : g)) + offset;
 }
 
 TEC_ACT_FN float tec_act_dgate(int f, float g, float limit)

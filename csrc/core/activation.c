@@ -9,7 +9,7 @@ static int act_known(tec_activation act)
     switch (act) {
     case TEC_ACT_GELU: case TEC_ACT_RELU: case TEC_ACT_QGELU: case TEC_ACT_SRELU: case TEC_ACT_SILU:
     case TEC_ACT_GEGLU: case TEC_ACT_REGLU: case TEC_ACT_QGEGLU: case TEC_ACT_SREGLU:
-    case TEC_ACT_SWIGLU: case TEC_ACT_CLAMPED_SWIGLU:
+    case TEC_ACT_SWIGLU: case TEC_ACT_CLAMPED_SWIGLU: case TEC_ACT_GLU:
         return 1;
     }
     return 0;

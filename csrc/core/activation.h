@@ -17,10 +17,11 @@ extern "C" {
  *   relu   max(x, 0)          qgelu  x * sigmoid(1.702 x)
  *   srelu  max(x, 0)^2        silu   x * sigmoid(x)
  *   clamped silu (gpt-oss): m = min(x, limit); m * sigmoid(alpha m)
+ *   sigmoid (glu only)
  * Gated: the input row is [a | g] of 2*cols values (TE's layout of fc1's
  * doubled output: the activation half first, the linear "gate" half
- * second); y = f(a) * g. clamped_swiglu uses (clamp(g, -limit, limit) + 1)
- * as the gate. */
+ * second); y = f(a) * g. clamped_swiglu uses
+ * (clamp(g, -limit, limit) + glu_offset) as the gate. */
 typedef enum {
     TEC_ACT_GELU = 0,
     TEC_ACT_RELU = 1,
@@ -32,7 +33,8 @@ typedef enum {
     TEC_ACT_QGEGLU = 18,
     TEC_ACT_SREGLU = 19,
     TEC_ACT_SWIGLU = 20,
-    TEC_ACT_CLAMPED_SWIGLU = 21
+    TEC_ACT_CLAMPED_SWIGLU = 21,
+    TEC_ACT_GLU = 22
 } tec_activation;
 
 #define TEC_ACT_GATED 16
@@ -45,8 +47,8 @@ static inline int64_t tec_act_in_cols(tec_activation act, int64_t cols)
 
 /* y[rows, cols] = act(x + bias). x is [rows, in_cols] (in_cols =
  * tec_act_in_cols(act, cols)), bias [in_cols] or NULL; x, bias and y share
- * `dtype`, all contiguous; arithmetic in float32. limit/alpha: clamped_swiglu
- * only. */
+ * `dtype`, all contiguous; arithmetic in float32. limit, alpha, glu_offset:
+ * clamped_swiglu only (TE's defaults 7.0, 1.702, 1.0). */
 typedef struct {
     tec_activation act;
     int64_t rows, cols;
@@ -54,7 +56,7 @@ typedef struct {
     const void *x;
     const void *bias;
     void *y;
-    float limit, alpha;
+    float limit, alpha, glu_offset;
 } tec_act_fwd_args;
 
 /* dx[rows, in_cols] = d act(x) / dx * dy, with x the activation's input
@@ -72,7 +74,7 @@ typedef struct {
     void *dbias;
     void *workspace;
     size_t workspace_bytes;
-    float limit, alpha;
+    float limit, alpha, glu_offset;
 } tec_act_bwd_args;
 
 /* Validate, then run on the CPU or (through the loaded CUDA backend

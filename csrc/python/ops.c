@@ -108,42 +108,45 @@ static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromSize_t(b->gemm_workspace_bytes);
 }
 
-/* act_fwd(device, act, dtype, rows, cols, x, bias, y, limit, alpha, stream) */
+/* act_fwd(device, act, dtype, rows, cols, x, bias, y, limit, alpha,
+ *         glu_offset, stream) */
 static PyObject *py_act_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("act_fwd", 11);
+    ARGC("act_fwd", 12);
     int64_t dev, act, dt;
-    double limit, alpha;
+    double limit, alpha, offset;
     tec_act_fwd_args a = {0};
     void *stream;
     I64(0, dev); I64(1, act); I64(2, dt); I64(3, a.rows); I64(4, a.cols);
-    PTR(5, a.x); PTR(6, a.bias); PTR(7, a.y); DBL(8, limit); DBL(9, alpha); PTR(10, stream);
+    PTR(5, a.x); PTR(6, a.bias); PTR(7, a.y); DBL(8, limit); DBL(9, alpha); DBL(10, offset); PTR(11, stream);
     a.act = (tec_activation)act;
     a.dtype = (tec_dtype)dt;
     a.limit = (float)limit;
     a.alpha = (float)alpha;
+    a.glu_offset = (float)offset;
     tec_status st;
     CALL(tec_act_fwd((int)dev, &a, stream));
     return run(m, st);
 }
 
 /* act_bwd(device, act, dtype, rows, cols, dy, x, dx, dbias, workspace,
- *         workspace_bytes, limit, alpha, stream) */
+ *         workspace_bytes, limit, alpha, glu_offset, stream) */
 static PyObject *py_act_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("act_bwd", 14);
+    ARGC("act_bwd", 15);
     int64_t dev, act, dt, wsb;
-    double limit, alpha;
+    double limit, alpha, offset;
     tec_act_bwd_args a = {0};
     void *stream;
     I64(0, dev); I64(1, act); I64(2, dt); I64(3, a.rows); I64(4, a.cols);
     PTR(5, a.dy); PTR(6, a.x); PTR(7, a.dx); PTR(8, a.dbias); PTR(9, a.workspace); I64(10, wsb);
-    DBL(11, limit); DBL(12, alpha); PTR(13, stream);
+    DBL(11, limit); DBL(12, alpha); DBL(13, offset); PTR(14, stream);
     a.act = (tec_activation)act;
     a.dtype = (tec_dtype)dt;
     a.workspace_bytes = (size_t)wsb;
     a.limit = (float)limit;
     a.alpha = (float)alpha;
+    a.glu_offset = (float)offset;
     tec_status st;
     CALL(tec_act_bwd((int)dev, &a, stream));
     return run(m, st);

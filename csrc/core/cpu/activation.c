@@ -31,7 +31,7 @@ tec_status tec_cpu_act_fwd(const tec_act_fwd_args *a)
             for (int64_t j = 0; j < in; j++) xr[j] += b[j];
         for (int64_t j = 0; j < n; j++) {
             float v = tec_act_f(f, xr[j], a->limit, a->alpha);
-            yr[j] = gated ? v * tec_act_gate(f, xr[n + j], a->limit) : v;
+            yr[j] = gated ? v * tec_act_gate(f, xr[n + j], a->limit, a->glu_offset) : v;
         }
         tec_store_row((char *)a->y + r * n * es, yr, n, a->dtype);
     }
@@ -62,7 +62,7 @@ tec_status tec_cpu_act_bwd(const tec_act_bwd_args *a)
                 continue;
             }
             const float g = xr[n + j];
-            dxr[j] = tec_act_df(f, x, a->limit, a->alpha) * dy * tec_act_gate(f, g, a->limit);
+            dxr[j] = tec_act_df(f, x, a->limit, a->alpha) * dy * tec_act_gate(f, g, a->limit, a->glu_offset);
             dxr[n + j] = tec_act_f(f, x, a->limit, a->alpha) * dy * tec_act_dgate(f, g, a->limit);
         }
         if (db) /* float32 values before rounding to dtype, as TE's dbias */

@@ -36,7 +36,7 @@ template <typename T, int VEC> __device__ __forceinline__ void vstore(T *p, cons
 
 struct act_params {
     int64_t rows, cols; /* outputs per row; the input row has (GATED ? 2 : 1) * cols */
-    float limit, alpha;
+    float limit, alpha, offset;
 };
 
 /* y = act(x + bias): one VEC-group of outputs per step of a grid-stride loop. */
@@ -67,7 +67,7 @@ __global__ void act_fwd_kernel(const T *__restrict__ x, const T *__restrict__ bi
         for (int e = 0; e < VEC; e++) {
             o[e] = tec_act_f(F, a[e], p.limit, p.alpha);
             if (GATED)
-                o[e] *= tec_act_gate(F, g[e], p.limit);
+                o[e] *= tec_act_gate(F, g[e], p.limit, p.offset);
         }
         vstore<T, VEC>(y + r * p.cols + c, o);
     }
@@ -81,7 +81,7 @@ __device__ __forceinline__ void act_grad(const float (&dy)[VEC], const float (&a
 #pragma unroll
     for (int e = 0; e < VEC; e++) {
         if (GATED) {
-            da[e] = tec_act_df(F, a[e], p.limit, p.alpha) * dy[e] * tec_act_gate(F, g[e], p.limit);
+            da[e] = tec_act_df(F, a[e], p.limit, p.alpha) * dy[e] * tec_act_gate(F, g[e], p.limit, p.offset);
             dg[e] = tec_act_f(F, a[e], p.limit, p.alpha) * dy[e] * tec_act_dgate(F, g[e], p.limit);
         } else {
             da[e] = tec_act_df(F, a[e], p.limit, p.alpha) * dy[e];
@@ -245,6 +245,7 @@ void launch_bwd(int device, const tec_act_bwd_args *a, const act_params &p, cuda
     case TEC_ACT_SREGLU: L(TEC_F_SRELU, true); break;           \
     case TEC_ACT_SWIGLU: L(TEC_F_SILU, true); break;            \
     case TEC_ACT_CLAMPED_SWIGLU: L(TEC_F_CLAMPED_SILU, true); break; \
+    case TEC_ACT_GLU: L(TEC_F_SIGMOID, true); break;            \
     }
 
 template <typename T>
@@ -278,7 +279,7 @@ TEC_CUDA_EXPORT tec_status tec_cuda_act_fwd(int device, const tec_act_fwd_args *
         return TEC_OK;
     const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
     const bool vec = a->cols % V == 0 && aligned16(a->x) && aligned16(a->y) && (!a->bias || aligned16(a->bias));
-    const act_params p = {a->rows, a->cols, a->limit, a->alpha};
+    const act_params p = {a->rows, a->cols, a->limit, a->alpha, a->glu_offset};
     cudaStream_t st = (cudaStream_t)stream;
     int prev;
     tec_status s = tec_cuda_enter(device, &prev);
@@ -301,7 +302,7 @@ TEC_CUDA_EXPORT tec_status tec_cuda_act_bwd(int device, const tec_act_bwd_args *
         return TEC_OK;
     const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
     const bool vec = a->cols % V == 0 && aligned16(a->x) && aligned16(a->dy) && aligned16(a->dx);
-    const act_params p = {a->rows, a->cols, a->limit, a->alpha};
+    const act_params p = {a->rows, a->cols, a->limit, a->alpha, a->glu_offset};
     cudaStream_t st = (cudaStream_t)stream;
     int prev;
     tec_status s = tec_cuda_enter(device, &prev);
