@@ -167,7 +167,8 @@ def test_te_parameters():
     assert m.layer_norm_weight.sequence_parallel is False
     r = make(torch.float32, normalization="RMSNorm", bias=False, activation="gelu")
     assert [n for n, _ in r.named_parameters()] == ["layer_norm_weight", "fc1_weight", "fc2_weight"]
-    assert r.fc1_weight.shape == (FFN, H) and r.fc1_bias is None and r.layer_norm_bias is None
+    assert r.fc1_weight.shape == (FFN, H) and r.layer_norm_bias is None
+    assert r.fc1_bias.numel() == 0 and r.fc2_bias.numel() == 0  # TE's empty tensors, not parameters
     torch.testing.assert_close(m.layer_norm_weight, torch.ones(H))
     assert 0.015 < m.fc1_weight.std().item() < 0.032  # TE's default init: normal(0, 0.023)
     z = make(torch.float32, zero_centered_gamma=True)
@@ -268,12 +269,12 @@ def test_bad_arguments():
         tec.LayerNormMLP(H, 0, device="cpu")
     with pytest.raises(ValueError, match="ub_comm has unknown names"):
         make(torch.float32, set_parallel_mode=True, ub_overlap_ag=True, ub_comm={"qkv_fprop": None})
-    with pytest.warns(UserWarning, match="ub_overlap_ag ignored without set_parallel_mode"):
+    with pytest.warns(UserWarning, match="ub_overlap_ag ignored without parallel_mode"):
         make(torch.float32, ub_overlap_ag=True)
     m = make(torch.float32)
     with pytest.raises(ValueError, match="last dimension 16; expected 32"):
         m(torch.randn(4, 16))
-    with pytest.raises(TypeError, match="dtype torch.float64"):
+    with pytest.raises(TypeError, match="dtype torch.float64 but the layer's parameters are torch.float32"):
         m(torch.randn(4, H, dtype=torch.float64))
 
 

@@ -3,15 +3,13 @@
 parameter names and shapes. Norm, GEMMs and activation run in the C engine;
 under sequence parallelism the collectives overlap the GEMMs through the
 fc1_* / fc2_* userbuffers communicators, in every grad mode."""
-import warnings
-
 import torch
 
 from .. import _engine
-from .._saved import prepare_for_saving, restore_from_saved
+from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
-from . import base
-from ._weights import weight_for_compute, weight_grad
+from . import _common as C
+from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACT_PARAM_KEYS = ("limit", "alpha", "glu_linear_offset")
@@ -20,27 +18,39 @@ FC2_FLAGS = ("ub_overlap_rs", "ub_overlap_ag")
 UB_NAMES = ("fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad")
 
 
-def te_default_init(w):
-    """TransformerEngine's default weight init: normal, mean 0, std 0.023."""
-    torch.nn.init.normal_(w, mean=0.0, std=0.023)
+class _Gemm:
+    """What a Wgrad step reads of a layer, for one of the module's two GEMMs:
+    its weight parameter (looked up by name, so a replaced parameter, e.g. a
+    DistributedWeight, is seen), the module's wgrad options, and its own
+    queue of delayed weight gradients."""
+
+    def __init__(self, module, weight_name):
+        self.module, self.weight_name = module, weight_name
+        self._wgrad_queue = []
+
+    @property
+    def fuse_wgrad_accumulation(self):
+        return self.module.fuse_wgrad_accumulation
+
+    @property
+    def delay_wgrad_compute(self):
+        return self.module.delay_wgrad_compute
+
+    def _weight_params(self):
+        return [getattr(self.module, self.weight_name)]
 
 
-class _Config:
-    """What the Function needs of the module (fixed at construction)."""
-
-    __slots__ = ("tp1", "tp2", "ub1", "ub2", "eps", "zcg", "activation", "act_kw", "checkpoint",
-                 "return_ln", "return_ln_gathered", "hidden")
-
-    def __deepcopy__(self, memo):  # holds process groups and communicators: shared by copies
-        return self
+def _cast(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _norm_fc1(x, ln_weight, ln_bias, w1, b1, cfg, want_gathered):
+def _norm_fc1(layer, x, ln_weight, ln_bias, w1, b1, want_gathered):
     """Norm, then fc1 on the (gathered) normalised input. Returns (ln_out:
     this rank's normalised tokens, memory of its own; mu; rsigma; fc1_out
-    [tokens of the group, fc1 local out]; the gathered ln_out if asked, also
-    memory of its own)."""
-    tp, ub = cfg.tp1, cfg.ub1
+    [tokens of the group, fc1's local features]; the gathered ln_out when
+    asked, also memory of its own)."""
+    tp, ub = layer.tp, layer.ub
+    eps, zcg = layer.eps, layer.zero_centered_gamma
     if ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap("ag", x.shape[0], x.shape[1],
                                                                              w1.shape[0]):
         # The norm writes straight into this rank's slot of the fc1_fprop
@@ -48,101 +58,112 @@ def _norm_fc1(x, ln_weight, ln_bias, w1, b1, cfg, want_gathered):
         # comm stream while the GEMMs run.
         comm = ub.comms["fprop"]
         slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
-        ln_view, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, cfg.eps, cfg.zcg, out=slot)
+        ln_view, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, eps, zcg, out=slot)
         ln_out = torch.empty_like(x)
         fc1_out = comm.ag_gemm(ln_view, w1, bias=b1, local_copy=ln_out)
         ln_total = None
         if want_gathered:
             ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
         return ln_out, mu, rsigma, fc1_out, ln_total
-    ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, cfg.eps, cfg.zcg)
-    ln_total = base.gather_input(ln_out, tp)
-    fc1_out = base.fprop(ln_total, w1, b1, tp)
+    ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, eps, zcg)
+    ln_total = C.gather_input(ln_out, tp)
+    fc1_out = C.fprop(ln_total, w1, b1, tp)
     return ln_out, mu, rsigma, fc1_out, (ln_total if want_gathered else None)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, cfg):
-        x = base.check_input(inp, cfg.hidden, fc1_weight, cfg.tp1)
-        w1, w2 = weight_for_compute(fc1_weight), weight_for_compute(fc2_weight)
-        want_gathered = cfg.return_ln and cfg.return_ln_gathered
-        ln_out, mu, rsigma, fc1_out, ln_total = _norm_fc1(x, ln_weight, ln_bias, w1, fc1_bias, cfg, want_gathered)
-        act_out = _engine.act_fwd(fc1_out, cfg.activation, **cfg.act_kw)
-        y = base.ub_fprop(act_out, w2, None, cfg.tp2, cfg.ub2)
-        if y is None:  # fc2_bias is given here only without a parallel mode (else added after the reduction)
-            y = base.fprop(act_out, w2, fc2_bias, cfg.tp2)
+    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, layer,
+                is_first_microbatch, dtype, cast):
+        tp2 = layer.tp2
+        x = C.check_input(inp, layer.hidden_size, dtype, fc1_weight.device, layer.tp, cast)
+        w1 = layer._full_weight(fc1_weight, is_first_microbatch, dtype)
+        w2 = layer._full_weight(fc2_weight, is_first_microbatch, dtype)
+        g, beta, b1, b2 = (_cast(t, dtype) for t in (ln_weight, ln_bias, fc1_bias, fc2_bias))
+        want_gathered = layer.return_layernorm_output_gathered and layer.tp.sp
+        ln_out, mu, rsigma, fc1_out, ln_total = _norm_fc1(layer, x, g, beta, w1, b1, want_gathered)
+        act_out = _engine.act_fwd(fc1_out, layer.activation, **layer._act_kw)
+        y = C.ub_fprop(act_out, w2, b2, tp2, layer.ub2)  # fc2's bias added once, after the reduction
+        if y is None:
+            y = C.fprop(act_out, w2, b2, tp2)
         # Nothing saved aliases a buffer: x is copied if it lies in one (a
-        # caller may pass a buffer view), the rest is memory of its own.
-        x_saved = base.outside_buffers(base.outside_buffers(x, cfg.ub1), cfg.ub2)
-        if cfg.checkpoint:  # fc1's output is recomputed in backward (TE's checkpoint=True)
+        # caller may pass a buffer view); the rest is memory of its own.
+        x_saved = C.outside_buffers(C.outside_buffers(x, layer.ub), layer.ub2)
+        if layer.checkpoint:  # TE's checkpoint=True: norm, fc1, activation recomputed in backward
             tensors = (x_saved, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight)
         else:
             tensors = (x_saved, ln_weight, fc1_weight, fc2_weight, ln_out, mu, rsigma, fc1_out, act_out)
         saved, ctx.objects = prepare_for_saving(*tensors)
         ctx.save_for_backward(*saved)
-        ctx.cfg, ctx.inp_shape = cfg, inp.shape
+        ctx.layer, ctx.inp_shape, ctx.dtype, ctx.first_mb = layer, inp.shape, dtype, is_first_microbatch
         ctx.has_b1, ctx.has_b2 = fc1_bias is not None, fc2_bias is not None
-        if not cfg.return_ln:
-            return y
-        # Returned views made here cannot be modified in place (autograd's
-        # rule for a Function's view outputs), as for LayerNormLinear.
+        if not layer.return_layernorm_output:
+            return y  # 2-D; the module gives it the input's leading dims
+        # Views made here cannot be modified in place (autograd's rule for a
+        # Function's view outputs), as LayerNormLinear's.
         ln_ret = ln_total if want_gathered else ln_out
-        return y, (ln_ret if len(inp.shape) == 2 else ln_ret.view(-1, *inp.shape[1:]))
+        return y, (ln_ret if inp.dim() == 2 else ln_ret.view(-1, *inp.shape[1:]))
 
     @staticmethod
     def backward(ctx, dout, dln_ret=None):
-        cfg = ctx.cfg
+        layer, dtype = ctx.layer, ctx.dtype
+        tp1, tp2 = layer.tp, layer.tp2
         t = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
-        if cfg.checkpoint:
+        first_mb = None if ctx.first_mb is None else False  # a weight gathered in forward is reused
+        if layer.checkpoint:
             x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight = t
-            w1 = weight_for_compute(fc1_weight)
-            ln_out, mu, rsigma, fc1_out, _ = _norm_fc1(x, ln_weight, ln_bias, w1, fc1_bias, cfg, False)
-            act_out = _engine.act_fwd(fc1_out, cfg.activation, **cfg.act_kw)
+            w1 = layer._full_weight(fc1_weight, first_mb, dtype)
+            g = _cast(ln_weight, dtype)
+            ln_out, mu, rsigma, fc1_out, _ = _norm_fc1(layer, x, g, _cast(ln_bias, dtype), w1,
+                                                       _cast(fc1_bias, dtype), False)
+            act_out = _engine.act_fwd(fc1_out, layer.activation, **layer._act_kw)
         else:
             x, ln_weight, fc1_weight, fc2_weight, ln_out, mu, rsigma, fc1_out, act_out = t
-            w1 = weight_for_compute(fc1_weight)
-        w2 = weight_for_compute(fc2_weight)
+            w1 = layer._full_weight(fc1_weight, first_mb, dtype)
+            g = _cast(ln_weight, dtype)
+        w2 = layer._full_weight(fc2_weight, first_mb, dtype)
         need = ctx.needs_input_grad
-        dy = base.as_2d(dout)
+        dy = C.as_2d(_cast(dout, dtype))
 
-        # fc2 (row): dgrad, with ub_overlap_ag the grad_output all-gather
-        # overlapped; wgrad right after (dy_total may be a buffer view).
-        dact, dy_total = base.row_backward(dy, w2, cfg.tp2, cfg.ub2, True)
-        dw2 = db2 = None
+        # fc2 (row): dgrad (ub_overlap_ag: the grad_output all-gather
+        # overlapped), then wgrad and its bias gradient (this rank's tokens
+        # under sequence parallelism: fc2_bias carries `sequence_parallel`).
+        wg2 = None
         if need[5] or need[6]:
-            res = base.wgrad(dy_total, act_out, ctx.has_b2)
-            dw2, db2 = res if ctx.has_b2 else (res, None)
-            dw2 = weight_grad(fc2_weight, dw2)
-        del dy_total, act_out
+            wg2 = C.Wgrad(layer._gemm2, fc2_weight, ctx.has_b2, ctx.first_mb,
+                          bias_from_local=tp2.mode == "row" and tp2.sp)
+        dact, dw2, db2 = C.row_backward(dy, act_out, w2, tp2, layer.ub2, True, wg2)
+        del act_out
 
-        # activation backward, fc1's bias gradient fused (column sums of dfc1)
-        res = _engine.act_bwd(dact, fc1_out, cfg.activation, dbias=ctx.has_b1, **cfg.act_kw)
-        dfc1, db1 = res if ctx.has_b1 else (res, None)
+        # the activation's backward, fc1's bias gradient fused (column sums)
+        res = _engine.act_bwd(dact, fc1_out, layer.activation, dbias=ctx.has_b1 and need[4], **layer._act_kw)
+        dfc1, db1 = res if isinstance(res, tuple) else (res, None)
         del dact, fc1_out
+        if db1 is not None and layer.delay_wgrad_compute:
+            layer._fc1_dbias.append(db1)  # with fc1's weight gradient, in backward_dw()
+            db1 = None
 
         # fc1 (column): dgrad + reduce-scatter, wgrad on the gathered ln_out
-        need_w1 = need[3]
-        dln, res = base.column_backward(dfc1, ln_out, w1, cfg.tp1, cfg.ub1, True, need_w1, False)
-        dw1 = None
-        if res is not None:
-            dw1 = weight_grad(fc1_weight, res[0])
+        wg1 = C.Wgrad(layer._gemm1, fc1_weight, False, ctx.first_mb) if need[3] else None
+        dln, dw1, _ = C.column_backward(dfc1, ln_out, w1, tp1, layer.ub, True, wg1)
         if dln_ret is not None:
-            dln_ret = base.as_2d(dln_ret)
-            if cfg.return_ln_gathered and cfg.tp1.mode == "column" and cfg.tp1.sp:
-                dln_ret = reduce_scatter_rows(dln_ret, cfg.tp1.group, cfg.tp1.size)
+            dln_ret = C.as_2d(_cast(dln_ret, dtype))
+            if dln_ret.shape[0] != dln.shape[0]:  # the gathered output's gradient: this rank's rows, summed
+                dln_ret = reduce_scatter_rows(dln_ret, tp1.group, tp1.size)
             dln = dln + dln_ret
-        # Norm parameters: this rank's tokens only under sequence parallelism;
-        # they carry `sequence_parallel` and the framework sums them (as TE).
-        dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, ln_weight, cfg.zcg, with_dbeta=mu is not None)
-        return (base.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw1, (db1 if need[4] else None), dw2,
-                db2, None)
+        # The norm's parameter gradients: this rank's tokens only under
+        # sequence parallelism; they carry `sequence_parallel` and the
+        # framework sums them, as with TransformerEngine.
+        dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, g, layer.zero_centered_gamma,
+                                             with_dbeta=mu is not None)
+        return (C.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw1, db1, dw2, db2, None, None, None, None)
 
 
-class LayerNormMLP(torch.nn.Module):
-    """Normalisation -> fc1 -> activation -> fc2, TransformerEngine's
-    LayerNormMLP (same positional order, defaults, parameter names/shapes).
+class LayerNormMLP(TransformerEngineBaseModule):
+    """Normalisation -> fc1 -> activation -> fc2: TransformerEngine's
+    LayerNormMLP (same positional order, defaults, parameter names and
+    shapes, semantics).
 
     Parameters: layer_norm_weight / layer_norm_bias [hidden_size] (no bias
     for RMSNorm); fc1_weight [fc1_out, hidden_size] and fc1_bias [fc1_out]
@@ -150,20 +171,24 @@ class LayerNormMLP(torch.nn.Module):
     (each rank's rows are [activation half | gate half], TE's layout);
     fc2_weight [hidden_size, ffn_hidden_size / tp_size], fc2_bias
     [hidden_size]. With set_parallel_mode, fc1 is column- and fc2
-    row-parallel; fc2's bias is added after the reduction. Under sequence
-    parallelism the norm parameters and fc2_bias carry
-    `sequence_parallel = True`: their gradients hold this rank's tokens only
-    and the training framework sums them over the group (as with TE).
+    row-parallel (fc2's bias added once, after the reduction). The norm
+    parameters, and with set_parallel_mode fc2_bias, carry
+    `sequence_parallel`: under sequence parallelism their gradients hold this
+    rank's tokens only and the training framework sums them over the group
+    (tec.allreduce_sequence_parallel_grads outside Megatron), as with TE.
 
-    Userbuffers (under sequence parallelism, as TE): ub_overlap_ag overlaps
-    fc1's input all-gather (fc1_fprop) and fc2's grad_output all-gather with
-    its dgrad (fc2_dgrad); ub_overlap_rs fc2's output reduce-scatter
-    (fc2_fprop); ub_overlap_rs_dgrad fc1's dgrad reduce-scatter (fc1_dgrad),
-    else ub_bulk_dgrad / ub_bulk_wgrad the bulk ones (fc1_dgrad, fc1_wgrad).
-    Communicators come from the registry (initialize_ub) under those names,
-    or from ub_comm: {name: CommOverlap} with those names, or one
+    Userbuffers (under sequence parallelism with set_parallel_mode, as TE):
+    ub_overlap_ag overlaps fc1's input all-gather with its GEMM (fc1_fprop)
+    and fc2's grad_output all-gather with its dgrad (fc2_dgrad);
+    ub_overlap_rs fc2's output reduce-scatter (fc2_fprop); ub_overlap_rs_dgrad
+    fc1's dgrad reduce-scatter (fc1_dgrad), else ub_bulk_dgrad / ub_bulk_wgrad
+    the bulk all-gather of the saved input and the bulk reduce-scatter of
+    dgrad (fc1_dgrad, fc1_wgrad). The overlaps run in every grad mode.
+    Communicators: the registry's (initialize_ub) under those names, or
+    ub_comm (keyword, ours): {name: CommOverlap} with those names, or one
     CommOverlap for every role. checkpoint=True saves only the inputs and
-    recomputes the norm, fc1 and the activation in backward.
+    recomputes the norm, fc1 (with its overlap) and the activation in
+    backward.
     """
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, sequence_parallel=False, return_bias=False,
@@ -174,144 +199,172 @@ class LayerNormMLP(torch.nn.Module):
                  micro_batch_size=None, set_parallel_mode=False, zero_centered_gamma=False, device=None,
                  ub_overlap_ag=False, name=None, ub_overlap_rs=False, ub_overlap_rs_dgrad=False,
                  ub_bulk_dgrad=False, ub_bulk_wgrad=False, delay_wgrad_compute=False, symmetric_ar_type=None,
-                 checkpoint=False, *, ub_comm=None):
-        super().__init__()
+                 checkpoint=False, *, ub_comm=None, rng_tracker_name=None):
+        super().__init__(name)
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
         _engine.activation_code(activation)
-        act_kw = {}
+        self._act_kw = {}
         if activation_params is not None:
             if not isinstance(activation_params, dict) or set(activation_params) - set(ACT_PARAM_KEYS):
                 raise ValueError(f"activation_params must be a dict with keys among {ACT_PARAM_KEYS}, got "
                                  f"{activation_params!r}")
             if activation == "clamped_swiglu":
-                act_kw = {k: float(v) for k, v in activation_params.items()}
+                self._act_kw = {k: float(v) for k, v in activation_params.items()}
         for what, n in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{what} must be a positive int, got {n!r}")
-        if fuse_wgrad_accumulation or delay_wgrad_compute:
-            raise NotImplementedError("LayerNormMLP: fuse_wgrad_accumulation and delay_wgrad_compute are not "
-                                      "supported yet")
         if symmetric_ar_type is not None:
-            warnings.warn("LayerNormMLP: symmetric_ar_type is not supported; the standard all-reduce is used "
-                          "(same result)", UserWarning, stacklevel=2)
+            raise NotImplementedError(f"symmetric_ar_type={symmetric_ar_type!r}: symmetric-memory all-reduce "
+                                      "is not supported (use None)")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.eps, self.normalization, self.activation = float(eps), normalization, activation
         self.activation_params = activation_params
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_bias, self.use_bias = bool(return_bias), bool(bias)
         self.return_layernorm_output = bool(return_layernorm_output)
-        self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
-        self.set_parallel_mode, self.checkpoint, self.name = bool(set_parallel_mode), bool(checkpoint), name
-        self.fuse_wgrad_accumulation, self.delay_wgrad_compute = fuse_wgrad_accumulation, delay_wgrad_compute
-        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered and return_layernorm_output)
+        self.set_parallel_mode, self.checkpoint = bool(set_parallel_mode), bool(checkpoint)
+        self.seq_length, self.micro_batch_size, self.symmetric_ar_type = seq_length, micro_batch_size, None
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
 
         spm = self.set_parallel_mode
-        tp1 = base.TPConfig("column" if spm else None, sequence_parallel and spm, tp_group, tp_size)
-        tp2 = base.TPConfig("row" if spm else None, sequence_parallel and spm, tp_group, tp_size)
-        self.tp_group, self.tp_size = tp1.group, tp1.size
-        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        self.tp = C.TPConfig("column" if spm else None, sequence_parallel, tp_group, tp_size)
+        self.tp2 = C.TPConfig("row" if spm else None, sequence_parallel, tp_group, tp_size)
+        self.tp_size, self.tp_group = self.tp.size, self.tp.group
         if ffn_hidden_size % self.tp_size:
             raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by the tensor-parallel size "
                              f"{self.tp_size}")
         self.size_per_partition = ffn_hidden_size // self.tp_size
+        flags = dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+                     ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
+        self.ub, self.ub2 = self._ub_configs(flags, ub_comm)
+        if self.delay_wgrad_compute and self.ub["ub_bulk_wgrad"]:
+            raise ValueError("LayerNormMLP: delay_wgrad_compute cannot be combined with ub_bulk_wgrad (the bulk "
+                             "reduce-scatter of dgrad runs under the wgrad GEMM), as in TransformerEngine")
+
         gated = activation in _engine.GATED_ACTIVATIONS
         fc1_out = 2 * self.size_per_partition if gated else self.size_per_partition
-
-        cfg = _Config()
-        cfg.tp1, cfg.tp2, cfg.hidden = tp1, tp2, hidden_size
-        cfg.ub1, cfg.ub2 = self._ub_configs(tp1, tp2, ub_comm, dict(
-            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
-            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad))
-        cfg.eps, cfg.zcg, cfg.activation, cfg.act_kw = self.eps, self.zero_centered_gamma, activation, act_kw
-        cfg.checkpoint = self.checkpoint
-        cfg.return_ln, cfg.return_ln_gathered = self.return_layernorm_output, self.return_layernorm_output_gathered
-        self._cfg = cfg
-
-        dtype, device = base.default_dtype(params_dtype), base.default_device(device)
+        dtype, device = C.default_dtype(params_dtype), C.default_device(device)
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(init_gamma(hidden_size, dtype=dtype, device=device))
-        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-                                if normalization == "LayerNorm" else None)
-        self.fc1_weight = self._weight(fc1_out, hidden_size, dtype, device, init_method, get_rng_state_tracker)
-        self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device)) if bias else None
-        self.fc2_weight = self._weight(hidden_size, self.size_per_partition, dtype, device,
-                                       output_layer_init_method, get_rng_state_tracker)
-        self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
-        # TE's / Megatron's parameter attributes
-        for p in (self.layer_norm_weight, self.layer_norm_bias):
-            if p is not None:
-                p.sequence_parallel = self.sequence_parallel
-        for p, dim in ((self.fc1_weight, 0), (self.fc1_bias, 0), (self.fc2_weight, 1)):
-            if p is not None:
-                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
-        if self.fc2_bias is not None and spm:
-            self.fc2_bias.sequence_parallel = self.sequence_parallel
+        self.layer_norm_weight.sequence_parallel = self.tp.sp
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+            self.layer_norm_bias.sequence_parallel = self.tp.sp
+        else:
+            self.layer_norm_bias = None
+        tracker = (get_rng_state_tracker, rng_tracker_name)
+        self.fc1_weight = _weight(fc1_out, hidden_size, dtype, device, init_method, tracker, 0)
+        self.fc2_weight = _weight(hidden_size, self.size_per_partition, dtype, device, output_layer_init_method,
+                                  tracker, 1)
+        if bias:
+            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
+            _set_tp_attributes(self.fc1_bias, True, 0)
+            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+            if spm:
+                self.fc2_bias.sequence_parallel = self.tp.sp
+        else:  # as TE: empty tensors, not parameters
+            self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
+            self.fc2_bias = torch.empty(0, dtype=dtype, device=device)
+        self._gemm1 = _Gemm(self, "fc1_weight")
+        self._gemm2 = _Gemm(self, "fc2_weight")
+        self._fc1_dbias = []
+        if self.delay_wgrad_compute:
+            for n in ("fc1_weight", "fc2_weight") + (("fc1_bias", "fc2_bias") if bias else ()):
+                getattr(self, n).skip_backward_post_hook = True
 
-    @staticmethod
-    def _weight(rows, cols, dtype, device, init_method, rng_tracker):
-        init = init_method or te_default_init
-        if rng_tracker is None:
-            return base.make_weight(rows, cols, dtype, device, init)
-        with rng_tracker().fork():
-            return base.make_weight(rows, cols, dtype, device, init)
-
-    def _ub_configs(self, tp1, tp2, ub_comm, flags):
-        """(fc1's UBConfig, fc2's): TE's flag semantics (on only under
-        sequence parallelism with set_parallel_mode, or on one rank with
-        ub_comm given; ub_overlap_rs_dgrad replaces the bulk overlaps)."""
-        asked = [k for k, v in flags.items() if v]
-        live = self.set_parallel_mode and (tp1.sp or (tp1.size == 1 and ub_comm is not None))
-        if asked and not live:
-            warnings.warn(f"LayerNormMLP: {', '.join(asked)} ignored without set_parallel_mode and sequence "
-                          "parallelism, as TransformerEngine ignores them", UserWarning, stacklevel=3)
-        on = {k: bool(v) and live for k, v in flags.items()}
-        if on["ub_overlap_rs_dgrad"]:
-            on["ub_bulk_dgrad"] = on["ub_bulk_wgrad"] = False
-        comms = {"fc1": None, "fc2": None}
+    def _ub_configs(self, flags, ub_comm):
+        """(fc1's UBConfig, fc2's) from TE's flags; UBConfig ignores (with a
+        warning) what does not apply, as TE does."""
+        parts = {"fc1": None, "fc2": None}
         if isinstance(ub_comm, dict):
             bad = sorted(set(ub_comm) - set(UB_NAMES))
             if bad:
                 raise ValueError(f"LayerNormMLP: ub_comm has unknown names {bad}; expected some of {UB_NAMES}")
-            for part in comms:
-                comms[part] = {k.split("_", 1)[1]: c for k, c in ub_comm.items() if k.startswith(part + "_")}
+            for part in parts:
+                parts[part] = {k.split("_", 1)[1]: c for k, c in ub_comm.items() if k.startswith(part + "_")}
         elif ub_comm is not None:
-            comms = {"fc1": ub_comm, "fc2": ub_comm}
-        out = []
-        for part, names, tp in (("fc1", FC1_FLAGS, tp1), ("fc2", FC2_FLAGS, tp2)):
-            f = {k: on[k] for k in names}
-            any_on = any(f.values())
-            out.append(base.UBConfig(self, f, part if any_on and comms[part] is None else None,
-                                     comms[part] if any_on else None, tp))
-        return out
+            parts = {"fc1": ub_comm, "fc2": ub_comm}
+        return (C.UBConfig(self, {k: flags[k] for k in FC1_FLAGS}, "fc1", parts["fc1"], self.tp),
+                C.UBConfig(self, {k: flags[k] for k in FC2_FLAGS}, "fc2", parts["fc2"], self.tp2))
 
     def forward(self, inp, is_first_microbatch=None):
         """inp: [tokens, hidden] or [seq, batch, hidden] (sequence first; this
         rank's part of the sequence under sequence parallelism). Returns the
         output, then fc2_bias with return_bias, then the normalised input
-        with return_layernorm_output (TE's order)."""
-        spm = self.set_parallel_mode
-        fc2_bias_in = self.fc2_bias if (self.use_bias and not self.return_bias and not spm) else None
-        out = _LayerNormMLPFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
-                                    self.fc1_bias, self.fc2_weight, fc2_bias_in, self._cfg)
+        with return_layernorm_output (TE's order). is_first_microbatch as
+        TE's: main_grad overwritten on the first micro-batch with
+        fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
+        dtype, cast = C.compute_dtype(self.fc1_weight.device, self.fc1_weight.dtype)
+        fc1_bias = self.fc1_bias if self.use_bias else None
+        fc2_bias = self.fc2_bias if self.use_bias and not self.return_bias else None
+        out = _LayerNormMLPFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, fc1_bias,
+                                    self.fc2_weight, fc2_bias, self, is_first_microbatch, dtype, cast)
         y, ln_out = out if self.return_layernorm_output else (out, None)
-        y = base.like_input(y, inp.shape)
-        if spm and self.use_bias and not self.return_bias:
-            y = y + self.fc2_bias
-        res = (y,)
+        res = (C.like_input(y, inp.shape),)
         if self.return_bias:
-            res += (self.fc2_bias,)
+            res += (_cast(self.fc2_bias, dtype),)
         if self.return_layernorm_output:
             res += (ln_out,)
         return res[0] if len(res) == 1 else res
 
+    def backward_dw(self):
+        """Compute the weight (and bias) gradients that a delay_wgrad_compute
+        backward left, one backward's worth per call (fc2's, then fc1's):
+        into main_grad with fuse_wgrad_accumulation, else added to .grad."""
+        if not self.delay_wgrad_compute:
+            return
+        if not (self._gemm1._wgrad_queue or self._gemm2._wgrad_queue or self._fc1_dbias):
+            raise RuntimeError("LayerNormMLP.backward_dw(): no delayed weight gradient is pending (run backward "
+                               "first)")
+        for gemm, bias_name in ((self._gemm2, "fc2_bias"), (self._gemm1, "fc1_bias")):
+            db = None
+            if gemm._wgrad_queue:
+                wg, dy_total, x_total, db_local = gemm._wgrad_queue.pop(0)
+                wg.delay = False
+                dw, db = wg.compute(dy_total, x_total)
+                if wg.bias_from_local:
+                    db = db_local
+                if dw is not None and not wg.fuse:
+                    _add_grad(wg.params[0], dw)
+            if bias_name == "fc1_bias" and self._fc1_dbias:
+                db = self._fc1_dbias.pop(0)
+            if db is not None and self.use_bias:
+                _add_grad(getattr(self, bias_name), db)
+        for hook in self._wgrad_hooks:
+            hook()
+
+    def set_tensor_parallel_group(self, tp_group):
+        """TE's setter: the collectives use `tp_group` from now on (same size)."""
+        self.tp = C.TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
+        self.tp2 = C.TPConfig(self.tp2.mode, self.tp2.sp, tp_group, self.tp2.size)
+        self.tp_group = self.tp.group
+
     def ub_comms(self):
         """{TE name: CommOverlap} of the communicators this module uses."""
-        return {f"{part}_{role}": c for part, ub in (("fc1", self._cfg.ub1), ("fc2", self._cfg.ub2))
+        return {f"{part}_{role}": c for part, ub in (("fc1", self.ub), ("fc2", self.ub2))
                 for role, c in ub.comms.items()}
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"normalization={self.normalization}, activation={self.activation}, "
-                f"set_parallel_mode={self.set_parallel_mode}, sequence_parallel={self.sequence_parallel}, "
+                f"set_parallel_mode={self.set_parallel_mode}, sequence_parallel={self.tp.sp}, "
                 f"tp_size={self.tp_size}")
+
+
+def _weight(rows, cols, dtype, device, init_method, tracker, partition_dim):
+    """A weight parameter initialised as TE does (init_method, default
+    normal(0, 0.023), under the RNG tracker's fork when given)."""
+    w = torch.nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
+    init = init_method or default_init_method
+    get_tracker, name = tracker
+    if get_tracker is None:
+        init(w.data)
+    else:
+        t = get_tracker()
+        with (t.fork(name) if name else t.fork()):
+            init(w.data)
+    _set_tp_attributes(w, True, partition_dim)
+    return w
