@@ -8,8 +8,10 @@ userbuffers flag combination TE allows, through the registry's fc1_* / fc2_*
 communicators, in every grad mode (training step, no_grad, inference_mode,
 reentrant and non-reentrant checkpointing, checkpoint=True), each overlapped
 path proven by the communicators' stats(); nothing saved for backward
-aliases a buffer (tec.debug.check_saved_tensors around everything); and
-DistributedWeight for both weights. Prints "PASS run_layernorm_mlp".
+aliases a buffer (tec.debug.check_saved_tensors around everything);
+return_layernorm_output (this rank's rows, or gathered); bfloat16 (TE's
+tolerance, whole tensor); and DistributedWeight for both weights. Prints
+"PASS run_layernorm_mlp".
 
     torchrun --nproc_per_node=2 tests/distributed/run_layernorm_mlp.py [--device cuda]
 """
@@ -101,10 +103,12 @@ def run_mode(m, x, mode):
     return m(x)
 
 
-def check_case(activation, normalization, flags, mode, tp, rank, dev, dtype=torch.float32):
+def check_case(activation, normalization, flags, mode, tp, rank, dev, dtype=torch.float32, extra=None):
     kw = dict(activation=activation, normalization=normalization, set_parallel_mode=True, sequence_parallel=True,
               tp_group=dist.group.WORLD, tp_size=tp, params_dtype=dtype, device=dev,
-              checkpoint=mode == "checkpoint_arg")
+              checkpoint=mode == "checkpoint_arg", **(extra or {}))
+    ret_ln = bool(kw.get("return_layernorm_output"))
+    gathered = ret_ln and bool(kw.get("return_layernorm_output_gathered"))
     if activation == "clamped_swiglu":
         kw["activation_params"] = {"limit": 1.0, "alpha": 1.5}
     torch.manual_seed(7)  # the same replicated parameters on every rank, rank-specific shards
@@ -124,40 +128,58 @@ def check_case(activation, normalization, flags, mode, tp, rank, dev, dtype=torc
     g = torch.Generator().manual_seed(1000)
     x_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64)
     dy_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64)
+    dln_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64)
     x_loc = x_full.chunk(tp, 0)[rank].to(dtype).to(dev)
     dy_loc = dy_full.chunk(tp, 0)[rank].to(dtype).to(dev)
     x64 = x_full.clone().requires_grad_()
     act_kw = kw.get("activation_params")
-    y64, _ = layernorm_mlp(x64, p64, activation=activation, normalization=normalization, act_kw=act_kw)
-    y64.backward(dy_full)
-    label = f"{activation} {normalization} {'+'.join(sorted(flags)) or 'no-ub'} {mode} tp={tp}"
+    y64, n64 = layernorm_mlp(x64, p64, activation=activation, normalization=normalization, act_kw=act_kw)
+    # the returned normalised input's gradient: the whole sequence's when gathered, else this rank's rows
+    dln_mine = dln_full if gathered else dln_full.chunk(tp, 0)[rank]
+    loss64 = (y64 * dy_full).sum()
+    if ret_ln:  # summed over ranks: each rank's rows once, or every rank's copy of the whole sequence
+        loss64 = loss64 + (n64 * dln_full).sum() * (tp if gathered else 1)
+    loss64.backward()
+    label = (f"{activation} {normalization} {'+'.join(sorted(flags)) or 'no-ub'} {mode} tp={tp}"
+             f"{' ' + str(dtype).split('.')[1] if dtype != torch.float32 else ''}"
+             f"{' return_ln' + ('_gathered' if gathered else '') if ret_ln else ''}")
 
     before = counts()
     xi = x_loc.clone().requires_grad_(mode not in ("no_grad", "inference_mode"))
-    y = run_mode(m, xi, mode)
+    out = run_mode(m, xi, mode)
+    y, ln = out if ret_ln else (out, None)
     if xi.requires_grad:
-        y.backward(dy_loc)
+        loss = (y * dy_loc).sum()
+        if ret_ln:
+            loss = loss + (ln * dln_mine.to(dtype).to(dev)).sum()
+        loss.backward()
     after = counts()
     for key, n in expected(flags, mode).items():
         ran = after[key] - before[key]
         assert ran == n, f"{label}: {key[0]}.{key[1]} moved by {ran}, expected {n}"
 
     tensorwise = dtype != torch.float32
-    close(y.float(), y64.chunk(tp, 0)[rank].float(), f"{label}: output", tensorwise)
+    close(y, y64.chunk(tp, 0)[rank].float(), f"{label}: output", tensorwise)
+    if ret_ln:
+        want = n64 if gathered else n64.chunk(tp, 0)[rank]
+        close(ln, want.float(), f"{label}: returned normalised input", tensorwise)
     if not xi.requires_grad:
         with torch.no_grad():
-            close(y, plain(x_loc), f"{label}: output vs the module without userbuffers", tensorwise)
+            yp = plain(x_loc)
+            close(y, yp[0] if ret_ln else yp, f"{label}: output vs the module without userbuffers", tensorwise)
         return label
     xp = x_loc.clone().requires_grad_()
-    plain(xp).backward(dy_loc)
-    close(xi.grad.float(), x64.grad.chunk(tp, 0)[rank].float(), f"{label}: input grad", tensorwise)
+    outp = plain(xp)
+    loss = (outp[0] * dy_loc).sum() + (outp[1] * dln_mine.to(dtype).to(dev)).sum() if ret_ln else (outp * dy_loc).sum()
+    loss.backward()
+    close(xi.grad, x64.grad.chunk(tp, 0)[rank].float(), f"{label}: input grad", tensorwise)
     close(xi.grad, xp.grad, f"{label}: input grad vs without userbuffers", tensorwise)
     for (n, p), (_, pp) in zip(m.named_parameters(), plain.named_parameters()):
         grad, pgrad = p.grad.clone(), pp.grad.clone()
         if getattr(p, "sequence_parallel", False):  # the framework's reduction (Megatron's)
             dist.all_reduce(grad)
             dist.all_reduce(pgrad)
-        close(grad.float(), my_shard(n, p64[n].grad, tp, rank, gated).float(), f"{label}: grad of {n}", tensorwise)
+        close(grad, my_shard(n, p64[n].grad, tp, rank, gated).float(), f"{label}: grad of {n}", tensorwise)
         close(grad, pgrad, f"{label}: grad of {n} vs without userbuffers", tensorwise)
     return label
 
@@ -202,14 +224,19 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     rank, tp, dev = setup(args.device)
-    init_ub((SEQ * B * tp, H), tp, dtype=torch.float32)
+    init_ub((SEQ * B * tp, H), tp, dtype=torch.float32)  # bf16 layers reinterpret the same bytes
     cases = [(a, nrm, UB_COMBOS[-2], "train") for a in ACTS for nrm in ("LayerNorm", "RMSNorm")]
     cases += [("swiglu", "LayerNorm", f, mode) for f in UB_COMBOS for mode in GRAD_MODES]
     cases += [("gelu", "RMSNorm", UB_COMBOS[-1], mode) for mode in GRAD_MODES]
+    ln_opts = [dict(return_layernorm_output=True), dict(return_layernorm_output=True,
+                                                        return_layernorm_output_gathered=True)]
+    cases += [("swiglu", "LayerNorm", f, "train", torch.float32, o) for f in (UB_COMBOS[0], UB_COMBOS[-2])
+              for o in ln_opts]
+    cases += [("gelu", "LayerNorm", f, "train", torch.bfloat16) for f in (UB_COMBOS[0], UB_COMBOS[-1])]
     n = 0
     with tec.debug.check_saved_tensors() as chk:
         for case in cases:
-            label = check_case(*case, tp, rank, dev)
+            label = check_case(*case[:4], tp, rank, dev, *case[4:])
             n += 1
             if rank == 0:
                 print(f"ok {label}", flush=True)
