@@ -106,7 +106,8 @@ class BuildExt(build_ext):
                "-std=c++17", "--expt-relaxed-constexpr", *gencode,
                *[f"-I{d}" for d in cuda["includes"]], "-I" + os.path.join(ROOT, "csrc", "core"),
                *srcs, "-o", out, *[f"-L{d}" for d in cuda["libdirs"]], *cuda["libs"],
-               *[f"-Xlinker=-rpath,{d}" for d in cuda["libdirs"]]]
+               *[f"-Xlinker=-rpath,{d}" for d in cuda["libdirs"]],
+               "-Xlinker=--no-undefined"]  # the core's functions are reached through its hooks only
         print("transformer_engine_c: " + " ".join(cmd))
         subprocess.check_call(cmd)
         self._cuda_out = out

@@ -25,7 +25,7 @@ def child():
     from transformer_engine_c import _engine
 
     def stats():
-        out = (ctypes.c_longlong * 7)()
+        out = (ctypes.c_longlong * 8)()
         ctypes.CDLL(_engine._CUDA_LIB).tec_cuda_gemm_stats(out)
         return list(out)
 

@@ -3,13 +3,9 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr -I csrc/core \
 //        scripts/norm_variants.cu -o /tmp/norm_variants && /tmp/norm_variants
 // "(old)" marks what the dispatch used before the third session; it now uses 4x64 and 4x128.
+#include "../csrc/core/cuda/cuda_common.cu"
 #include "../csrc/core/cuda/norm.cu"
 #include <stdio.h>
-#include <stdarg.h>
-tec_status tec_cuda_fail(tec_status st, const char *, int, const char *fmt, ...) { return st; }
-tec_status tec_cuda_enter(int, int *prev) { *prev = 0; return TEC_OK; }
-void tec_cuda_leave(int, int) {}
-int tec_cuda_sm_count(int) { int n; cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0); return n; }
 
 template <int NV, int TPR> float run(fwd_params p, int reps) {
     cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);

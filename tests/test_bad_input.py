@@ -147,3 +147,31 @@ def test_cuda_request_without_backend():
         pytest.skip("the CUDA backend is loaded")
     with pytest.raises(tec.EngineError, match="CUDA backend is not loaded"):
         _C.gemm(0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, None, None, 0, None, 0, 0)
+
+
+@pytest.mark.parametrize("layer", ["Linear", "LayerNormLinear"])
+def test_valid_degenerate_inputs_as_torch(layer):
+    """What torch accepts is accepted: a size-1 dimension with any stride, no
+    tokens (empty outputs, zero parameter gradients), a non-contiguous
+    weight; the results are torch's."""
+    m = getattr(tec, layer)(16, 8, device="cpu")
+    with torch.no_grad():
+        m.bias.normal_()
+    ref_w = m.weight.detach().clone()
+    for x in [torch.randn(16, 1).t(), torch.randn(0, 16), torch.randn(4, 0, 16), torch.randn(0, 2, 16)]:
+        x = x.detach().requires_grad_()
+        m.zero_grad()
+        y = m(x)
+        assert y.shape == (*x.shape[:-1], 8)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        if x.numel() == 0:
+            assert all(not p.grad.any() for p in m.parameters())
+        elif layer == "Linear":
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, ref_w, m.bias))
+    lin = tec.Linear(16, 8, device="cpu")
+    lin.weight = torch.nn.Parameter(torch.randn(16, 8).t())  # a transposed view, as torch allows
+    x = torch.randn(4, 16)
+    lin(x).sum().backward()
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert lin.weight.grad.shape == (8, 16)

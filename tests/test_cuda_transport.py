@@ -19,7 +19,9 @@ def test_cuda_transport_program(tmp_path):
     exe = str(tmp_path / "transport_test")
     subprocess.run([nvcc, "-std=c++17", "-O2", "-gencode=arch=compute_90,code=sm_90", "-I",
                     os.path.join(ROOT, "csrc", "core"), os.path.join(ROOT, "tests", "cuda", "transport_test.cu"),
-                    os.path.join(ROOT, "csrc", "core", "cuda", "cuda_transport.cu"), "-o", exe, "-lcudart"],
+                    os.path.join(ROOT, "csrc", "core", "cuda", "cuda_transport.cu"),
+                    os.path.join(ROOT, "csrc", "core", "cuda", "cuda_common.cu"),
+                    os.path.join(ROOT, "csrc", "core", "error.c"), "-o", exe, "-lcudart"],
                    check=True, timeout=300)
     proc = subprocess.run([exe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0 and "PASS transport_test" in proc.stdout, proc.stdout[-4000:]

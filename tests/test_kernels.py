@@ -111,9 +111,9 @@ def test_gemm_accumulate_into_fp32(device, dtype):
 
 def _gemm_stats():
     """The CUDA GEMM's counters (tec_cuda_gemm_stats in gemm.cu): [fused, epilogue kernels,
-    SIMT, plans, sweeps enqueued, sweeps read back, choices other than the heuristic's]."""
+    SIMT, plans, sweeps enqueued, sweeps read back, choices other than the heuristic's, plans evicted]."""
     import ctypes
-    out = (ctypes.c_longlong * 7)()
+    out = (ctypes.c_longlong * 8)()
     ctypes.CDLL(_engine._CUDA_LIB).tec_cuda_gemm_stats(out)
     return list(out)
 

@@ -417,7 +417,7 @@ def test_checkpoint_of_a_layer_returning_its_bias(use_reentrant, layer):
     reentrant checkpoint it used to come out as a non-leaf (the module's own
     parameter given a grad_fn), and backward recursed without end; now it is
     handed back untouched and the gradients match the plain run."""
-    m = getattr(tec, layer)(8, 6, return_bias=True)
+    m = getattr(tec, layer)(8, 6, return_bias=True, device="cpu")
     x = torch.randn(4, 8, requires_grad=True)
     y, b = m(x)
     (y + b).square().sum().backward()

@@ -27,7 +27,17 @@ def _load_cuda_backend():
             raise RuntimeError(
                 "transformer_engine_c was built without its CUDA backend (nvcc or the cuBLASLt "
                 "headers were not found at build time); rebuild with TEC_CUDA=1 to see why")
-        _C.load_cuda_backend(_CUDA_LIB)
+        _C.load_cuda_backend(_CUDA_LIB, _gemm_policy())
+
+
+def _gemm_policy():
+    """The CUDA GEMM's policy bits (TEC_GEMM_* in tec.h), from the environment, read
+    once when the backend loads: TEC_GEMM_TUNE=1 times cuBLASLt's candidate algorithms
+    and keeps the fastest; TEC_CUDA_GEMM_EPILOGUE=0 does bias and bias gradient with
+    separate kernels instead of cuBLASLt's fused epilogues."""
+    tune = os.environ.get("TEC_GEMM_TUNE", "")[:1] == "1"
+    unfused = os.environ.get("TEC_CUDA_GEMM_EPILOGUE", "")[:1] == "0"
+    return (1 if tune else 0) | (2 if unfused else 0)
 
 
 def device_code(device):
@@ -115,6 +125,8 @@ def norm_fwd(x, gamma, beta, eps, zero_centered_gamma=False, out=None):
         out, "out", dtype=x.dtype, device=x.device, shape=x.shape)
     mu = torch.empty(rows, dtype=torch.float32, device=x.device) if beta is not None else None
     rsigma = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:  # no tokens: nothing to normalise
+        return y, mu, rsigma
     _C.norm_fwd(device_code(x.device), DTYPE_CODES[x.dtype], rows, cols, _addr(x), _addr(gamma),
                 _addr(beta), _addr(y), _addr(mu), _addr(rsigma), float(eps),
                 int(bool(zero_centered_gamma)), stream_of(x.device))
@@ -138,6 +150,11 @@ def norm_bwd(dy, x, mu, rsigma, gamma, zero_centered_gamma=False, with_dbeta=Tru
         check_tensor(dparams, "dparams", dtype=gamma.dtype, device=x.device, shape=(2 if with_dbeta else 1, cols))
         dgamma = dparams[0]
         dbeta = dparams[1] if with_dbeta else None
+    if rows == 0:  # no tokens: zero parameter gradients
+        dgamma.zero_()
+        if dbeta is not None:
+            dbeta.zero_()
+        return dx, dgamma, dbeta
     nbytes = _C.norm_bwd_workspace_bytes(dev, rows, cols)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     _C.norm_bwd(dev, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(mu),
@@ -169,13 +186,29 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
             raise TypeError(f"out has dtype {out.dtype}; expected {a.dtype} or float32")
     if bias is not None:
         check_tensor(bias, "bias", dtype=a.dtype, device=a.device, shape=(n,))
+    if m == 0 or n == 0 or k == 0:  # as torch: an empty product, zeros over an empty inner dimension
+        return _empty_gemm(out, accumulate, bias, a, transa, bias_grad)
     bgrad = torch.empty(m, dtype=a.dtype, device=a.device) if bias_grad else None
     device = a.device
     dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    # Contiguous (checked): the leading dimensions are the row lengths, whatever
+    # stride a size-1 dimension reports.
     _C.gemm(dev, DTYPE_CODES[a.dtype], DTYPE_CODES[out.dtype], int(transa), int(transb), m, n, k,
-            a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), out.stride(0),
+            a.data_ptr(), a.shape[1], b.data_ptr(), b.shape[1], out.data_ptr(), n,
             _addr(bias), _addr(bgrad), int(bool(accumulate)), ws, nbytes, 0 if dev < 0 else stream_of(device))
     return (out, bgrad) if bias_grad else out
+
+
+def _empty_gemm(out, accumulate, bias, a, transa, bias_grad):
+    """gemm's result when a dimension is 0 (the engine is not called)."""
+    if not accumulate:
+        out.zero_()
+    if bias is not None and out.numel():
+        out += bias
+    if not bias_grad:
+        return out
+    op_a = a.t() if transa else a
+    return out, op_a.sum(1, dtype=torch.float32).to(a.dtype)
 
 
 def _gemm_dev(device):
@@ -246,3 +279,49 @@ def act_bwd(dy, x, activation, dbias=False, limit=7.0, alpha=1.702, glu_linear_o
     _C.act_bwd(dev, code, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(dx), _addr(db),
                _addr(ws), nbytes, float(limit), float(alpha), float(glu_linear_offset), stream_of(x.device))
     return (dx, db) if dbias else dx
+
+
+# ------------------------------------------------- the layers' fast paths
+# A layer validates its input once (shape, dtype, device, layout); these skip
+# the generic checks for it and check only what the layer does not own (a
+# parameter may have been replaced), falling back to the checked wrappers,
+# which raise the named errors, when anything differs. On tiny shapes every
+# microsecond of host time is the layer's whole cost.
+
+
+def linear(x, w, bias=None):
+    """Y = X W^T (+ bias) for a contiguous 2-D x the caller validated."""
+    m, k = x.shape
+    n = w.shape[0]
+    dtype, device = x.dtype, x.device
+    if (m == 0 or k == 0 or w.dim() != 2 or w.shape[1] != k or w.dtype != dtype or w.device != device
+            or not w.is_contiguous()
+            or bias is not None and (bias.shape != (n,) or bias.dtype != dtype or bias.device != device
+                                     or not bias.is_contiguous())):
+        return gemm(x, w, transb=True, bias=bias)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    code = DTYPE_CODES[dtype]
+    _C.gemm(dev, code, code, 0, 1, m, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
+            0 if bias is None else bias.data_ptr(), 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
+    return out
+
+
+def norm_forward(x, gamma, beta, eps, zero_centered_gamma):
+    """norm_fwd for a contiguous 2-D x the caller validated: (y, mu, rsigma)."""
+    rows, cols = x.shape
+    dtype, device = x.dtype, x.device
+    if (rows == 0 or gamma.shape != (cols,) or gamma.dtype != dtype or gamma.device != device
+            or not gamma.is_contiguous()
+            or beta is not None and (beta.shape != (cols,) or beta.dtype != dtype or beta.device != device
+                                     or not beta.is_contiguous())):
+        return norm_fwd(x, gamma, beta, eps, zero_centered_gamma)
+    y = torch.empty(rows, cols, dtype=dtype, device=device)
+    mu = torch.empty(rows, dtype=torch.float32, device=device) if beta is not None else None
+    rsigma = torch.empty(rows, dtype=torch.float32, device=device)
+    dev = -1 if device.type == "cpu" else device_code(device)
+    _C.norm_fwd(dev, DTYPE_CODES[dtype], rows, cols, x.data_ptr(), gamma.data_ptr(),
+                0 if beta is None else beta.data_ptr(), y.data_ptr(), 0 if mu is None else mu.data_ptr(),
+                rsigma.data_ptr(), float(eps), 1 if zero_centered_gamma else 0,
+                0 if dev < 0 else stream_of(device))
+    return y, mu, rsigma

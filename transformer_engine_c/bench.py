@@ -193,7 +193,7 @@ def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
         if not hasattr(tec, "initialize_ub"):
             raise NotImplementedError
         tec.destroy_ub()
-        tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group)
+        tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group, device=device)
     fc1 = fc2 = None
     mlp = kind in ("mlp", "mlp_bulk")
     if kind == "ag_gemm" or mlp:

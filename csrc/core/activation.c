@@ -1,8 +1,10 @@
 /* activation.c - argument checks and device dispatch of the activations
- * (activation.h): the CPU kernels directly, the CUDA ones through symbols of
- * the loaded CUDA backend library (so the backend table stays as it is).
- * Exercised by tests/test_activations.py. */
+ * (activation.h) through the backend tables (backend.h). Exercised by
+ * tests/test_activations.py. */
 #include "activation.h"
+
+#include "backend.h"
+#include "error.h"
 
 static int act_known(tec_activation act)
 {
@@ -15,9 +17,13 @@ static int act_known(tec_activation act)
     return 0;
 }
 
-static tec_status check_common(const char *what, tec_activation act, int64_t rows, int64_t cols, tec_dtype dt,
-                               float limit, float alpha)
+static tec_status check_common(const char *what, int device, tec_activation act, int64_t rows, int64_t cols,
+                               tec_dtype dt, float limit, float alpha, const tec_backend **b)
 {
+    tec_status st = tec_backend_check(device);
+    if (st)
+        return st;
+    *b = tec_backend_for(device);
     if (!act_known(act))
         return tec_set_error(TEC_ERR_INVALID_ARG, "%s: unknown activation %d", what, (int)act);
     if (rows < 0 || cols <= 0)
@@ -30,70 +36,39 @@ static tec_status check_common(const char *what, tec_activation act, int64_t row
     return TEC_OK;
 }
 
-/* The CUDA backend's function `name`, or an error naming it. */
-static tec_status cuda_fn(int device, const char *name, void **out)
-{
-    const tec_backend *b = tec_backend_for(device);
-    *out = b ? tec_cuda_symbol(name) : NULL;
-    if (!b)
-        return tec_set_error(TEC_ERR_NOT_SUPPORTED, "device cuda:%d requested but the CUDA backend is not loaded", device);
-    if (!*out)
-        return tec_set_error(TEC_ERR_NOT_SUPPORTED, "the loaded CUDA backend has no %s (rebuild it)", name);
-    return TEC_OK;
-}
-
-static tec_status from_cuda(int device, tec_status st)
-{
-    const tec_backend *b = tec_backend_for(device);
-    if (st != TEC_OK && b && b->last_error)
-        tec_set_error(st, "%s", b->last_error());
-    return st;
-}
-
 tec_status tec_act_fwd(int device, const tec_act_fwd_args *a, void *stream)
 {
-    tec_status st = check_common("activation", a->act, a->rows, a->cols, a->dtype, a->limit, a->alpha);
+    const tec_backend *b;
+    tec_status st = check_common("activation", device, a->act, a->rows, a->cols, a->dtype, a->limit, a->alpha, &b);
     if (st) return st;
     if (a->rows && (!a->x || !a->y))
         return tec_set_error(TEC_ERR_INVALID_ARG, "activation: missing x or y pointer");
     if (a->rows == 0)
         return TEC_OK;
-    if (device == TEC_DEVICE_CPU)
-        return tec_cpu_act_fwd(a);
-    void *fn;
-    if ((st = cuda_fn(device, "tec_cuda_act_fwd", &fn)))
-        return st;
-    return from_cuda(device, ((tec_cuda_act_fwd_fn)fn)(device, a, stream));
+    return b->act_fwd(device, a, stream);
 }
 
 size_t tec_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols)
 {
-    if (!act_known(act) || rows < 0 || cols <= 0)
+    const tec_backend *b = tec_backend_for(device);
+    if (!b || !act_known(act) || rows < 0 || cols <= 0)
         return 0;
-    if (device == TEC_DEVICE_CPU)
-        return tec_cpu_act_bwd_workspace_bytes(act, rows, cols);
-    void *fn;
-    if (cuda_fn(device, "tec_cuda_act_bwd_workspace_bytes", &fn))
-        return 0;
-    return ((tec_cuda_act_ws_fn)fn)(act, rows, cols);
+    return b->act_bwd_workspace_bytes(device, act, rows, cols);
 }
 
 tec_status tec_act_bwd(int device, const tec_act_bwd_args *a, void *stream)
 {
-    tec_status st = check_common("activation backward", a->act, a->rows, a->cols, a->dtype, a->limit, a->alpha);
+    const tec_backend *b;
+    tec_status st = check_common("activation backward", device, a->act, a->rows, a->cols, a->dtype, a->limit,
+                                 a->alpha, &b);
     if (st) return st;
     if (a->rows && (!a->x || !a->dy || !a->dx))
         return tec_set_error(TEC_ERR_INVALID_ARG, "activation backward: missing dy, x or dx pointer");
-    void *fn = NULL;
-    if (device != TEC_DEVICE_CPU && (st = cuda_fn(device, "tec_cuda_act_bwd", &fn)))
-        return st;
     if (a->dbias) {
-        size_t need = tec_act_bwd_workspace_bytes(device, a->act, a->rows, a->cols);
+        size_t need = b->act_bwd_workspace_bytes(device, a->act, a->rows, a->cols);
         if (a->workspace_bytes < need || (need && !a->workspace))
             return tec_set_error(TEC_ERR_INVALID_ARG, "activation backward: workspace of %zu bytes, %zu needed",
                                  a->workspace_bytes, need);
     }
-    if (device == TEC_DEVICE_CPU)
-        return tec_cpu_act_bwd(a);
-    return from_cuda(device, ((tec_cuda_act_bwd_fn)fn)(device, a, stream));
+    return b->act_bwd(device, a, stream);
 }

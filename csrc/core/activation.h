@@ -77,24 +77,22 @@ typedef struct {
     float limit, alpha, glu_offset;
 } tec_act_bwd_args;
 
-/* Validate, then run on the CPU or (through the loaded CUDA backend
- * library's `tec_cuda_act_fwd` / `tec_cuda_act_bwd` /
- * `tec_cuda_act_bwd_workspace_bytes` symbols) on a CUDA device. `stream` as
- * for every backend call. */
+/* Validate, then run on the device's backend (the CPU, or the loaded CUDA
+ * library). `stream` as for every backend call. */
 tec_status tec_act_fwd(int device, const tec_act_fwd_args *a, void *stream);
 tec_status tec_act_bwd(int device, const tec_act_bwd_args *a, void *stream);
-/* Workspace of a backward with dbias (0 without). */
+/* Workspace of a backward with dbias (0 if the backend is not loaded). */
 size_t tec_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols);
 
-/* The CPU kernels (cpu/activation.c), same contract, arguments checked. */
-tec_status tec_cpu_act_fwd(const tec_act_fwd_args *a);
-tec_status tec_cpu_act_bwd(const tec_act_bwd_args *a);
-size_t tec_cpu_act_bwd_workspace_bytes(tec_activation act, int64_t rows, int64_t cols);
-
-/* The CUDA backend library's symbols (looked up with tec_cuda_symbol). */
-typedef tec_status (*tec_cuda_act_fwd_fn)(int device, const tec_act_fwd_args *a, void *stream);
-typedef tec_status (*tec_cuda_act_bwd_fn)(int device, const tec_act_bwd_args *a, void *stream);
-typedef size_t (*tec_cuda_act_ws_fn)(tec_activation act, int64_t rows, int64_t cols);
+/* The backends' kernels, gathered into their tables (backend.h): CPU in
+ * cpu/activation.c, CUDA in cuda/activation.cu. Same contracts, called after
+ * the checks of activation.c. */
+tec_status tec_cpu_act_fwd(int device, const tec_act_fwd_args *a, void *stream);
+tec_status tec_cpu_act_bwd(int device, const tec_act_bwd_args *a, void *stream);
+size_t tec_cpu_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols);
+tec_status tec_cuda_act_fwd(int device, const tec_act_fwd_args *a, void *stream);
+tec_status tec_cuda_act_bwd(int device, const tec_act_bwd_args *a, void *stream);
+size_t tec_cuda_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols);
 
 #ifdef __cplusplus
 }

@@ -1,10 +1,14 @@
 /* comm.c - the communicator (tec_comm) and the comm-GEMM overlap schedules
- * (AG+GEMM, GEMM+RS, bulk AG / RS), written once against tec_transport_ops.
- * Exercised by tests/distributed/run_gemm_with_overlap.py (CPU transport). */
-#include "tec.h"
-
+ * (AG+GEMM, GEMM+RS, bulk AG / RS), written once against tec_transport_ops
+ * (transport.h: region layout, handshakes, wire format, capabilities).
+ * Exercised by tests/c/comm_schedule_test.c (a mock transport that checks
+ * the handshakes) and tests/distributed/run_gemm_with_overlap.py. */
 #include <stdlib.h>
 #include <string.h>
+
+#include "backend.h"
+#include "error.h"
+#include "transport.h"
 
 enum { OP_AG = 1, OP_RS = 2, OP_BULK_AG = 3, OP_BULK_RS = 4 };
 enum { EV_START = 0, EV_END = 1, EV_BULK = 2, EV_CHUNK = 3 };
@@ -41,28 +45,22 @@ typedef struct {
 
 /* -------------------------------------------------------------- helpers */
 
-static tec_status tr(tec_comm *c, tec_status st)
-{
-    if (st != TEC_OK && c->ops->last_error && c->ops != &tec_shm_transport && c->ops->last_error()[0])
-        tec_set_error(st, "%s", c->ops->last_error());
-    return st;
-}
-
 /* A failure in the middle of a schedule leaves peers' flags and the comm
  * stream in an unknown state: remember it, report it again next time. */
 static uint64_t *flag(tec_comm *c, int owner, int kind, int src);
 
-/* After a timeout on the CPU: name the peers that never started this
- * operation (the peer a wait names may itself be waiting on them). */
+/* After a timeout, where the flags are host memory: name the peers that
+ * never started this operation (the peer a wait names may itself be
+ * waiting on them). */
 static void name_absent(tec_comm *c)
 {
-    if (c->device != TEC_DEVICE_CPU || !c->mapped)
+    if (!(c->ops->caps & TEC_TRANSPORT_HOST_FLAGS) || !c->mapped)
         return;
     char list[256] = "";
     size_t n = 0;
     for (int p = 0; p < c->size; p++) {
         uint64_t seen = __atomic_load_n(flag(c, p, TEC_FLAG_ARRIVED, p), __ATOMIC_ACQUIRE);
-        if (p != c->rank && (seen >> 32) < c->epoch && n < sizeof list - 16)
+        if (p != c->rank && tec_flag_epoch(seen) < c->epoch && n < sizeof list - 16)
             n += (size_t)snprintf(list + n, sizeof list - n, "%speer %d", n ? ", " : "", p);
     }
     if (n) {
@@ -83,7 +81,7 @@ static tec_status fail(tec_comm *c, tec_status st)
     return st;
 }
 
-#define TRY(expr) do { tec_status st_ = tr(c, (expr)); if (st_ != TEC_OK) return fail(c, st_); } while (0)
+#define TRY(expr) do { tec_status st_ = (expr); if (st_ != TEC_OK) return fail(c, st_); } while (0)
 
 static uint64_t *flag(tec_comm *c, int owner, int kind, int src)
 {
@@ -98,11 +96,6 @@ static char *slot(tec_comm *c, int owner, int p, size_t chunk)
 static char *staging(tec_comm *c, int p, size_t chunk)
 {
     return (char *)c->bases[c->rank] + c->data_bytes + (size_t)p * chunk;
-}
-
-static uint32_t mk_tag(int op, size_t chunk)
-{
-    return ((uint32_t)op << 29) | (uint32_t)(chunk & 0x1fffffffu);
 }
 
 static tec_wait_site site(tec_comm *c, const char *op, const char *what, int peer, int step)
@@ -162,17 +155,17 @@ static tec_status wait_consumed(tec_comm *c, const char *op, void *stream)
     return seq_run(c, &q, stream);
 }
 
-/* Take the next epoch and, on the CPU, say so in our own region (read only
- * by name_absent after a CPU timeout; on CUDA it would cost a kernel launch
- * per operation for nothing). */
+/* Take the next epoch and, where the flags are host memory, say so in our
+ * own region (read only by name_absent after a timeout; on CUDA it would
+ * cost a kernel launch per operation for nothing). */
 static uint64_t next_epoch(tec_comm *c, void *stream)
 {
     uint64_t e = ++c->epoch;
-    if (c->device != TEC_DEVICE_CPU)
+    if (!(c->ops->caps & TEC_TRANSPORT_HOST_FLAGS))
         return e;
     tec_status st = c->ops->signal(c->t, flag(c, c->rank, TEC_FLAG_ARRIVED, c->rank), tec_flag_value(e, 0), stream);
     if (st)
-        fail(c, tr(c, st));
+        fail(c, st);
     return e;
 }
 
@@ -185,7 +178,7 @@ static tec_status begin(tec_comm *c, const char *op)
                              c->name, c->broken_msg);
     if (!c->mapped)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s before the peers were opened", c->name, op);
-    tec_status st = tr(c, c->ops->check(c->t));
+    tec_status st = c->ops->check(c->t);
     return st ? fail(c, st) : TEC_OK;
 }
 
@@ -200,7 +193,7 @@ static tec_status check_chunk(tec_comm *c, const char *op, size_t chunk, int64_t
                              "(%zu bytes each) need %zu bytes, the buffer has %zu",
                              c->name, op, c->size, (long long)rows, (long long)cols, chunk,
                              chunk * (size_t)c->size, c->data_bytes);
-    if (chunk > 0x1fffffffu)
+    if (chunk > TEC_FLAG_CHUNK_MAX)
         return tec_set_error(TEC_ERR_NOT_SUPPORTED, "communicator '%s': %s: chunks over 512 MiB are not supported",
                              c->name, op);
     return TEC_OK;
@@ -254,21 +247,24 @@ tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, 
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: empty buffer");
     if (!(timeout_s > 0))
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: timeout must be > 0 seconds");
-    const tec_transport_ops *ops = NULL;
+    /* Each device kind's backend supplies its transport: the CPU's the
+     * shared-memory one, the CUDA library's the CUDA IPC one. */
+    const tec_backend *be = NULL;
     if (kind == TEC_TRANSPORT_SHM) {
         if (device != TEC_DEVICE_CPU)
             return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: the shared-memory transport is CPU only");
-        ops = &tec_shm_transport;
+        be = tec_backend_for(TEC_DEVICE_CPU);
     } else if (kind == TEC_TRANSPORT_CUDA_IPC) {
-        tec_cuda_transport_get_fn get = (tec_cuda_transport_get_fn)tec_cuda_symbol("tec_cuda_transport_get");
-        ops = get ? get() : NULL;
-        if (!ops)
+        if (device == TEC_DEVICE_CPU)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: the CUDA IPC transport needs a CUDA device");
+        be = tec_backend_for(device);
+        if (!be || !be->transport)
             return tec_set_error(TEC_ERR_NOT_SUPPORTED,
-                                 "communicator: the CUDA IPC transport is not available (CUDA backend not "
-                                 "loaded, or built without tec_cuda_transport_get)");
+                                 "communicator: the CUDA IPC transport is not available (CUDA backend not loaded)");
     } else {
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: unknown transport %d", (int)kind);
     }
+    const tec_transport_ops *ops = be->transport;
     if (ops->abi_version != TEC_TRANSPORT_ABI)
         return tec_set_error(TEC_ERR_NOT_SUPPORTED, "communicator: transport %s has ABI %d, expected %d",
                              ops->name, ops->abi_version, TEC_TRANSPORT_ABI);
@@ -286,7 +282,7 @@ tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, 
     c->data_bytes = (buffer_bytes + 255) & ~(size_t)255;
     c->flags_off = 2 * c->data_bytes;
     c->region_bytes = c->flags_off + (((size_t)TEC_COMM_NFLAGS * TEC_COMM_MAX_RANKS * 8 + 255) & ~(size_t)255);
-    st = tr(c, ops->create(&c->t, device, rank, tp_size, c->region_bytes));
+    st = ops->create(&c->t, device, rank, tp_size, c->region_bytes);
     if (st)
         goto fail;
     *out = c;
@@ -309,7 +305,7 @@ tec_status tec_comm_local_handle(tec_comm *c, void *out, size_t cap, size_t *len
 {
     unsigned char th[TEC_COMM_HANDLE_MAX];
     size_t tlen = sizeof th;
-    tec_status st = tr(c, c->ops->local_handle(c->t, th, &tlen));
+    tec_status st = c->ops->local_handle(c->t, th, &tlen);
     if (st)
         return st;
     if (tlen > TEC_COMM_HANDLE_MAX || cap < sizeof(handle_header) + tlen)
@@ -347,7 +343,7 @@ tec_status tec_comm_open_peers(tec_comm *c, const void *const *handles, const si
         th[i] = (const char *)handles[i] + sizeof h;
         tl[i] = h.tlen;
     }
-    tec_status st = tr(c, c->ops->map_peers(c->t, th, tl, c->bases));
+    tec_status st = c->ops->map_peers(c->t, th, tl, c->bases);
     if (st)
         return st;
     c->mapped = 1;
@@ -363,7 +359,7 @@ void tec_comm_set_gemm(tec_comm *c, void *ptr, size_t bytes, int sm_margin)
 
 tec_status tec_comm_release_handle(tec_comm *c)
 {
-    return c->ops->release_handle ? tr(c, c->ops->release_handle(c->t)) : TEC_OK;
+    return c->ops->release_handle ? c->ops->release_handle(c->t) : TEC_OK;
 }
 
 int tec_comm_rank(const tec_comm *c) { return c->rank; }
@@ -454,7 +450,7 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
         TRY(seq_run(c, &q, M));
         TRY(c->ops->copy(c->t, slot(c, r, r, chunk), src, chunk, M));
     }
-    c->last_publish = v >> 32;
+    c->last_publish = tec_flag_epoch(v);
     for (int p = 0; p < n; p++)
         if (p != r)
             seq_signal(&q, flag(c, p, TEC_FLAG_READY, r), v);
@@ -467,7 +463,7 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
         c->stats.bytes_sent += chunk;
         if (ev_chunks)
             TRY(c->ops->event_record(c->t, EV_CHUNK + i, M));
-        seq_signal(&q, flag(c, p, TEC_FLAG_CONSUMED, r), tec_flag_value(v >> 32, 0));
+        seq_signal(&q, flag(c, p, TEC_FLAG_CONSUMED, r), tec_flag_value(tec_flag_epoch(v), 0));
     }
     return seq_run(c, &q, M);
 }
@@ -482,7 +478,7 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
     if (!a->out || !a->b || a->n <= 0 || !ces || a->ldc < a->n)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm: missing B or out, or bad n/ldc", c->name);
     const int r = c->rank, n = c->size;
-    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_AG, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_AG, chunk));
     const void *local = a->a_local ? a->a_local : slot(c, r, r, chunk);
     char *out = a->out;
     const int64_t orow = a->rows * a->ldc * (int64_t)ces;
@@ -504,7 +500,7 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
      * otherwise delay it whenever the GPU has caught up with the host. On
      * the CPU a compute-stream call runs at once, so the comm thread's work
      * is queued first. */
-    const int gemm_first = c->device != TEC_DEVICE_CPU;
+    const int gemm_first = (c->ops->caps & TEC_TRANSPORT_ASYNC) != 0;
     const void *src = a->a_local;
     if (gemm_first) {
         if (src && src != slot(c, r, r, chunk)) {
@@ -604,7 +600,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     if (!a->out || !a->b || !a->a || a->k <= 0 || a->lda < a->k)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: missing A, B or out, or bad k/lda", c->name);
     const int r = c->rank, n = c->size;
-    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_RS, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_RS, chunk));
     const char *A = a->a;
     const int64_t arow = a->rows * a->lda * (int64_t)es;
     if (n == 1) {
@@ -614,9 +610,10 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
         return TEC_OK;
     }
     void *M = c->ops->comm_stream(c->t);
-    /* As in ag_gemm: on CUDA the first GEMM is issued before the handshake
-     * (it writes only our staging area), on the CPU after it. */
-    const int gemm_first = c->device != TEC_DEVICE_CPU;
+    /* As in ag_gemm: with an asynchronous transport (CUDA) the first GEMM is
+     * issued before the handshake (it writes only our staging area), with a
+     * synchronous one (CPU) after it. */
+    const int gemm_first = (c->ops->caps & TEC_TRANSPORT_ASYNC) != 0;
     if (gemm_first)
         TRY(c->ops->event_record(c->t, EV_START, stream));
     else
@@ -648,7 +645,7 @@ tec_status tec_comm_bulk_ag_start(tec_comm *c, const void *src, size_t chunk, vo
     tec_status st = begin_chunk(c, "bulk_ag", chunk, 1, 1, TEC_F32);
     if (st)
         return st;
-    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_AG, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_BULK_AG, chunk));
     if (c->size == 1) {
         void *M = c->ops->comm_stream(c->t);
         TRY(c->ops->event_record(c->t, EV_START, stream));
@@ -699,7 +696,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
         return tec_set_error(TEC_ERR_INVALID_ARG,
                              "communicator '%s': bulk_rs: the input lies in the communicator's own buffer; "
                              "reduce-scatter needs it elsewhere", c->name);
-    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, mk_tag(OP_BULK_RS, chunk));
+    const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_BULK_RS, chunk));
     void *M = c->ops->comm_stream(c->t);
     const int r = c->rank, n = c->size;
     if (n == 1) {

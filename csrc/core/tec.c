@@ -1,45 +1,15 @@
-/* tec.c - status strings, the per-thread error message, argument checks and
- * device dispatch for the engine's operations. Exercised by every test that
- * calls into the engine (tests/test_kernels.py covers the checks). */
+/* tec.c - argument checks and device dispatch for the engine's operations,
+ * and loading the CUDA backend library (handing it the core's error hooks).
+ * Exercised by every test that calls into the engine (tests/test_kernels.py
+ * covers the checks). */
 #define _GNU_SOURCE
-#include "tec.h"
-
 #include <dlfcn.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
-static _Thread_local char tec_errbuf[1024];
-
-const char *tec_status_string(tec_status s)
-{
-    switch (s) {
-    case TEC_OK: return "ok";
-    case TEC_ERR_INVALID_ARG: return "invalid argument";
-    case TEC_ERR_NOT_SUPPORTED: return "not supported";
-    case TEC_ERR_NO_MEMORY: return "out of memory";
-    case TEC_ERR_SYSTEM: return "system error";
-    case TEC_ERR_CUDA: return "CUDA error";
-    case TEC_ERR_CUBLAS: return "cuBLAS error";
-    case TEC_ERR_NCCL: return "NCCL error";
-    case TEC_ERR_TIMEOUT: return "timeout";
-    case TEC_ERR_CLOSED: return "closed";
-    case TEC_ERR_INTERNAL: return "internal error";
-    }
-    return "unknown status";
-}
-
-const char *tec_last_error(void) { return tec_errbuf; }
-
-tec_status tec_set_error(tec_status s, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(tec_errbuf, sizeof tec_errbuf, fmt, ap);
-    va_end(ap);
-    return s;
-}
+#include "backend.h"
+#include "error.h"
 
 size_t tec_dtype_size(tec_dtype dt)
 {
@@ -57,7 +27,10 @@ static const tec_backend *cuda_backend;
 static void *cuda_handle;
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
-tec_status tec_load_cuda_backend(const char *path)
+/* Given to the CUDA library: it reports through these (one error channel). */
+static tec_core_hooks core_hooks = {TEC_BACKEND_ABI, tec_set_error, 0};
+
+tec_status tec_load_cuda_backend(const char *path, unsigned gemm_policy)
 {
     tec_status st = TEC_OK;
     pthread_mutex_lock(&load_lock);
@@ -68,8 +41,9 @@ tec_status tec_load_cuda_backend(const char *path)
         st = tec_set_error(TEC_ERR_NOT_SUPPORTED, "cannot load CUDA backend %s: %s", path, dlerror());
         goto out;
     }
-    const tec_backend *(*get)(void) = (const tec_backend *(*)(void))dlsym(h, "tec_cuda_backend_get");
-    const tec_backend *b = get ? get() : NULL;
+    tec_cuda_backend_init_fn init = (tec_cuda_backend_init_fn)dlsym(h, TEC_CUDA_BACKEND_ENTRY);
+    core_hooks.gemm_policy = gemm_policy;
+    const tec_backend *b = init ? init(&core_hooks) : NULL;
     if (!b || b->abi_version != TEC_BACKEND_ABI) {
         dlclose(h);
         st = tec_set_error(TEC_ERR_NOT_SUPPORTED, "%s is not a CUDA backend of ABI %d", path, TEC_BACKEND_ABI);
@@ -82,23 +56,9 @@ out:
     return st;
 }
 
-void *tec_cuda_symbol(const char *name)
-{
-    return cuda_handle ? dlsym(cuda_handle, name) : NULL;
-}
-
 const tec_backend *tec_backend_for(int device)
 {
     return device == TEC_DEVICE_CPU ? &tec_cpu_backend : cuda_backend;
-}
-
-/* A backend failure: copy its message into ours (the CUDA library keeps
- * its own thread-local buffer). */
-static tec_status from_backend(const tec_backend *b, tec_status st)
-{
-    if (st != TEC_OK && b->last_error && b != &tec_cpu_backend)
-        tec_set_error(st, "%s", b->last_error());
-    return st;
 }
 
 static tec_status get_backend(int device, const tec_backend **out)
@@ -108,6 +68,18 @@ static tec_status get_backend(int device, const tec_backend **out)
         return tec_set_error(TEC_ERR_NOT_SUPPORTED,
                              "device cuda:%d requested but the CUDA backend is not loaded", device);
     return TEC_OK;
+}
+
+tec_status tec_backend_check(int device)
+{
+    const tec_backend *b;
+    return get_backend(device, &b);
+}
+
+size_t tec_gemm_workspace_bytes(int device)
+{
+    const tec_backend *b = tec_backend_for(device);
+    return b ? b->gemm_workspace_bytes : 0;
 }
 
 static int dtype_ok(tec_dtype dt) { return dt == TEC_F32 || dt == TEC_BF16 || dt == TEC_F16; }
@@ -129,7 +101,7 @@ tec_status tec_norm_fwd(int device, const tec_norm_fwd_args *a, void *stream)
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm: eps must be >= 0");
     if (a->rows == 0)
         return TEC_OK;
-    return from_backend(b, b->norm_fwd(device, a, stream));
+    return b->norm_fwd(device, a, stream);
 }
 
 size_t tec_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols)
@@ -153,7 +125,7 @@ tec_status tec_norm_bwd(int device, const tec_norm_bwd_args *a, void *stream)
     if (a->workspace_bytes < need || (need && !a->workspace))
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: workspace of %zu bytes, %zu needed",
                              a->workspace_bytes, need);
-    return from_backend(b, b->norm_bwd(device, a, stream));
+    return b->norm_bwd(device, a, stream);
 }
 
 tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream)
@@ -179,5 +151,5 @@ tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream)
     if (a->workspace_bytes < b->gemm_workspace_bytes || (b->gemm_workspace_bytes && !a->workspace))
         return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: workspace of %zu bytes, %zu needed",
                              a->workspace_bytes, b->gemm_workspace_bytes);
-    return from_backend(b, b->gemm(device, a, stream));
+    return b->gemm(device, a, stream);
 }

@@ -67,8 +67,9 @@ static PyObject *py_norm_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t n
     ARGC("norm_bwd_workspace_bytes", 3);
     int64_t dev, rows, cols;
     I64(0, dev); I64(1, rows); I64(2, cols);
-    if (!tec_backend_for((int)dev))
-        return tec_raise(m, tec_set_error(TEC_ERR_NOT_SUPPORTED, "the CUDA backend is not loaded"));
+    tec_status st = tec_backend_check((int)dev);
+    if (st)
+        return tec_raise(m, st);
     return PyLong_FromSize_t(tec_norm_bwd_workspace_bytes((int)dev, rows, cols));
 }
 
@@ -102,10 +103,10 @@ static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs
     ARGC("gemm_workspace_bytes", 1);
     int64_t dev;
     I64(0, dev);
-    const tec_backend *b = tec_backend_for((int)dev);
-    if (!b)
-        return tec_raise(m, tec_set_error(TEC_ERR_NOT_SUPPORTED, "the CUDA backend is not loaded"));
-    return PyLong_FromSize_t(b->gemm_workspace_bytes);
+    tec_status st = tec_backend_check((int)dev);
+    if (st)
+        return tec_raise(m, st);
+    return PyLong_FromSize_t(tec_gemm_workspace_bytes((int)dev));
 }
 
 /* act_fwd(device, act, dtype, rows, cols, x, bias, y, limit, alpha,
@@ -158,26 +159,29 @@ static PyObject *py_act_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t na
     ARGC("act_bwd_workspace_bytes", 4);
     int64_t dev, act, rows, cols;
     I64(0, dev); I64(1, act); I64(2, rows); I64(3, cols);
-    if (!tec_backend_for((int)dev))
-        return tec_raise(m, tec_set_error(TEC_ERR_NOT_SUPPORTED, "the CUDA backend is not loaded"));
+    tec_status st = tec_backend_check((int)dev);
+    if (st)
+        return tec_raise(m, st);
     return PyLong_FromSize_t(tec_act_bwd_workspace_bytes((int)dev, (tec_activation)act, rows, cols));
 }
 
-/* load_cuda_backend(path: str) */
+/* load_cuda_backend(path: str, gemm_policy: int) (TEC_GEMM_* bits of tec.h) */
 static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("load_cuda_backend", 1);
+    ARGC("load_cuda_backend", 2);
+    int64_t policy;
+    I64(1, policy);
     const char *path = PyUnicode_AsUTF8(args[0]);
     if (!path)
         return NULL;
-    return run(m, tec_load_cuda_backend(path));
+    return run(m, tec_load_cuda_backend(path, (unsigned)policy));
 }
 
 /* has_cuda_backend() -> bool */
 static PyObject *py_has_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("has_cuda_backend", 0);
-    return PyBool_FromLong(tec_backend_for(0) != NULL);
+    return PyBool_FromLong(tec_backend_check(0) == TEC_OK);
 }
 
 PyMethodDef tec_ops_methods[] = {

@@ -5,7 +5,7 @@
  * create/destroy cycles without device-memory growth, and the tag-mismatch and timeout
  * reports. Prints "PASS transport_test" and exits 0 (77 and a SKIP line without a GPU).
  * Build (repository root):
- *   nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu csrc/core/cuda/cuda_transport.cu -o /tmp/transport_test -lcudart && /tmp/transport_test
+ *   nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu csrc/core/cuda/cuda_transport.cu csrc/core/cuda/cuda_common.cu csrc/core/error.c -o /tmp/transport_test -lcudart && /tmp/transport_test
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "cuda/cuda_transport.h"
+#include "error.h"
 
 /* Region layout as csrc/core/comm.c builds it. */
 static const size_t DATA = (size_t)1 << 20;
@@ -71,7 +72,7 @@ static void say(const char *fmt, ...)
     do {                                                                                           \
         tec_status s_ = (call);                                                                    \
         if (s_ != TEC_OK)                                                                          \
-            die("%s:%d: %s -> status %d: %s", __FILE__, __LINE__, #call, (int)s_, ops->last_error()); \
+            die("%s:%d: %s -> status %d: %s", __FILE__, __LINE__, #call, (int)s_, tec_last_error()); \
     } while (0)
 
 static void xwrite(const void *p, size_t n)
@@ -121,7 +122,6 @@ static uint64_t *flag(void *base, int kind, int src)
     return (uint64_t *)((char *)base + FLAGS_OFF) + (size_t)kind * TEC_COMM_MAX_RANKS + src;
 }
 
-static uint32_t mk_tag(int op, size_t chunk) { return ((uint32_t)op << 29) | (uint32_t)(chunk & 0x1fffffffu); }
 
 static tec_wait_site site(const char *op, const char *what, int peer, int step)
 {
@@ -205,7 +205,7 @@ static void test_pingpong(tec_transport *t, void **bases, int q, int epochs)
     CK(cudaMalloc(&bad, sizeof *bad));
     CK(cudaMemset(bad, 0, sizeof *bad));
     CK(cudaDeviceSynchronize());
-    const uint32_t TAG_R = mk_tag(1, CHUNK), TAG_F = 0;
+    const uint32_t TAG_R = tec_flag_tag(1, CHUNK), TAG_F = 0;
     const size_t n = CHUNK / 4;
     uint32_t *staging = (uint32_t *)((char *)own + DATA);
     barrier();
@@ -559,15 +559,15 @@ static void test_failures(tec_transport *t, void **bases, int q)
     void *M = ops->comm_stream(t);
     const uint64_t E = (uint64_t)1 << 20; /* past every epoch used before */
     if (g_rank == 1) {
-        TK(ops->signal(t, flag(peer, TEC_FLAG_READY, 1), tec_flag_value(E, mk_tag(2, 4096)), M));
+        TK(ops->signal(t, flag(peer, TEC_FLAG_READY, 1), tec_flag_value(E, tec_flag_tag(2, 4096)), M));
         TK(ops->synchronize(t, M));
     }
     barrier();
     if (g_rank == 0) {
-        TK(ops->wait(t, flag(own, TEC_FLAG_READY, 1), tec_flag_value(E, mk_tag(2, 8192)), 10.0,
+        TK(ops->wait(t, flag(own, TEC_FLAG_READY, 1), tec_flag_value(E, tec_flag_tag(2, 8192)), 10.0,
                      site("gemm_rs", "partial ready", 1, 5), M));
         tec_status st = ops->synchronize(t, M);
-        const char *msg = ops->last_error();
+        const char *msg = tec_last_error();
         if (st != TEC_ERR_INVALID_ARG || !strstr(msg, "peer 1") || !strstr(msg, "step 5") ||
             !strstr(msg, "different operation or shape") || !strstr(msg, "4096") || !strstr(msg, "8192"))
             die("tag mismatch: status %d, message \"%s\"", (int)st, msg);
@@ -589,7 +589,7 @@ static void test_failures(tec_transport *t, void **bases, int q)
                          site("ag_gemm", "chunk ready", 0, step), M));
         tec_status st = ops->synchronize(t, M);
         const double dt = now_s() - t0;
-        const char *msg = ops->last_error();
+        const char *msg = tec_last_error();
         if (st != TEC_ERR_TIMEOUT || !strstr(msg, "timed out after 1 s") || !strstr(msg, "peer 0") ||
             !strstr(msg, "step 3") || !strstr(msg, "'test' rank 1"))
             die("timeout: status %d, message \"%s\"", (int)st, msg);
@@ -598,9 +598,9 @@ static void test_failures(tec_transport *t, void **bases, int q)
         say("timeout reported after %.2f s: %s", dt, msg);
         st = ops->wait(t, flag(own, TEC_FLAG_READY, 0), tec_flag_value(2 * E, 0), 1.0,
                        site("ag_gemm", "chunk ready", 0, 9), M);
-        if (st != TEC_ERR_TIMEOUT || !strstr(ops->last_error(), "step 3"))
+        if (st != TEC_ERR_TIMEOUT || !strstr(tec_last_error(), "step 3"))
             die("timeout: a wait after the failure returned %d (%s), not the sticky timeout", (int)st,
-                ops->last_error());
+                tec_last_error());
         /* Suppressed: rank 0 must never see this value. */
         TK(ops->signal(t, flag(peer, TEC_FLAG_CONSUMED, 1), tec_flag_value(7, 0), M));
         st = ops->synchronize(t, M);
@@ -632,9 +632,15 @@ static int child(int rank)
         return 77;
     const int device = ndev > 1 ? rank : 0;
     const int q = 1 - rank;
-    ops = tec_cuda_transport_get();
-    if (!ops || ops->abi_version != TEC_TRANSPORT_ABI)
-        die("tec_cuda_transport_get: no table of ABI %d", TEC_TRANSPORT_ABI);
+    /* As the core does when it loads the library: failures report through
+     * the core's tec_set_error (csrc/core/error.c, linked in). */
+    static const tec_core_hooks hooks = {TEC_BACKEND_ABI, tec_set_error, 0u};
+    tec_cuda_set_hooks(&hooks);
+    ops = &tec_cuda_transport;
+    if (ops->abi_version != TEC_TRANSPORT_ABI)
+        die("the CUDA transport's table has ABI %d, expected %d", ops->abi_version, TEC_TRANSPORT_ABI);
+    if (!(ops->caps & TEC_TRANSPORT_ASYNC) || (ops->caps & TEC_TRANSPORT_HOST_FLAGS))
+        die("the CUDA transport's capabilities %#x: expected asynchronous streams and device flags", ops->caps);
     CK(cudaSetDevice(device));
     char bus[32] = "";
     CK(cudaDeviceGetPCIBusId(bus, sizeof bus, device));
@@ -666,6 +672,8 @@ static int child(int rank)
     /* Bad arguments are refused, not crashed on. */
     if (ops->event_record(t, TEC_COMM_NEVENTS, ops->comm_stream(t)) != TEC_ERR_INVALID_ARG)
         die("event %d accepted", TEC_COMM_NEVENTS);
+    if (!strstr(tec_last_error(), "event_record: event") || !strstr(tec_last_error(), "cuda_transport.cu:"))
+        die("the refusal's message did not reach the core's tec_last_error: '%s'", tec_last_error());
     if (ops->wait(t, (const uint64_t *)((char *)bases[rank] + 4), 0, 1.0, site("x", "y", q, 0), NULL) !=
         TEC_ERR_INVALID_ARG)
         die("misaligned flag accepted");

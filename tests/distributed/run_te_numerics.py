@@ -17,6 +17,7 @@ that normalises each rank's feature slice, as TE's row LayerNormLinear does).
 Prints "ok <case>" per case and "PASS run_te_numerics" when every case passed."""
 import argparse
 import contextlib
+import os
 import sys
 import traceback
 import warnings
@@ -25,9 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import transformer_engine_c as te
-import common
-from reference import norm as ref_norm
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: reference.py
+import transformer_engine_c as te  # noqa: E402
+import common  # noqa: E402
+from reference import norm as ref_norm  # noqa: E402
 
 SEQ_LEN, BATCH_SIZE, HIDDEN_SIZE = 16, 16, 64  # TE's shapes
 LOSS_FN = torch.nn.MSELoss()

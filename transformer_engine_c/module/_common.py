@@ -160,6 +160,20 @@ class UBConfig:
         return self.flags[k]
 
 
+class _NoUB:
+    """A UBConfig with nothing on: what a call with no tokens uses (the
+    schedules need at least one row per rank)."""
+    enabled = False
+    flags = dict.fromkeys(UB_FLAGS, False)
+    comms = {}
+
+    def __getitem__(self, k):
+        return False
+
+
+NO_UB = _NoUB()
+
+
 def check_input(inp, in_local, dtype, device, tp, cast, name="inp"):
     """Validate the layer input; return it as a contiguous 2-D [tokens, in]
     in the layer's compute dtype `dtype`: under autocast (`cast`) the input
@@ -200,11 +214,19 @@ def as_2d(t):
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def like_input(y, inp_shape):
-    """y [tokens, features] with the input's leading dims (y itself for a 2-D input)."""
+def like_input(y, inp_shape, tp=None):
+    """y [tokens, features] with the input's leading dims (y itself for a
+    2-D input). `tp`: y is the layer's output, whose sequence length the
+    sequence-parallel collectives changed (needed only when batch is 0)."""
     if len(inp_shape) == 2:
         return y
-    return y.view(y.shape[0] // inp_shape[1], inp_shape[1], y.shape[1])
+    b = inp_shape[1]
+    if b:
+        return y.view(y.shape[0] // b, b, y.shape[1])
+    s = inp_shape[0]
+    if tp is not None and tp.sp:
+        s = s * tp.size if tp.mode == "column" else s // tp.size if tp.mode == "row" else s
+    return y.view(s, 0, y.shape[1])
 
 
 # -------------------------------------------------------------- GEMM steps
@@ -221,7 +243,7 @@ def gather_input(x, tp, async_op=False):
 def fprop(x_total, w, bias, tp):
     """Y = X W^T (+ bias) followed by the row-parallel reduction."""
     fused_bias = bias if tp.mode != "row" else None
-    y = _engine.gemm(x_total, w, transb=True, bias=fused_bias)
+    y = _engine.linear(x_total, w, fused_bias)
     if tp.mode == "row":
         y = reduce_scatter_rows(y, tp.group, tp.size) if tp.sp else all_reduce(y, tp.group, tp.size)
         if bias is not None:
@@ -265,7 +287,7 @@ class Wgrad:
         """(dw for autograd, db for autograd): computed now, or (None, None)
         after queueing the GEMM for backward_dw()."""
         db_local = None
-        if self.bias_from_local:
+        if self.bias_from_local and self.with_bias:
             db_local = dy_local.sum(0, dtype=torch.float32).to(dy_local.dtype)
         if self.delay:
             dy_total, x_total = outside_buffers(dy_total, ub), outside_buffers(x_total, ub)
@@ -349,7 +371,7 @@ def outside_buffers(t, ub):
 def ub_fprop(x, w, bias, tp, ub):
     """fprop through a communicator when the layer's flags say so and the
     overlap pays at this shape (CommOverlap.take_overlap), else None."""
-    if not ub.enabled:
+    if not ub.enabled or x.shape[0] == 0:
         return None
     if tp.mode == "column" and ub["ub_overlap_ag"]:
         c = ub.comms["fprop"]
@@ -366,6 +388,8 @@ def column_backward(dy, x_local, w, tp, ub, need_dx, wg):
     """Column layer backward (dy: [S, out/tp]; x_local: the saved local
     input; wg: a Wgrad, or None when no weight/bias gradient is needed).
     Returns (dx, dw, db), running the ub overlaps the flags ask for."""
+    if dy.shape[0] == 0:
+        ub = NO_UB
     try:
         return _column_backward(dy, x_local, w, tp, ub, need_dx, wg)
     except BaseException:
@@ -432,7 +456,7 @@ def row_backward(dy_local, x_local, w, tp, ub, need_dx, wg):
     saved input). Returns (dx, dw, db). With ub_overlap_ag the grad_output
     all-gather overlaps dgrad and wgrad reads the gathered grad_output from
     the buffer (copied first if wgrad is delayed)."""
-    if ub.enabled and ub["ub_overlap_ag"] and need_dx and ub.comms["dgrad"].take_overlap(
+    if ub.enabled and ub["ub_overlap_ag"] and need_dx and dy_local.shape[0] and ub.comms["dgrad"].take_overlap(
             "ag", dy_local.shape[0], dy_local.shape[1], w.shape[1]):
         c = ub.comms["dgrad"]
         dx = c.ag_gemm(dy_local, w, transb=False)

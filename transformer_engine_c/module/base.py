@@ -73,7 +73,9 @@ def initialize_ub(shape, tp_size, use_fp8=False, quantization_modes=None, dtype=
     TE's arguments mean what they mean in TE: `shape` is [sequence * batch,
     hidden] of the full activations; `tp_size` the tensor-parallel size, whose
     domains are tp_size consecutive ranks of the world when no `tp_group` is
-    given (ours, keyword only); `ub_cfgs` {layer name: {method, ...}}.
+    given (ours, keyword only); `ub_cfgs` {layer name: {method, ...}}. The
+    buffers live on the current CUDA device, or on the CPU where the group
+    has no NCCL backend (gloo) or there is no GPU (`device=` decides).
     `bootstrap_backend` may be "nccl" or "gloo" (the handles are exchanged over
     the tensor-parallel process group either way); MPI bootstrapping,
     cuBLASMp and FP8 buffers raise NotImplementedError. Further keywords
@@ -91,6 +93,9 @@ def initialize_ub(shape, tp_size, use_fp8=False, quantization_modes=None, dtype=
         raise ValueError(f"bootstrap_backend must be None, 'nccl' or 'gloo', got {bootstrap_backend!r}")
     if tp_group is None:
         tp_group = _domain_group(int(tp_size))
+    if kwargs.get("device") is None and kwargs.get("transport", "auto") == "auto" and dist.is_available() \
+            and dist.is_initialized() and "nccl" not in dist.get_backend(tp_group):
+        kwargs["device"] = "cpu"  # a gloo-only group trains on the CPU, whether or not the host has GPUs
     _ub.initialize_ub(shape, tp_size, dtype=dtype, ub_cfgs=ub_cfgs, tp_group=tp_group, **kwargs)
 
 
@@ -215,6 +220,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 setattr(self, self.bias_names[i], torch.empty(0, dtype=dtype, device=device))
             row += n
         self.use_bias = bool(bias)
+        for role, c in self.ub.comms.items():
+            if c.device != torch.device(device):
+                raise ValueError(f"{type(self).__name__}: communicator '{c.name}' ({role}) is on {c.device} but the "
+                                 f"layer's parameters are on {device} (pass device= to initialize_ub / CommOverlap)")
         if self.delay_wgrad_compute:
             for name in self.weight_names + (self.bias_names if bias else []):
                 getattr(self, name).skip_backward_post_hook = True
@@ -254,7 +263,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 full = kept[1]
         else:
             full = w
-        return full if full.dtype == dtype else full.to(dtype)
+        if full.dtype != dtype:
+            return full.to(dtype, memory_format=torch.contiguous_format)
+        return full if full.is_contiguous() else full.contiguous()  # torch accepts any layout; so do we
 
     # -- delayed weight gradients -------------------------------------------
 

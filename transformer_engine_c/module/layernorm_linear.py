@@ -13,49 +13,62 @@ from .base import TransformerEngineBaseModule
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
+def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, dtype, cast):
+    """The forward's work, shared by the autograd Function and the no-grad
+    path (which skips the Function): (output [tokens, out], the normalised
+    output to return or None, (x, ln_out, mu, rsigma) for backward)."""
+    tp, ub = layer.tp, layer.ub
+    x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
+    w = layer._full_weight(weight, is_first_microbatch, dtype)
+    g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
+    beta = ln_bias if ln_bias is None or ln_bias.dtype == dtype else ln_bias.to(dtype)
+    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    ln_total = None
+    if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and x.shape[0] and ub.comms["fprop"].take_overlap(
+            "ag", x.shape[0], x.shape[1], w.shape[0]):
+        # The norm writes straight into this rank's slot of the buffer;
+        # what is saved (and returned) is a copy, never the buffer, made
+        # on the comm stream while the GEMMs run.
+        comm = ub.comms["fprop"]
+        slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
+        ln_view, mu, rsigma = _engine.norm_fwd(x, g, beta, layer.eps, layer.zero_centered_gamma, out=slot)
+        ln_out = torch.empty_like(x)
+        y = comm.ag_gemm(ln_view, w, bias=b, local_copy=ln_out)
+        if layer.return_layernorm_output_gathered:
+            ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
+        del slot, ln_view
+    else:
+        ln_out, mu, rsigma = _engine.norm_forward(x, g, beta, layer.eps, layer.zero_centered_gamma)
+        y = C.ub_fprop(ln_out, w, b, tp, ub) if tp.mode == "row" and ub.enabled else None
+        if y is None:
+            ln_total = C.gather_input(ln_out, tp)
+            y = C.fprop(ln_total, w, b, tp)
+    ln_ret = None
+    if layer.return_layernorm_output:
+        if layer.return_layernorm_output_gathered and tp.mode == "column" and tp.sp:
+            # The full sequence: the GEMM's gathered input (or a copy of the
+            # buffer's); its gradient is reduce-scattered back in backward.
+            ln_ret = ln_total.view((ln_total.shape[0] // inp.shape[1], *inp.shape[1:])) if inp.dim() == 3 \
+                else ln_total
+        else:
+            # ln_out is also saved for backward: it is returned as a view
+            # made in the Function, which autograd refuses to let be
+            # modified in place.
+            ln_ret = ln_out.view(inp.shape)
+    return y, ln_ret, (x, ln_out, mu, rsigma)
+
+
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, dtype, cast):
-        tp, ub = layer.tp, layer.ub
-        x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
-        w = layer._full_weight(weight, is_first_microbatch, dtype)
-        g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
-        beta = ln_bias if ln_bias is None or ln_bias.dtype == dtype else ln_bias.to(dtype)
-        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        ln_total = None
-        if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap(
-                "ag", x.shape[0], x.shape[1], w.shape[0]):
-            # The norm writes straight into this rank's slot of the buffer;
-            # what is saved (and returned) is a copy, never the buffer, made
-            # on the comm stream while the GEMMs run.
-            comm = ub.comms["fprop"]
-            slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
-            ln_view, mu, rsigma = _engine.norm_fwd(x, g, beta, layer.eps, layer.zero_centered_gamma, out=slot)
-            ln_out = torch.empty_like(x)
-            y = comm.ag_gemm(ln_view, w, bias=b, local_copy=ln_out)
-            if layer.return_layernorm_output_gathered:
-                ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
-            del slot, ln_view
-        else:
-            ln_out, mu, rsigma = _engine.norm_fwd(x, g, beta, layer.eps, layer.zero_centered_gamma)
-            y = C.ub_fprop(ln_out, w, b, tp, ub) if tp.mode == "row" else None
-            if y is None:
-                ln_total = C.gather_input(ln_out, tp)
-                y = C.fprop(ln_total, w, b, tp)
+        y, ln_ret, (x, ln_out, mu, rsigma) = _forward(inp, ln_weight, ln_bias, weight, bias, layer,
+                                                      is_first_microbatch, dtype, cast)
         saved, ctx.objects = prepare_for_saving(x, ln_out, mu, rsigma, ln_weight, weight)
         ctx.save_for_backward(*saved)
         ctx.layer, ctx.inp_shape, ctx.has_bias, ctx.dtype = layer, inp.shape, bias is not None, dtype
         ctx.first_mb = is_first_microbatch
-        if not layer.return_layernorm_output:
-            return y  # 2-D; the module gives it the input's leading dims
-        if layer.return_layernorm_output_gathered and tp.mode == "column" and tp.sp:
-            # The full sequence: the GEMM's gathered input (or a copy of the
-            # buffer's); its gradient is reduce-scattered back in backward.
-            shape = (ln_total.shape[0] // inp.shape[1], *inp.shape[1:]) if inp.dim() == 3 else ln_total.shape
-            return y, ln_total.view(shape)
-        # ln_out is also saved for backward: it is returned as a view made
-        # here, which autograd refuses to let be modified in place.
-        return y, ln_out.view(inp.shape)
+        # y is 2-D; the module gives it the input's leading dims.
+        return y if ln_ret is None else (y, ln_ret)
 
     @staticmethod
     def backward(ctx, dout, dln_out=None):
@@ -115,7 +128,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         super().__init__(name)
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
-        self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
@@ -126,16 +138,24 @@ class LayerNormLinear(TransformerEngineBaseModule):
                             ub_bulk_wgrad=ub_bulk_wgrad),
                        ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
+        self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
         dtype, device = C.default_dtype(params_dtype), C.default_device(device)
         self.rng_tracker_name = rng_tracker_name
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(init_gamma(self.in_local, dtype=dtype, device=device))
-        self.layer_norm_weight.sequence_parallel = self.tp.sp
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(self.in_local, dtype=dtype, device=device))
-            self.layer_norm_bias.sequence_parallel = self.tp.sp
-        else:
-            self.layer_norm_bias = None
+        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(self.in_local, dtype=dtype, device=device))
+                                if normalization == "LayerNorm" else None)
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is None:
+                continue
+            # Replicated over the group (partial gradients under sequence
+            # parallelism, which the framework sums), except in row mode:
+            # there each rank owns its slice of the features and sees every
+            # token, so its gradient is complete. TE marks those too, and a
+            # framework that sums them gets tp-fold wrong gradients; we do not.
+            p.sequence_parallel = self.tp.sp and self.tp.mode != "row"
+            if self.tp.mode == "row":
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
         self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker,
                                  rng_tracker_name, bias, parameters_split)
 
@@ -147,12 +167,17 @@ class LayerNormLinear(TransformerEngineBaseModule):
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight.device, weight.dtype)
-        out = _LayerNormLinearFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, weight,
-                                       None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
-        if self.return_layernorm_output:
-            y, ln_out = C.like_input(out[0], inp.shape), out[1]
+        args = (inp, self.layer_norm_weight, self.layer_norm_bias, weight, None if self.return_bias else bias, self,
+                is_first_microbatch, dtype, cast)
+        if torch.is_grad_enabled():
+            out = _LayerNormLinearFn.apply(*args)
         else:
-            y = C.like_input(out, inp.shape)
+            y, ln_ret, _ = _forward(*args)
+            out = y if ln_ret is None else (y, ln_ret)
+        if self.return_layernorm_output:
+            y, ln_out = C.like_input(out[0], inp.shape, self.tp), out[1]
+        else:
+            y = C.like_input(out, inp.shape, self.tp)
         if self.return_bias:
             if bias is None:
                 bias = getattr(self, self.bias_names[0])

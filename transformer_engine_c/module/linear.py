@@ -8,16 +8,25 @@ from . import _common as C
 from .base import TransformerEngineBaseModule
 
 
+def _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast):
+    """The forward's work, shared by the autograd Function and the no-grad
+    path (which skips the Function: nothing to save, no graph node):
+    (output [tokens, out], the validated 2-D input)."""
+    tp = layer.tp
+    x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
+    w = layer._full_weight(weight, is_first_microbatch, dtype)
+    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    y = C.ub_fprop(x, w, b, tp, layer.ub) if layer.ub.enabled else None
+    if y is None:
+        y = C.fprop(C.gather_input(x, tp), w, b, tp)
+    return y, x
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, layer, is_first_microbatch, dtype, cast):
-        tp, ub = layer.tp, layer.ub
-        x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
-        w = layer._full_weight(weight, is_first_microbatch, dtype)
-        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        y = C.ub_fprop(x, w, b, tp, ub)
-        if y is None:
-            y = C.fprop(C.gather_input(x, tp), w, b, tp)
+        ub = layer.ub
+        y, x = _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast)
         # Save the local (not gathered) input: column + SP re-gathers it in
         # backward. save_original_input keeps the caller's tensor instead (no
         # second copy when the cast or 2-D view made one).
@@ -74,19 +83,19 @@ class Linear(TransformerEngineBaseModule):
                  ub_bulk_dgrad=False, ub_bulk_wgrad=False, ub_name=None, delay_wgrad_compute=False,
                  symmetric_ar_type=None, save_original_input=False, name=None, *, ub_comm=None):
         super().__init__(name)
-        self.in_features, self.out_features = in_features, out_features
         self._setup_tp(parallel_mode, sequence_parallel, tp_group, tp_size,
                        dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                             ub_bulk_wgrad=ub_bulk_wgrad),
                        ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
+        self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
         dtype, device = C.default_dtype(params_dtype), C.default_device(device)
         self.return_bias = bool(return_bias)
         self.save_original_input = bool(save_original_input)
         self.rng_tracker_name = rng_tracker_name
-        self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker, rng_tracker_name, bias,
-                                 parameters_split)
+        self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker,
+                                 rng_tracker_name, bias, parameters_split)
 
     def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
         """inp [tokens, in] or [seq, batch, in]. is_first_microbatch (TE): None,
@@ -98,9 +107,9 @@ class Linear(TransformerEngineBaseModule):
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight.device, weight.dtype)
-        y = _LinearFn.apply(inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype,
-                            cast)
-        y = C.like_input(y, inp.shape)
+        args = (inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
+        y = _LinearFn.apply(*args) if torch.is_grad_enabled() else _forward(*args)[0]
+        y = C.like_input(y, inp.shape, self.tp)
         if self.return_bias:
             if bias is None:
                 bias = getattr(self, self.bias_names[0])

@@ -6,16 +6,18 @@
 
 #include "../act_math.h"
 #include "../activation.h"
+#include "../error.h"
 #include "cpu_dtype.h"
 
-size_t tec_cpu_act_bwd_workspace_bytes(tec_activation act, int64_t rows, int64_t cols)
+size_t tec_cpu_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols)
 {
-    (void)rows;
+    (void)device; (void)rows;
     return (size_t)tec_act_in_cols(act, cols) * sizeof(float); /* dbias accumulators */
 }
 
-tec_status tec_cpu_act_fwd(const tec_act_fwd_args *a)
+tec_status tec_cpu_act_fwd(int device, const tec_act_fwd_args *a, void *stream)
 {
+    (void)device; (void)stream;
     const int gated = tec_act_is_gated(a->act), f = (int)a->act & 15;
     const int64_t n = a->cols, in = tec_act_in_cols(a->act, n);
     const size_t es = tec_dtype_size(a->dtype);
@@ -39,8 +41,9 @@ tec_status tec_cpu_act_fwd(const tec_act_fwd_args *a)
     return TEC_OK;
 }
 
-tec_status tec_cpu_act_bwd(const tec_act_bwd_args *a)
+tec_status tec_cpu_act_bwd(int device, const tec_act_bwd_args *a, void *stream)
 {
+    (void)device; (void)stream;
     const int gated = tec_act_is_gated(a->act), f = (int)a->act & 15;
     const int64_t n = a->cols, in = tec_act_in_cols(a->act, n);
     const size_t es = tec_dtype_size(a->dtype);

@@ -5,7 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../tec.h"
+#include "../backend.h"
+#include "../error.h"
 #include "cpu_dtype.h"
 
 /* ------------------------------------------------------------ norm */
@@ -181,8 +182,6 @@ done:
     return st;
 }
 
-static const char *cpu_last_error(void) { return tec_last_error(); }
-
 const tec_backend tec_cpu_backend = {
     .abi_version = TEC_BACKEND_ABI,
     .name = "cpu",
@@ -191,5 +190,8 @@ const tec_backend tec_cpu_backend = {
     .norm_bwd_workspace_bytes = cpu_norm_bwd_ws,
     .gemm = cpu_gemm,
     .gemm_workspace_bytes = 0,
-    .last_error = cpu_last_error,
+    .transport = &tec_shm_transport,
+    .act_fwd = tec_cpu_act_fwd,
+    .act_bwd = tec_cpu_act_bwd,
+    .act_bwd_workspace_bytes = tec_cpu_act_bwd_workspace_bytes,
 };

@@ -17,7 +17,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../tec.h"
+#include "../error.h"
+#include "../transport.h"
 #include "cpu_dtype.h"
 
 enum { OP_COPY, OP_SIGNAL, OP_WAIT, OP_EVREC, OP_EVWAIT, OP_REDUCE };
@@ -127,9 +128,9 @@ static tec_status do_wait(tec_transport *t, const uint64_t *flag, uint64_t value
     unsigned n = 0;
     for (;;) {
         uint64_t seen = atomic_load_explicit(f, memory_order_acquire);
-        if ((seen >> 32) > (value >> 32))
+        if (tec_flag_epoch(seen) > tec_flag_epoch(value))
             return TEC_OK;
-        if ((seen >> 32) == (value >> 32)) {
+        if (tec_flag_epoch(seen) == tec_flag_epoch(value)) {
             if ((uint32_t)seen == (uint32_t)value)
                 return TEC_OK;
             char msg[768];
@@ -318,10 +319,8 @@ static tec_status shm_create(tec_transport **out, int device, int rank, int size
     }
     unsigned char rnd[16];
     for (int tries = 0;; tries++) {
-        if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
-            st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: getrandom: %s", strerror(errno));
-            goto fail;
-        }
+        TEC_ERRNO_CHECK_GOTO(getrandom(rnd, sizeof rnd, 0) == (ssize_t)sizeof rnd, st, fail,
+                             "shm transport: getrandom");
         int n = snprintf(t->name, sizeof t->name, "/tec-%d-", (int)getpid());
         for (int i = 0; i < 16; i++)
             n += snprintf(t->name + n, sizeof t->name - (size_t)n, "%02x", rnd[i]);
@@ -329,29 +328,19 @@ static tec_status shm_create(tec_transport **out, int device, int rank, int size
         if (fd >= 0 || errno != EEXIST || tries > 8)
             break;
     }
-    if (fd < 0) {
-        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: shm_open(%s): %s", t->name, strerror(errno));
-        goto fail;
-    }
+    TEC_ERRNO_CHECK_GOTO(fd >= 0, st, fail, "shm transport: shm_open(%s)", t->name);
     t->named = 1;
-    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)bytes) != 0) {
-        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: sizing %s to %zu bytes: %s", t->name, bytes, strerror(errno));
-        goto fail;
-    }
+    TEC_ERRNO_CHECK_GOTO(fchmod(fd, 0600) == 0 && ftruncate(fd, (off_t)bytes) == 0, st, fail,
+                         "shm transport: sizing %s to %zu bytes", t->name, bytes);
     t->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (t->base == MAP_FAILED) {
+    if (t->base == MAP_FAILED)
         t->base = NULL;
-        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: mmap of %zu bytes: %s", bytes, strerror(errno));
-        goto fail;
-    }
+    TEC_ERRNO_CHECK_GOTO(t->base, st, fail, "shm transport: mmap of %zu bytes", bytes);
     close(fd);
     fd = -1;
     t->peer[rank] = t->base;
-    int rc = pthread_create(&t->thread, NULL, comm_thread, t);
-    if (rc) {
-        st = tec_set_error(TEC_ERR_SYSTEM, "shm transport: cannot start the comm thread: %s", strerror(rc));
-        goto fail;
-    }
+    errno = pthread_create(&t->thread, NULL, comm_thread, t); /* returns its error number */
+    TEC_ERRNO_CHECK_GOTO(errno == 0, st, fail, "shm transport: cannot start the comm thread");
     t->thread_started = 1;
     *out = t;
     return TEC_OK;
@@ -392,7 +381,7 @@ static tec_status shm_map_peers(tec_transport *t, const void *const *handles, co
         if (fd < 0) {
             int e = errno;
             shm_unmap_peers(t);
-            return tec_set_error(TEC_ERR_SYSTEM, "shm transport: opening rank %d's region: %s (not on this host?)",
+            return tec_set_error(tec_errno_status(e), "shm transport: opening rank %d's region: %s (not on this host?)",
                                  i, strerror(e));
         }
         struct stat sb;
@@ -408,7 +397,7 @@ static tec_status shm_map_peers(tec_transport *t, const void *const *handles, co
         close(fd);
         if (p == MAP_FAILED) {
             shm_unmap_peers(t);
-            return tec_set_error(TEC_ERR_SYSTEM, "shm transport: mapping rank %d's region: %s", i, strerror(e));
+            return tec_set_error(tec_errno_status(e), "shm transport: mapping rank %d's region: %s", i, strerror(e));
         }
         t->peer[i] = p;
         bases[i] = p;
@@ -418,8 +407,8 @@ static tec_status shm_map_peers(tec_transport *t, const void *const *handles, co
 
 static tec_status shm_release_handle(tec_transport *t)
 {
-    if (t->named && shm_unlink(t->name) != 0 && errno != ENOENT)
-        return tec_set_error(TEC_ERR_SYSTEM, "shm transport: shm_unlink(%s): %s", t->name, strerror(errno));
+    if (t->named)
+        TEC_ERRNO_CHECK(shm_unlink(t->name) == 0 || errno == ENOENT, "shm transport: shm_unlink(%s)", t->name);
     t->named = 0;
     return TEC_OK;
 }
@@ -488,8 +477,6 @@ static tec_status shm_synchronize(tec_transport *t, void *stream)
     return get_err(t);
 }
 
-static const char *shm_last_error(void) { return tec_last_error(); }
-
 static tec_status shm_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout, void *stream)
 {
     if (n < 0 || n > TEC_FLAG_STEPS_MAX || (n && !steps))
@@ -506,6 +493,7 @@ static tec_status shm_flags(tec_transport *t, const tec_flag_step *steps, int n,
 const tec_transport_ops tec_shm_transport = {
     .abi_version = TEC_TRANSPORT_ABI,
     .name = "shm",
+    .caps = TEC_TRANSPORT_HOST_FLAGS, /* compute-stream calls run on the calling thread */
     .create = shm_create,
     .destroy = shm_destroy,
     .local_handle = shm_local_handle,
@@ -521,6 +509,5 @@ const tec_transport_ops tec_shm_transport = {
     .reduce = shm_reduce,
     .synchronize = shm_synchronize,
     .check = shm_check,
-    .last_error = shm_last_error,
     .flags = shm_flags,
 };

@@ -2,11 +2,10 @@
  * forward/backward with 16-byte vector loads where cols and pointers allow,
  * and a tiled backward that also writes the bias gradient (per-slab column
  * sums in a float32 workspace, then a fixed-order sum: deterministic).
- * Formulas shared with the CPU kernels (act_math.h). Exported as symbols
- * that csrc/core/activation.c looks up; tests/test_activations.py
+ * Formulas shared with the CPU kernels (act_math.h). Entries of the CUDA
+ * backend table (cuda_backend.cu); tests/test_activations.py
  * (device="cuda") checks them against float64 references. */
 #include "act_math.h"
-#include "activation.h"
 #include "cuda_common.h"
 
 namespace {
@@ -187,8 +186,6 @@ __global__ void dbias_reduce_kernel(const float *__restrict__ partial, T *__rest
 
 constexpr int kThreads = 256;
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
-
 /* Slabs of rows of the dbias backward: a function of rows only, so the sum
  * order (and the result) does not depend on the device. */
 int64_t dbias_slabs(int64_t rows)
@@ -197,25 +194,26 @@ int64_t dbias_slabs(int64_t rows)
     return n > 128 ? 128 : n;
 }
 
-unsigned grid_for(int device, int64_t work)
+/* Blocks of a grid-stride kernel over `work` items: at most 16 per SM. */
+unsigned grid_for(int sms, int64_t work)
 {
-    int64_t blocks = (work + kThreads - 1) / kThreads, cap = (int64_t)tec_cuda_sm_count(device) * 16;
+    int64_t blocks = (work + kThreads - 1) / kThreads, cap = (int64_t)sms * 16;
     if (blocks > cap) blocks = cap;
     return (unsigned)(blocks > 0 ? blocks : 1);
 }
 
 template <typename T, int F, bool GATED, int VEC>
-void launch_fwd(int device, const tec_act_fwd_args *a, const act_params &p, cudaStream_t st)
+void launch_fwd(int sms, const tec_act_fwd_args *a, const act_params &p, cudaStream_t st)
 {
-    act_fwd_kernel<T, F, GATED, VEC><<<grid_for(device, p.rows * (p.cols / VEC)), kThreads, 0, st>>>(
+    act_fwd_kernel<T, F, GATED, VEC><<<grid_for(sms, p.rows * (p.cols / VEC)), kThreads, 0, st>>>(
         (const T *)a->x, (const T *)a->bias, (T *)a->y, p);
 }
 
 template <typename T, int F, bool GATED, int VEC>
-void launch_bwd(int device, const tec_act_bwd_args *a, const act_params &p, cudaStream_t st)
+void launch_bwd(int sms, const tec_act_bwd_args *a, const act_params &p, cudaStream_t st)
 {
     if (!a->dbias) {
-        act_bwd_kernel<T, F, GATED, VEC><<<grid_for(device, p.rows * (p.cols / VEC)), kThreads, 0, st>>>(
+        act_bwd_kernel<T, F, GATED, VEC><<<grid_for(sms, p.rows * (p.cols / VEC)), kThreads, 0, st>>>(
             (const T *)a->dy, (const T *)a->x, (T *)a->dx, p);
         return;
     }
@@ -226,7 +224,7 @@ void launch_bwd(int device, const tec_act_bwd_args *a, const act_params &p, cuda
         act_bwd_dbias_kernel<T, F, GATED, VEC><<<grid, dim3(kTx, kTy), 0, st>>>(
             (const T *)a->dy, (const T *)a->x, (T *)a->dx, (float *)a->workspace, slab_rows, p);
     }
-    dbias_reduce_kernel<T><<<grid_for(device, in), kThreads, 0, st>>>((const float *)a->workspace, (T *)a->dbias,
+    dbias_reduce_kernel<T><<<grid_for(sms, in), kThreads, 0, st>>>((const float *)a->workspace, (T *)a->dbias,
                                                                       nslabs, in);
 }
 
@@ -249,72 +247,73 @@ void launch_bwd(int device, const tec_act_bwd_args *a, const act_params &p, cuda
     }
 
 template <typename T>
-void fwd_for(int device, const tec_act_fwd_args *a, const act_params &p, bool vec, cudaStream_t st)
+void fwd_for(int sms, const tec_act_fwd_args *a, const act_params &p, bool vec, cudaStream_t st)
 {
 #define TEC_L(F, G) \
-    (vec ? launch_fwd<T, F, G, 16 / sizeof(T)>(device, a, p, st) : launch_fwd<T, F, G, 1>(device, a, p, st))
+    (vec ? launch_fwd<T, F, G, 16 / sizeof(T)>(sms, a, p, st) : launch_fwd<T, F, G, 1>(sms, a, p, st))
     TEC_ACT_SWITCH(a->act, TEC_L)
 #undef TEC_L
 }
 
 template <typename T>
-void bwd_for(int device, const tec_act_bwd_args *a, const act_params &p, bool vec, cudaStream_t st)
+void bwd_for(int sms, const tec_act_bwd_args *a, const act_params &p, bool vec, cudaStream_t st)
 {
 #define TEC_L(F, G) \
-    (vec ? launch_bwd<T, F, G, 16 / sizeof(T)>(device, a, p, st) : launch_bwd<T, F, G, 1>(device, a, p, st))
+    (vec ? launch_bwd<T, F, G, 16 / sizeof(T)>(sms, a, p, st) : launch_bwd<T, F, G, 1>(sms, a, p, st))
     TEC_ACT_SWITCH(a->act, TEC_L)
 #undef TEC_L
 }
 
 } // namespace
 
-TEC_CUDA_EXPORT size_t tec_cuda_act_bwd_workspace_bytes(tec_activation act, int64_t rows, int64_t cols)
+size_t tec_cuda_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols)
 {
+    (void)device;
     return (size_t)dbias_slabs(rows) * (size_t)tec_act_in_cols(act, cols) * sizeof(float);
 }
 
-TEC_CUDA_EXPORT tec_status tec_cuda_act_fwd(int device, const tec_act_fwd_args *a, void *stream)
+tec_status tec_cuda_act_fwd(int device, const tec_act_fwd_args *a, void *stream)
 {
     if (a->rows == 0)
         return TEC_OK;
-    const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
-    const bool vec = a->cols % V == 0 && aligned16(a->x) && aligned16(a->y) && (!a->bias || aligned16(a->bias));
-    const act_params p = {a->rows, a->cols, a->limit, a->alpha, a->glu_offset};
-    cudaStream_t st = (cudaStream_t)stream;
-    int prev;
-    tec_status s = tec_cuda_enter(device, &prev);
+    int sms;
+    tec_status s = tec_cuda_sm_count(device, &sms);
     if (s != TEC_OK)
         return s;
+    const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
+    const bool vec = a->cols % V == 0 && tec_cuda_aligned16(a->x) && tec_cuda_aligned16(a->y) &&
+                     (!a->bias || tec_cuda_aligned16(a->bias));
+    const act_params p = {a->rows, a->cols, a->limit, a->alpha, a->glu_offset};
+    cudaStream_t st = (cudaStream_t)stream;
+    TEC_CUDA_ENTER(device);
     switch (a->dtype) {
-    case TEC_F32: fwd_for<float>(device, a, p, vec, st); break;
-    case TEC_BF16: fwd_for<__nv_bfloat16>(device, a, p, vec, st); break;
-    case TEC_F16: fwd_for<__half>(device, a, p, vec, st); break;
+    case TEC_F32: fwd_for<float>(sms, a, p, vec, st); break;
+    case TEC_BF16: fwd_for<__nv_bfloat16>(sms, a, p, vec, st); break;
+    case TEC_F16: fwd_for<__half>(sms, a, p, vec, st); break;
     }
-    TEC_CUDA_LAUNCH_CHECK_GOTO("activation forward kernel", s, out);
-out:
-    tec_cuda_leave(device, prev);
-    return s;
+    TEC_CUDA_LAUNCH_CHECK("activation forward kernel");
+    return TEC_OK;
 }
 
-TEC_CUDA_EXPORT tec_status tec_cuda_act_bwd(int device, const tec_act_bwd_args *a, void *stream)
+tec_status tec_cuda_act_bwd(int device, const tec_act_bwd_args *a, void *stream)
 {
     if (a->rows == 0 && !a->dbias)
         return TEC_OK;
-    const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
-    const bool vec = a->cols % V == 0 && aligned16(a->x) && aligned16(a->dy) && aligned16(a->dx);
-    const act_params p = {a->rows, a->cols, a->limit, a->alpha, a->glu_offset};
-    cudaStream_t st = (cudaStream_t)stream;
-    int prev;
-    tec_status s = tec_cuda_enter(device, &prev);
+    int sms;
+    tec_status s = tec_cuda_sm_count(device, &sms);
     if (s != TEC_OK)
         return s;
+    const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
+    const bool vec = a->cols % V == 0 && tec_cuda_aligned16(a->x) && tec_cuda_aligned16(a->dy) &&
+                     tec_cuda_aligned16(a->dx);
+    const act_params p = {a->rows, a->cols, a->limit, a->alpha, a->glu_offset};
+    cudaStream_t st = (cudaStream_t)stream;
+    TEC_CUDA_ENTER(device);
     switch (a->dtype) {
-    case TEC_F32: bwd_for<float>(device, a, p, vec, st); break;
-    case TEC_BF16: bwd_for<__nv_bfloat16>(device, a, p, vec, st); break;
-    case TEC_F16: bwd_for<__half>(device, a, p, vec, st); break;
+    case TEC_F32: bwd_for<float>(sms, a, p, vec, st); break;
+    case TEC_BF16: bwd_for<__nv_bfloat16>(sms, a, p, vec, st); break;
+    case TEC_F16: bwd_for<__half>(sms, a, p, vec, st); break;
     }
-    TEC_CUDA_LAUNCH_CHECK_GOTO("activation backward kernel", s, out);
-out:
-    tec_cuda_leave(device, prev);
-    return s;
+    TEC_CUDA_LAUNCH_CHECK("activation backward kernel");
+    return TEC_OK;
 }

@@ -1,26 +1,15 @@
 /* cuda_transport.h - private header of the CUDA IPC transport of tec_comm
- * (csrc/core/cuda/cuda_transport.cu): the exported table getter and the
- * layout of the handle a rank passes to its peers. Used by the transport and
- * by tests/cuda/transport_test.cu (build line in that file). */
+ * (csrc/core/cuda/cuda_transport.cu): the layout of the handle a rank passes
+ * to its peers. The table itself, tec_cuda_transport, is declared in
+ * cuda_common.h and reaches the core through the backend table. Used by the
+ * transport and by tests/cuda/transport_test.cu (build line in that file). */
 #ifndef TEC_CUDA_TRANSPORT_H
 #define TEC_CUDA_TRANSPORT_H
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "tec.h"
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-/* The table of the CUDA IPC transport (see tec.h, "communicators"). Found
- * by the core with tec_cuda_symbol("tec_cuda_transport_get"). */
-__attribute__((visibility("default"))) const tec_transport_ops *tec_cuda_transport_get(void);
-
-#ifdef __cplusplus
-}
-#endif
+#include "cuda_common.h"
 
 /* What local_handle() writes (opaque to everyone else). A peer in another
  * process opens `ipc`; a peer in the same process (same pid and process

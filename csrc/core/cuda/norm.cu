@@ -8,61 +8,6 @@ namespace {
 
 /* ================================================================ kernels */
 
-/* VEC elements moved by one load/store (16 bytes on the vector path).
- * vget reads element e as float; vpack builds a vector from VEC floats. */
-template <typename T, int VEC> struct alignas(sizeof(T) * VEC) tvec {
-    T e[VEC];
-};
-template <typename T, int VEC> __device__ __forceinline__ float vget(const tvec<T, VEC> &v, int e)
-{
-    return tec_to_f32(v.e[e]);
-}
-template <typename T, int VEC> __device__ __forceinline__ tvec<T, VEC> vpack(const float (&f)[VEC])
-{
-    tvec<T, VEC> v;
-#pragma unroll
-    for (int e = 0; e < VEC; e++)
-        v.e[e] = tec_from_f32<T>(f[e]);
-    return v;
-}
-
-/* 16-bit types, 16 bytes: kept as four packed 32-bit words, so that a lane
- * holding NV vectors spends 4 * NV registers on them (not 8 * NV). */
-template <> struct alignas(16) tvec<__nv_bfloat16, 8> {
-    uint32_t w[4];
-};
-template <> struct alignas(16) tvec<__half, 8> {
-    uint32_t w[4];
-};
-__device__ __forceinline__ float vget(const tvec<__nv_bfloat16, 8> &v, int e)
-{
-    const uint32_t w = v.w[e >> 1];
-    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
-}
-__device__ __forceinline__ float vget(const tvec<__half, 8> &v, int e)
-{
-    const uint32_t w = v.w[e >> 1];
-    return __half2float(__ushort_as_half((unsigned short)((e & 1) ? (w >> 16) : (w & 0xffffu))));
-}
-template <> __device__ __forceinline__ tvec<__nv_bfloat16, 8> vpack<__nv_bfloat16, 8>(const float (&f)[8])
-{
-    tvec<__nv_bfloat16, 8> v;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        v.w[i] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i])) |
-                 ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * i + 1])) << 16);
-    return v;
-}
-template <> __device__ __forceinline__ tvec<__half, 8> vpack<__half, 8>(const float (&f)[8])
-{
-    tvec<__half, 8> v;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        v.w[i] = (uint32_t)__half_as_ushort(__float2half_rn(f[2 * i])) |
-                 ((uint32_t)__half_as_ushort(__float2half_rn(f[2 * i + 1])) << 16);
-    return v;
-}
-
 __device__ __forceinline__ float warp_sum(float v)
 {
 #pragma unroll
@@ -134,7 +79,7 @@ struct fwd_params {
 template <typename T, int VEC, int NV, int TPR>
 __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd_params p)
 {
-    using V = tvec<T, VEC>;
+    using V = tec_vec<T, VEC>;
     using G = rowgroup<TPR>;
     __shared__ float red[64];
     const int tid = G::tid();
@@ -162,7 +107,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                     if (tid + (int64_t)i * TPR < nvec)
 #pragma unroll
                         for (int e = 0; e < VEC; e++)
-                            s += vget(xv[i], e);
+                            s += tec_vget(xv[i], e);
                 mean = group_sum<TPR>(s, red) * inv_n;
             }
 #pragma unroll
@@ -170,7 +115,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                 if (tid + (int64_t)i * TPR < nvec)
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        const float d = vget(xv[i], e) - mean;
+                        const float d = tec_vget(xv[i], e) - mean;
                         ss += d * d;
                     }
             rs = 1.0f / sqrtf(group_sum<TPR>(ss, red) * inv_n + p.eps);
@@ -185,12 +130,12 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                         b = bv[idx];
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        float v = (vget(xv[i], e) - mean) * rs * (vget(g, e) + p.gshift);
+                        float v = (tec_vget(xv[i], e) - mean) * rs * (tec_vget(g, e) + p.gshift);
                         if (!rms)
-                            v += vget(b, e);
+                            v += tec_vget(b, e);
                         o[e] = v;
                     }
-                    yr[idx] = vpack<T, VEC>(o);
+                    yr[idx] = tec_vpack<T, VEC>(o);
                 }
             }
         } else {
@@ -200,7 +145,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                     const V xv = xr[idx];
 #pragma unroll
                     for (int e = 0; e < VEC; e++)
-                        s += vget(xv, e);
+                        s += tec_vget(xv, e);
                 }
                 mean = group_sum<TPR>(s, red) * inv_n;
             }
@@ -208,7 +153,7 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                 const V xv = xr[idx];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    const float d = vget(xv, e) - mean;
+                    const float d = tec_vget(xv, e) - mean;
                     ss += d * d;
                 }
             }
@@ -221,12 +166,12 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_fwd_kernel(fwd
                     b = bv[idx];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    float v = (vget(xv, e) - mean) * rs * (vget(g, e) + p.gshift);
+                    float v = (tec_vget(xv, e) - mean) * rs * (tec_vget(g, e) + p.gshift);
                     if (!rms)
-                        v += vget(b, e);
+                        v += tec_vget(b, e);
                     o[e] = v;
                 }
-                yr[idx] = vpack<T, VEC>(o);
+                yr[idx] = tec_vpack<T, VEC>(o);
             }
         }
         if (tid == 0) {
@@ -257,7 +202,7 @@ struct bwd_params {
 template <typename T, int VEC, int NV, int TPR>
 __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_bwd_kernel(bwd_params p)
 {
-    using V = tvec<T, VEC>;
+    using V = tec_vec<T, VEC>;
     using G = rowgroup<TPR>;
     __shared__ float red[64];
     const int tid = G::tid();
@@ -298,8 +243,8 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_bwd_kernel(bwd
                     const V gg = gv[idx];
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        const float xh = (vget(xv[i], e) - mu) * rs, dy = vget(dyv[i], e);
-                        const float dyg = dy * (vget(gg, e) + p.gshift);
+                        const float xh = (tec_vget(xv[i], e) - mu) * rs, dy = tec_vget(dyv[i], e);
+                        const float dyg = dy * (tec_vget(gg, e) + p.gshift);
                         s1 += dyg;
                         s2 += dyg * xh;
                         dg[i][e] += dy * xh;
@@ -318,11 +263,11 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_bwd_kernel(bwd
                     float o[VEC];
 #pragma unroll
                     for (int e = 0; e < VEC; e++) {
-                        const float xh = (vget(xv[i], e) - mu) * rs, dy = vget(dyv[i], e);
-                        const float dyg = dy * (vget(gg, e) + p.gshift);
+                        const float xh = (tec_vget(xv[i], e) - mu) * rs, dy = tec_vget(dyv[i], e);
+                        const float dyg = dy * (tec_vget(gg, e) + p.gshift);
                         o[e] = rs * (dyg - m1 - xh * m2);
                     }
-                    dxr[idx] = vpack<T, VEC>(o);
+                    dxr[idx] = tec_vpack<T, VEC>(o);
                 }
             }
         }
@@ -354,8 +299,8 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_bwd_kernel(bwd
                 const V xv = xr[idx], dyv = dyr[idx], gg = gv[idx];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    const float xh = (vget(xv, e) - mu) * rs, dy = vget(dyv, e);
-                    const float dyg = dy * (vget(gg, e) + p.gshift);
+                    const float xh = (tec_vget(xv, e) - mu) * rs, dy = tec_vget(dyv, e);
+                    const float dyg = dy * (tec_vget(gg, e) + p.gshift);
                     s1 += dyg;
                     s2 += dyg * xh;
                     wdg[idx * VEC + e] += dy * xh;
@@ -371,11 +316,11 @@ __global__ void __launch_bounds__(rowgroup<TPR>::threads, 1) norm_bwd_kernel(bwd
                 float o[VEC];
 #pragma unroll
                 for (int e = 0; e < VEC; e++) {
-                    const float xh = (vget(xv, e) - mu) * rs, dy = vget(dyv, e);
-                    const float dyg = dy * (vget(gg, e) + p.gshift);
+                    const float xh = (tec_vget(xv, e) - mu) * rs, dy = tec_vget(dyv, e);
+                    const float dyg = dy * (tec_vget(gg, e) + p.gshift);
                     o[e] = rs * (dyg - m1 - xh * m2);
                 }
-                dxr[idx] = vpack<T, VEC>(o);
+                dxr[idx] = tec_vpack<T, VEC>(o);
             }
         }
     }
@@ -458,16 +403,17 @@ template <typename T> void fwd_dispatch(const fwd_params &p, bool vec, cudaStrea
     }
 }
 
-/* Most row groups the backward uses on a device: bounds the workspace. */
-int64_t bwd_max_groups(int device) { return (int64_t)tec_cuda_sm_count(device) * 8; }
+/* Most row groups the backward uses on a device of `sms` SMs: bounds the
+ * workspace. */
+int64_t bwd_max_groups(int sms) { return (int64_t)sms * 8; }
 
 template <typename T, int VEC, int NV, int TPR>
-void launch_bwd(bwd_params &p, int device, cudaStream_t st)
+void launch_bwd(bwd_params &p, int sms, cudaStream_t st)
 {
     using G = rowgroup<TPR>;
-    int64_t groups = (int64_t)tec_cuda_sm_count(device) * (1024 / TPR);
-    if (groups > bwd_max_groups(device))
-        groups = bwd_max_groups(device);
+    int64_t groups = (int64_t)sms * (1024 / TPR);
+    if (groups > bwd_max_groups(sms))
+        groups = bwd_max_groups(sms);
     if (groups > p.rows)
         groups = p.rows;
     p.groups = groups;
@@ -476,25 +422,25 @@ void launch_bwd(bwd_params &p, int device, cudaStream_t st)
     norm_bwd_kernel<T, VEC, NV, TPR><<<(unsigned)((groups + G::groups - 1) / G::groups), G::threads, 0, st>>>(p);
 }
 
-template <typename T> void bwd_dispatch(bwd_params &p, bool vec, int device, cudaStream_t st)
+template <typename T> void bwd_dispatch(bwd_params &p, bool vec, int sms, cudaStream_t st)
 {
     constexpr int V = 16 / sizeof(T);
     const int64_t cols = p.cols;
     if (vec) {
         const int64_t nvec = cols / V;
-        if (nvec <= 32) launch_bwd<T, V, 1, 32>(p, device, st);
-        else if (nvec <= 64) launch_bwd<T, V, 2, 32>(p, device, st);
-        else if (nvec <= 128) launch_bwd<T, V, 1, 128>(p, device, st);
-        else if (nvec <= 256) launch_bwd<T, V, 2, 128>(p, device, st);
-        else if (nvec <= 512) launch_bwd<T, V, 2, 256>(p, device, st);
-        else if (nvec <= 1024) launch_bwd<T, V, 2, 512>(p, device, st);
-        else if (nvec <= 2048) launch_bwd<T, V, 4, 512>(p, device, st);
-        else launch_bwd<T, V, 0, 512>(p, device, st);
+        if (nvec <= 32) launch_bwd<T, V, 1, 32>(p, sms, st);
+        else if (nvec <= 64) launch_bwd<T, V, 2, 32>(p, sms, st);
+        else if (nvec <= 128) launch_bwd<T, V, 1, 128>(p, sms, st);
+        else if (nvec <= 256) launch_bwd<T, V, 2, 128>(p, sms, st);
+        else if (nvec <= 512) launch_bwd<T, V, 2, 256>(p, sms, st);
+        else if (nvec <= 1024) launch_bwd<T, V, 2, 512>(p, sms, st);
+        else if (nvec <= 2048) launch_bwd<T, V, 4, 512>(p, sms, st);
+        else launch_bwd<T, V, 0, 512>(p, sms, st);
     } else {
-        if (cols <= 1024) launch_bwd<T, 1, 0, 32>(p, device, st);
-        else if (cols <= 4096) launch_bwd<T, 1, 0, 128>(p, device, st);
-        else if (cols <= 8192) launch_bwd<T, 1, 0, 256>(p, device, st);
-        else launch_bwd<T, 1, 0, 512>(p, device, st);
+        if (cols <= 1024) launch_bwd<T, 1, 0, 32>(p, sms, st);
+        else if (cols <= 4096) launch_bwd<T, 1, 0, 128>(p, sms, st);
+        else if (cols <= 8192) launch_bwd<T, 1, 0, 256>(p, sms, st);
+        else launch_bwd<T, 1, 0, 512>(p, sms, st);
     }
 }
 
@@ -504,8 +450,6 @@ template <typename T> void launch_bwd_reduce(const bwd_params &p, void *dgamma, 
     norm_bwd_reduce_kernel<T><<<(unsigned)blocks, dim3(32, 16), 0, st>>>(p.ws, p.groups, p.cols, (T *)dgamma,
                                                                          (T *)dbeta);
 }
-
-bool aligned16(const void *ptr) { return ((uintptr_t)ptr & 15u) == 0; }
 
 } /* namespace */
 
@@ -517,11 +461,10 @@ tec_status tec_cuda_norm_fwd(int device, const tec_norm_fwd_args *a, void *strea
     if (a->rows == 0)
         return TEC_OK;
     if (a->cols > kMaxGrid)
-        return tec_cuda_fail(TEC_ERR_NOT_SUPPORTED, __FILE__, __LINE__, "norm: cols=%lld is too large",
-                             (long long)a->cols);
+        return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "norm: cols=%lld is too large", (long long)a->cols);
     const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
-    const bool vec = a->cols % V == 0 && aligned16(a->x) && aligned16(a->y) && aligned16(a->gamma) &&
-                     (!a->beta || aligned16(a->beta));
+    const bool vec = a->cols % V == 0 && tec_cuda_aligned16(a->x) && tec_cuda_aligned16(a->y) && tec_cuda_aligned16(a->gamma) &&
+                     (!a->beta || tec_cuda_aligned16(a->beta));
     fwd_params p;
     p.x = a->x;
     p.gamma = a->gamma;
@@ -535,24 +478,23 @@ tec_status tec_cuda_norm_fwd(int device, const tec_norm_fwd_args *a, void *strea
     p.gshift = a->zero_centered_gamma ? 1.0f : 0.0f;
     cudaStream_t st = (cudaStream_t)stream;
 
-    int prev;
-    tec_status s = tec_cuda_enter(device, &prev);
-    if (s != TEC_OK)
-        return s;
+    TEC_CUDA_ENTER(device);
     switch (a->dtype) {
     case TEC_F32: fwd_dispatch<float>(p, vec, st); break;
     case TEC_BF16: fwd_dispatch<__nv_bfloat16>(p, vec, st); break;
     case TEC_F16: fwd_dispatch<__half>(p, vec, st); break;
     }
-    TEC_CUDA_LAUNCH_CHECK_GOTO("norm forward kernel", s, out);
-out:
-    tec_cuda_leave(device, prev);
-    return s;
+    TEC_CUDA_LAUNCH_CHECK("norm forward kernel");
+    return TEC_OK;
 }
 
+/* 0 when the SM count cannot be had (tec_cuda_norm_bwd then reports why). */
 size_t tec_cuda_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols)
 {
-    int64_t groups = bwd_max_groups(device);
+    int sms = 0;
+    if (tec_cuda_sm_count(device, &sms) != TEC_OK)
+        return 0;
+    int64_t groups = bwd_max_groups(sms);
     if (groups > rows)
         groups = rows;
     if (groups <= 0 || cols <= 0)
@@ -563,15 +505,18 @@ size_t tec_cuda_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols)
 tec_status tec_cuda_norm_bwd(int device, const tec_norm_bwd_args *a, void *stream)
 {
     if (a->cols > kMaxGrid)
-        return tec_cuda_fail(TEC_ERR_NOT_SUPPORTED, __FILE__, __LINE__, "norm backward: cols=%lld is too large",
-                             (long long)a->cols);
+        return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "norm backward: cols=%lld is too large", (long long)a->cols);
+    int sms;
+    tec_status s = tec_cuda_sm_count(device, &sms);
+    if (s != TEC_OK)
+        return s;
     const size_t need = tec_cuda_norm_bwd_workspace_bytes(device, a->rows, a->cols);
     if (a->workspace_bytes < need || (need && !a->workspace))
-        return tec_cuda_fail(TEC_ERR_INVALID_ARG, __FILE__, __LINE__,
-                             "norm backward: workspace of %zu bytes, %zu needed", a->workspace_bytes, need);
+        return TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG, "norm backward: workspace of %zu bytes, %zu needed",
+                             a->workspace_bytes, need);
     const int64_t V = 16 / (int64_t)tec_cuda_dtype_size(a->dtype);
-    const bool vec = a->cols % V == 0 && aligned16(a->x) && aligned16(a->dy) && aligned16(a->dx) &&
-                     aligned16(a->gamma);
+    const bool vec = a->cols % V == 0 && tec_cuda_aligned16(a->x) && tec_cuda_aligned16(a->dy) && tec_cuda_aligned16(a->dx) &&
+                     tec_cuda_aligned16(a->gamma);
     bwd_params p;
     p.dy = a->dy;
     p.x = a->x;
@@ -587,23 +532,18 @@ tec_status tec_cuda_norm_bwd(int device, const tec_norm_bwd_args *a, void *strea
     p.has_dbeta = a->dbeta != NULL;
     cudaStream_t st = (cudaStream_t)stream;
 
-    int prev;
-    tec_status s = tec_cuda_enter(device, &prev);
-    if (s != TEC_OK)
-        return s;
+    TEC_CUDA_ENTER(device);
     switch (a->dtype) {
-    case TEC_F32: bwd_dispatch<float>(p, vec, device, st); break;
-    case TEC_BF16: bwd_dispatch<__nv_bfloat16>(p, vec, device, st); break;
-    case TEC_F16: bwd_dispatch<__half>(p, vec, device, st); break;
+    case TEC_F32: bwd_dispatch<float>(p, vec, sms, st); break;
+    case TEC_BF16: bwd_dispatch<__nv_bfloat16>(p, vec, sms, st); break;
+    case TEC_F16: bwd_dispatch<__half>(p, vec, sms, st); break;
     }
-    TEC_CUDA_LAUNCH_CHECK_GOTO("norm backward kernel", s, out);
+    TEC_CUDA_LAUNCH_CHECK("norm backward kernel");
     switch (a->dtype) {
     case TEC_F32: launch_bwd_reduce<float>(p, a->dgamma, a->dbeta, st); break;
     case TEC_BF16: launch_bwd_reduce<__nv_bfloat16>(p, a->dgamma, a->dbeta, st); break;
     case TEC_F16: launch_bwd_reduce<__half>(p, a->dgamma, a->dbeta, st); break;
     }
-    TEC_CUDA_LAUNCH_CHECK_GOTO("norm backward reduction kernel", s, out);
-out:
-    tec_cuda_leave(device, prev);
-    return s;
+    TEC_CUDA_LAUNCH_CHECK("norm backward reduction kernel");
+    return TEC_OK;
 }

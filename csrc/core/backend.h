@@ -1,0 +1,64 @@
+/* backend.h - internal: the table a device backend implements (the CPU's is
+ * linked in, csrc/core/cpu/cpu_backend.c; the CUDA library's is returned by
+ * its one exported entry, csrc/core/cuda/cuda_backend.cu), and the hooks the
+ * core hands that library when it loads it, so that both shared libraries
+ * report errors through the one tec_set_error of csrc/core/error.c.
+ * Used by csrc/core (tec.c dispatches through it) and csrc/core/cuda; never
+ * by csrc/python. */
+#ifndef TEC_BACKEND_H
+#define TEC_BACKEND_H
+
+#include "activation.h"
+#include "tec.h"
+#include "transport.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What one device kind implements. Entry points are called by tec.c after
+ * its argument checks, with the same contracts as the tec.h functions;
+ * failures return a status with the message set through tec_set_error (the
+ * CUDA library: tec_core_hooks.set_error). */
+typedef struct tec_backend {
+    int abi_version; /* TEC_BACKEND_ABI */
+    const char *name;
+    tec_status (*norm_fwd)(int device, const tec_norm_fwd_args *a, void *stream);
+    tec_status (*norm_bwd)(int device, const tec_norm_bwd_args *a, void *stream);
+    size_t (*norm_bwd_workspace_bytes)(int device, int64_t rows, int64_t cols);
+    tec_status (*gemm)(int device, const tec_gemm_args *a, void *stream);
+    size_t gemm_workspace_bytes;
+    /* The communicator transport of this device kind (NULL: none). */
+    const tec_transport_ops *transport;
+    /* Activations (activation.h), called after activation.c's checks. */
+    tec_status (*act_fwd)(int device, const tec_act_fwd_args *a, void *stream);
+    tec_status (*act_bwd)(int device, const tec_act_bwd_args *a, void *stream);
+    size_t (*act_bwd_workspace_bytes)(int device, tec_activation act, int64_t rows, int64_t cols);
+} tec_backend;
+
+#define TEC_BACKEND_ABI 4 /* 3: transport; hooks at load; no last_error. 4: activations */
+
+/* What the core hands the CUDA library on load (it keeps the pointer). */
+typedef struct tec_core_hooks {
+    int abi_version; /* TEC_BACKEND_ABI */
+    /* The core's tec_set_error: record the calling thread's message, return s. */
+    tec_status (*set_error)(tec_status s, const char *fmt, ...);
+    unsigned gemm_policy; /* TEC_GEMM_* of tec.h */
+} tec_core_hooks;
+
+/* The CUDA library's one exported symbol (looked up by tec.c):
+ *   const tec_backend *tec_cuda_backend_init(const tec_core_hooks *hooks);
+ * NULL if the hooks' ABI is not the library's. */
+#define TEC_CUDA_BACKEND_ENTRY "tec_cuda_backend_init"
+typedef const tec_backend *(*tec_cuda_backend_init_fn)(const tec_core_hooks *hooks);
+
+extern const tec_backend tec_cpu_backend;
+
+/* The backend of `device` (TEC_DEVICE_CPU or a CUDA ordinal); NULL if its
+ * library is not loaded. */
+const tec_backend *tec_backend_for(int device);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TEC_BACKEND_H */
