@@ -278,6 +278,28 @@ def test_bad_arguments():
         m(torch.randn(4, H, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("ub", [False, True])
+def test_no_tokens(ub):
+    """An empty input gives an empty output and zero parameter gradients,
+    with userbuffers on too (no schedule runs for it)."""
+    comms = {n: tec.CommOverlap((8, 2 * FFN), torch.float32, tp_size=1, name=f"mlp0_{n}", device="cpu")
+             for n in ("fc1_fprop", "fc1_dgrad", "fc2_fprop", "fc2_dgrad")} if ub else {}
+    try:
+        kw = dict(set_parallel_mode=True, ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True,
+                  ub_comm=comms) if ub else {}
+        m = make(torch.float32, activation="swiglu", **kw)
+        x = torch.empty(0, 3, H, requires_grad=True)
+        y = m(x)
+        assert y.shape == (0, 3, H)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        for n, p in m.named_parameters():
+            assert p.grad is not None and not p.grad.any(), n
+    finally:
+        for c in comms.values():
+            c.close()
+
+
 @pytest.mark.parametrize("activation", sorted(GATED))
 def test_gated_fc1_is_doubled(activation):
     m = make(torch.float32, activation=activation)

@@ -51,8 +51,8 @@ def _norm_fc1(layer, x, ln_weight, ln_bias, w1, b1, want_gathered):
     asked, also memory of its own)."""
     tp, ub = layer.tp, layer.ub
     eps, zcg = layer.eps, layer.zero_centered_gamma
-    if ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap("ag", x.shape[0], x.shape[1],
-                                                                             w1.shape[0]):
+    if x.shape[0] and ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap(
+            "ag", x.shape[0], x.shape[1], w1.shape[0]):  # (no schedule for a call without tokens)
         # The norm writes straight into this rank's slot of the fc1_fprop
         # buffer; ln_out (what is saved and returned) is a copy made on the
         # comm stream while the GEMMs run.
