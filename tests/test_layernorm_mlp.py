@@ -80,7 +80,7 @@ def draw_input(m, shape, dtype, margin=0.02):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).reshape(-1, shape[-1])
     if dtype != torch.float32 and m.activation in ("relu", "reglu"):
-        p = {n: t.detach().double() for n, t in m.named_parameters()}
+        p = {n: t.detach().double().cpu() for n, t in m.named_parameters()}
         for r in range(x.shape[0]):
             for _ in range(100):
                 n64 = norm(x[r].double(), p["layer_norm_weight"], p.get("layer_norm_bias"), m.eps,
@@ -97,11 +97,11 @@ def draw_input(m, shape, dtype, margin=0.02):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_layernorm_mlp(dtype, activation, normalization):
-    m = make(dtype, activation=activation, normalization=normalization)
+def test_layernorm_mlp(device, dtype, activation, normalization):
+    m = make(dtype, activation=activation, normalization=normalization, device=device)
     randomise(m)
-    x = draw_input(m, (24, H), dtype)
-    dy = torch.randn(24, H, dtype=dtype)
+    x = draw_input(m, (24, H), dtype).detach().to(device).requires_grad_()
+    dy = torch.randn(24, H, dtype=dtype).to(device)
     y, y64, _, x64, p = run_both(m, x, dy, _ref_kw(m))
     assert y.shape == (24, H) and y.dtype == dtype
     # a chain of five roundings to dtype (norm, fc1, activation, fc2, dgrads)
@@ -116,14 +116,14 @@ def test_layernorm_mlp(dtype, activation, normalization):
     dict(activation="clamped_swiglu", activation_params={"limit": 0.8, "alpha": 1.3, "glu_linear_offset": 0.5}),
 ])
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_options(opts, ndim):
+def test_options(device, opts, ndim):
     dtype = torch.float32
-    m = make(dtype, **opts)
+    m = make(dtype, device=device, **opts)
     randomise(m, 1)
     shape = (24, H) if ndim == 2 else (6, 4, H)
-    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
-    dy = torch.randn(*shape, dtype=dtype)
-    dln = torch.randn(*shape, dtype=dtype) if m.return_layernorm_output else None
+    x = torch.randn(*shape, dtype=dtype).to(device).requires_grad_()
+    dy = torch.randn(*shape, dtype=dtype).to(device)
+    dln = torch.randn(*shape, dtype=dtype).to(device) if m.return_layernorm_output else None
     out, y64, n64, x64, p = run_both(m, x, dy, _ref_kw(m, opts.get("activation_params")), dln)
     if m.return_bias or m.return_layernorm_output:
         assert isinstance(out, tuple) and len(out) == 1 + m.return_bias + m.return_layernorm_output
