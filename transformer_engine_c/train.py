@@ -166,8 +166,10 @@ class GPT(torch.nn.Module):
                                                 (blk.mlp.fc1, 0, 1.0), (blk.mlp.fc2, 1, (2 * layers) ** -0.5)):
                     # uniform(+-1/sqrt(fan_in)) as nn.Linear; residual branches
                     # scaled down by sqrt(2 * layers) as in GPT-2
-                    bound = scale / math.sqrt(layer.in_features)
-                    full = (torch.rand(layer.out_features, layer.in_features, generator=g) * 2 - 1) * bound
+                    shape = list(layer.weight.shape)   # this rank's slice (in/out_features are too, as TE)
+                    shape[split_dim] *= self.tp_size
+                    bound = scale / math.sqrt(shape[1])
+                    full = (torch.rand(*shape, generator=g) * 2 - 1) * bound
                     layer.weight.copy_(full.chunk(self.tp_size, split_dim)[self.tp_rank])
 
     def forward(self, tokens):
