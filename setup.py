@@ -1,8 +1,11 @@
 """Build of transformer_engine_c.
 
 Two artefacts:
-  transformer_engine_c/_C*.so          the CPython module: C core, CPU backend
-                                       and bindings (gcc; always built).
+  transformer_engine_c/_C.abi3.so      the CPython module: C core, CPU backend
+                                       and bindings (gcc; always built), on
+                                       CPython's limited API of 3.10, so one
+                                       build loads in every CPython >= 3.10;
+                                       wheels are tagged cp310-abi3.
   transformer_engine_c/libtec_cuda.so  the CUDA backend (nvcc; built where nvcc,
                                        the CUDA runtime and cuBLASLt headers are
                                        found; loaded by _C on first CUDA use).
@@ -82,7 +85,18 @@ def find_cuda():
 class BuildExt(build_ext):
     def run(self):
         super().run()
+        self.remove_stale_modules()
         self.build_cuda()
+
+    def remove_stale_modules(self):
+        """Drop _C builds for one interpreter (_C.cpython-311-*.so, left by
+        builds before the abi3 one) next to the fresh _C.abi3.so: Python
+        prefers them and would import the stale module."""
+        fresh = self.get_ext_fullpath("transformer_engine_c._C")
+        for path in glob.glob(os.path.join(os.path.dirname(fresh), "_C.*.so")):
+            if os.path.basename(path) != os.path.basename(fresh):
+                print(f"transformer_engine_c: removing the stale {path}")
+                os.remove(path)
 
     def build_cuda(self):
         mode = os.environ.get("TEC_CUDA", "auto")
@@ -120,7 +134,10 @@ class BuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("transformer_engine_c._C", sources=c_sources(),
+    # Py_LIMITED_API itself is set in csrc/python/module.h (0x030A0000);
+    # py_limited_api names the module _C.abi3.so.
+    ext_modules=[Extension("transformer_engine_c._C", sources=c_sources(), py_limited_api=True,
                            extra_compile_args=CFLAGS, libraries=["dl", "rt"])],
     cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

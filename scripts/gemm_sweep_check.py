@@ -1,5 +1,5 @@
 """The GEMM algorithm sweep (TEC_GEMM_TUNE=1) on one GPU, over the layer shapes of
-docs/performance.md: every result checked against a float32 product, the engine's
+docs/performance-log.md: every result checked against a float32 product, the engine's
 counters, and each shape's time with the heuristic's answer and with the sweep's
 choice. The setting is read once per process, so each runs in its own process:
 heuristic, sweep, heuristic again (the two heuristic runs show the drift between

@@ -1,4 +1,6 @@
 """Shared test helpers."""
+import contextlib
+
 import torch
 
 
@@ -10,3 +12,34 @@ def rel_err(out, ref):
 
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _prepare_without_references(*objs):
+    """prepare_for_saving as it would be without keep-by-reference: every
+    object is saved as the tensor it is (a test double; negative tests only)."""
+    return tuple(objs), len(objs)
+
+
+def _restore_without_references(n, saved):
+    assert len(saved) == n
+    return list(saved)
+
+
+@contextlib.contextmanager
+def without_keep_by_reference():
+    """Replace prepare_for_saving / restore_from_saved wherever the package
+    and the layers bind them with the double above, so a negative test shows
+    what keep-by-reference prevents. Restores the real functions on exit."""
+    import transformer_engine_c as tec
+    from transformer_engine_c import _saved
+    from transformer_engine_c.module import layernorm_linear, linear
+
+    places = [tec, _saved, linear, layernorm_linear]
+    old = [(m, m.prepare_for_saving, m.restore_from_saved) for m in places]
+    for m in places:
+        m.prepare_for_saving, m.restore_from_saved = _prepare_without_references, _restore_without_references
+    try:
+        yield
+    finally:
+        for m, p, r in old:
+            m.prepare_for_saving, m.restore_from_saved = p, r

@@ -126,6 +126,10 @@ def test_buffer_views_and_ranges():
         c.get_buffer()
     with pytest.raises(tec.EngineError, match="closed"):
         c.ag_gemm(t, t)
+    assert c.buffer_ranges()  # the views pin the mapping past close()
+    del full, chunk
+    gc.collect()
+    assert c.buffer_ranges() == []  # the last view gone: unmapped
 
 
 def test_timeout_setting(monkeypatch):
@@ -152,6 +156,54 @@ def test_registry_single_rank():
         tec.get_ub("fc1_fprop")
     with pytest.raises(ValueError, match="'num_sms'"):
         initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": {"num_sms": 4}})
+
+
+def test_method_and_num_splits():
+    """num_splits is None or the split the schedules use (tp_size); anything
+    else raises naming it; stats() counts per schedule, all integers (so that
+    counters of several communicators can be summed)."""
+    for method in ("ring_exchange", "pipeline"):
+        c = CommOverlapCPU((8, 4), torch.float32, method=method, num_splits=1)
+        st = c.stats()
+        assert c.method == method and c.num_splits == 1
+        assert st["pull"] == st["push"] == 0 and all(type(v) is int for v in st.values()), st
+        c.close()
+        with pytest.raises(ValueError, match=rf"num_splits=4 is not supported for method='{method}'.*tp_size=1"):
+            CommOverlapCPU((8, 4), torch.float32, method=method, num_splits=4)
+    with pytest.raises(ValueError, match="num_splits=1 has no meaning for method='bulk'"):
+        CommOverlapCPU((8, 4), torch.float32, method="bulk", num_splits=1)
+    for bad in ("4", 2.0, True):
+        with pytest.raises(ValueError, match="num_splits must be an int or None"):
+            CommOverlapCPU((8, 4), torch.float32, num_splits=bad)
+    with pytest.raises(ValueError, match="method must be one of"):
+        CommOverlapCPU((8, 4), torch.float32, method="ring")
+
+
+def test_ub_cfgs_keys():
+    """TE's ub_cfgs: its knobs for its own comm kernels are accepted (documented
+    no-ops, type-checked); those that would change what runs raise when set."""
+    te_like = {"qkv_dgrad": {"method": "bulk", "num_sm": 2, "cga_size": 2, "set_sm_margin": 0},
+               "qkv_fprop": {"method": "ring_exchange", "num_sm": 1, "set_sm_margin": 0, "atomic_gemm": 0,
+                             "aggregate": 0, "use_ce": True, "num_splits": 1},
+               "proj_fprop": {"method": "pipeline", "num_sm": 24, "cga_size": 2, "num_splits": 1,
+                              "set_sm_margin": 1, "fp8_buf": 0, "comm_priority": -1, "gemm_priority": 0,
+                              "is_reduce_scatter": True, "pipeline_rs_overlap_first_gemm": False}}
+    initialize_ub_cpu((16, 8), 1, dtype=torch.float32, ub_cfgs=te_like)
+    try:
+        assert tec.get_ub("proj_fprop").method == "pipeline"
+        assert tec.get_ub("qkv_dgrad").method == "bulk"
+    finally:
+        tec.destroy_ub()
+    for cfg, msg in [({"aggregate": 1}, "'aggregate'.*not implemented"),
+                     ({"pipeline_rs_overlap_first_gemm": True}, "pipeline_rs_overlap_first_gemm"),
+                     ({"atomic_gemm": True}, "atomic GEMMs"), ({"fp8_buf": True}, "FP8"),
+                     ({"use_ce": False}, "copy engines"), ({"use_ce": "no"}, "'use_ce'.*bool"), ({"num_sm": -1}, "'num_sm'.*>= 0"),
+                     ({"cga_size": "2"}, "'cga_size'.*int"), ({"set_sm_margin": "yes"}, "'set_sm_margin'.*bool"),
+                     ({"method": "pipeline", "num_splits": 4}, "num_splits=4")]:
+        with pytest.raises(ValueError, match=msg):
+            initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": cfg})
+    with pytest.raises(TypeError, match=r"ub_cfgs\['fc1_fprop'\] must be a dict"):
+        initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": ["method"]})
 
 
 def test_row_linear_ag_dgrad_with_one_rank():

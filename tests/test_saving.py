@@ -14,14 +14,7 @@ import transformer_engine_c as tec
 from transformer_engine_c import _C
 from transformer_engine_c.module._weights import weight_for_compute, weight_grad
 
-
-@contextlib.contextmanager
-def keep_references(flag):
-    old = _C._saving_keep_references(flag)
-    try:
-        yield
-    finally:
-        _C._saving_keep_references(old)
+from helpers import without_keep_by_reference
 
 
 class Storage:
@@ -97,6 +90,17 @@ def test_marker_on_other_tensor_subclass():
     saved, objs = tec.prepare_for_saving(t, u)
     r = tec.restore_from_saved(objs, [torch.zeros(3), torch.zeros(3)])
     assert r[0] is t and r[1] is not u
+
+
+def test_exact_parameter_is_plain():
+    """An exact nn.Parameter is saved as a plain tensor even with a marker set
+    on the instance (as module/_weights.py decides): only subclasses carry it."""
+    p = torch.nn.Parameter(torch.randn(3))
+    p.is_distributed_weight = True
+    saved, objs = tec.prepare_for_saving(p)
+    assert "0 kept by reference" in repr(objs)
+    r = tec.restore_from_saved(objs, [torch.zeros(3)])
+    assert r[0] is not p
 
 
 def test_delegation_in_place_and_new_object():
@@ -377,21 +381,21 @@ def test_negative_without_keep_by_reference(mode):
     w = tec.DistributedWeight.from_full(full)
     w.main_grad = torch.zeros(5, 3)
     SEEN.clear()
-    with keep_references(False):
+    with without_keep_by_reference():
         _run(mode, x, w).sum().backward()
     assert SEEN and not any(same for same, _ in SEEN)
     assert all(t is not tec.DistributedWeight for _, t in SEEN)
     assert w.main_grad.abs().sum() == 0  # the weight gradient went the wrong way
-    assert _C._saving_keep_references(True) is True  # the switch was restored
+    assert tec.prepare_for_saving is _C.prepare_for_saving  # the real function is back
 
 
 def test_no_hooks_keeps_identity_even_without_references():
-    """Without hooks autograd itself hands back the leaf object: the switch only
-    matters under hooks (why the negative test uses them)."""
+    """Without hooks autograd itself hands back the leaf object: keep-by-reference
+    only matters under hooks (why the negative test uses them)."""
     x = torch.randn(4, 3, requires_grad=True)
     w = tec.DistributedWeight(torch.randn(5, 3))
     SEEN.clear()
-    with keep_references(False):
+    with without_keep_by_reference():
         _run("none", x, w).sum().backward()
     assert SEEN == [(True, tec.DistributedWeight)]
 

@@ -8,7 +8,7 @@ import torch
 
 from . import _C
 
-_C._init(torch.Tensor)
+_C._init(torch.Tensor, torch.nn.Parameter)
 
 from . import debug, fp8, module, quantization, recipe  # noqa: E402,F401
 from ._C import CommTimeoutError, EngineError  # noqa: E402

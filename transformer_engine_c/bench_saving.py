@@ -4,8 +4,8 @@ same semantics, in the same process.
 
     python -m transformer_engine_c.bench_saving [--iters 100000] [--repeats 11]
 
-Cases: N = 1, 8, 32 of plain torch.Tensor; N = 8, 32 of nn.Parameter (the
-marker-check path); N = 8, 32 mixed (every 4th a DistributedWeight, one None,
+Cases: N = 1, 8, 32 of plain torch.Tensor; N = 8, 32 of nn.Parameter (an
+exact Parameter is plain, like an exact Tensor); N = 8, 32 mixed (every 4th a DistributedWeight, one None,
 the rest plain). Reported: the best of `repeats` runs of `iters` pairs, per
 pair and per object, the Python loop that drives the calls included.
 """
@@ -19,6 +19,7 @@ from . import _C
 from .distributed_weight import DistributedWeight
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 class _PySaved:
@@ -29,7 +30,7 @@ def py_prepare_for_saving(*tensors):
     """The same semantics as _C.prepare_for_saving, written plainly."""
     out, entries = [], []
     for t in tensors:
-        if t is None or type(t) is _Tensor:
+        if t is None or type(t) is _Tensor or type(t) is _Parameter:
             out.append(t)
             entries.append(None)
         elif isinstance(t, _Tensor) and getattr(t, "is_distributed_weight", False):

@@ -1,4 +1,4 @@
-"""tec.debug: the saved-tensor aliasing checker (DESIGN.md section 4).
+"""tec.debug: the saved-tensor aliasing checker (README, "Saved tensors ...").
 
 A userbuffer is shared by every layer that uses its communicator, so a tensor
 saved for backward whose memory overlaps one is overwritten by the next

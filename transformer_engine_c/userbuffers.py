@@ -12,6 +12,7 @@ Lifetime: `get_buffer()` returns a non-owning view; the next operation on the
 communicator overwrites it. Save copies or local chunks for backward, never a
 buffer view.
 """
+import ctypes
 import itertools
 import math
 import operator
@@ -30,6 +31,21 @@ CommTimeoutError = _C.CommTimeoutError
 _TRANSPORTS = {"shm": _C.TRANSPORT_SHM, "cpu": _C.TRANSPORT_SHM, "cuda_ipc": _C.TRANSPORT_CUDA_IPC,
                "cuda": _C.TRANSPORT_CUDA_IPC}
 _METHODS = ("ring_exchange", "pipeline", "bulk")
+# TE's `method` names mapped to the schedules of csrc/core/comm.c (README,
+# "TE's ub_cfgs"). Every communicator runs every operation; the method
+# changes no code path here: it is checked, kept as CommOverlap.method, and
+# stats() counts the schedules that ran by these names.
+#   ag_gemm: "pull"  -- tp_size chunk GEMMs; the comm side pulls each peer's
+#            chunk straight from the peer's buffer while the GEMM of the
+#            previous one runs (own chunk first). TE's ring_exchange relays
+#            chunks around a ring in the same tp_size steps.
+#   gemm_rs: "push"  -- tp_size chunk GEMMs, one per destination rank; each
+#            partial is pushed into its owner's buffer while the next is
+#            computed; the owner sums them in float32. TE's pipeline splits
+#            into num_splits chunks and reduce-scatters each; here the split
+#            is always tp_size.
+#   bulk_*:  "bulk"  -- the whole collective on the comm side beside another GEMM.
+_SCHEDULES = {"ag_gemm": "pull", "gemm_rs": "push", "bulk_ag": "bulk", "bulk_rs": "bulk"}
 _FALLBACK_KEYS = {"ag": "ag_fallback", "rs": "rs_fallback"}
 _counter = itertools.count()
 
@@ -63,7 +79,7 @@ def _group_rank_size(tp_group, tp_size):
 # overlapped schedule has nothing to hide its fixed costs behind (flag waits,
 # copy-engine start, tp GEMM launches and, for RS, the reduction), and the
 # layers run their non-overlapped path instead. Measured on H200s at TP=2
-# (docs/performance.md): GEMM+RS lost at 12.9 GFLOP chunks (0.87x) and won
+# (docs/performance-log.md): GEMM+RS lost at 12.9 GFLOP chunks (0.87x) and won
 # from 34 GFLOP (1.35-1.40x). AG+GEMM was a coin flip at 12.9 GFLOP (five
 # runs, 0.89-1.78x, median 0.99x), lost slightly at 34 GFLOP (0.93x, 0.96x)
 # and won from 69 GFLOP: at these sizes the host's time to issue the
@@ -73,7 +89,7 @@ def _group_rank_size(tp_group, tp_size):
 _MIN_CHUNK_FLOPS = {"cuda": {"ag": 40e9, "rs": 16e9}, "cpu": {"ag": 0.0, "rs": 0.0}}
 # SMs a schedule's chunk GEMMs leave free: cuBLAS's persistent GEMM kernels
 # fill every SM, and the comm stream's flag kernels and local copies then wait
-# for the GEMM's tail (docs/performance.md, fourth session).
+# for the GEMM's tail (docs/performance-log.md, fourth session).
 _GEMM_SM_MARGIN = {"cuda": 2, "cpu": 0}
 
 
@@ -145,6 +161,55 @@ class _DeviceView:
             comm._unpin()
 
 
+def _unpin_on_del(self):
+    comm = self.__dict__.get("_comm")
+    if comm is not None:
+        comm._unpin()
+
+
+_HOST_VIEW_TYPES = {}
+
+
+def _host_view(comm, nbytes):
+    """A non-owning ctypes byte array over a CPU communicator's buffer that
+    keeps the mapping alive (pinned) while torch holds it (torch.frombuffer
+    keeps the object it reads). The limited C API of 3.10 has no buffer
+    protocol for _C's own types, hence ctypes."""
+    cls = _HOST_VIEW_TYPES.get(nbytes)
+    if cls is None:
+        cls = _HOST_VIEW_TYPES.setdefault(
+            nbytes, type("_HostView", (ctypes.c_ubyte * nbytes,), {"__del__": _unpin_on_del}))
+    ptr = comm._pin()
+    try:
+        view = cls.from_address(ptr)
+    except BaseException:
+        comm._unpin()
+        raise
+    view._comm = comm  # only once pinned: __del__ unpins what was pinned
+    return view
+
+
+def _check_num_splits(method, num_splits, tp_size):
+    """num_splits as TE's ub_cfgs give it: None, or the split the schedules
+    really use (tp_size for ring_exchange and pipeline; nothing splits under
+    bulk). Anything else raises rather than being ignored."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool):
+        raise ValueError(f"num_splits must be an int or None, got {num_splits!r}")
+    try:
+        num_splits = operator.index(num_splits)
+    except TypeError:
+        raise ValueError(f"num_splits must be an int or None, got {num_splits!r}") from None
+    if method == "bulk":
+        raise ValueError(f"num_splits={num_splits} has no meaning for method='bulk' (no GEMM is split); "
+                         "leave it None")
+    if num_splits != tp_size:
+        raise ValueError(f"num_splits={num_splits} is not supported for method={method!r}: its overlapped "
+                         f"GEMMs always run in tp_size={tp_size} chunks, one per rank (pass None or {tp_size})")
+    return num_splits
+
+
 class CommOverlap(_C.CommOverlap):
     """A userbuffers communicator.
 
@@ -152,8 +217,12 @@ class CommOverlap(_C.CommOverlap):
     dtype its element type. One buffer per rank of tp_group, mapped into every
     peer. timeout: seconds per wait (default $TEC_COMM_TIMEOUT or 60);
     transport: "auto" (shared memory on CPU, CUDA IPC on CUDA), "shm" or
-    "cuda_ipc". method/num_splits are recorded (TE ub_cfgs); every method runs
-    the direct-pull all-gather and push reduce-scatter schedules.
+    "cuda_ipc". method ("ring_exchange", "pipeline" or "bulk", TE's names):
+    every communicator runs every operation with one schedule each (ag_gemm:
+    pull, gemm_rs: push, bulk_*: bulk; README, "TE's ub_cfgs"); stats()
+    counts what ran by schedule name. num_splits: None, or tp_size (the split
+    the pull and push schedules use); other values raise, as does any value
+    with method="bulk".
     min_chunk_flops: below this many FLOPs per chunk GEMM a layer runs its
     non-overlapped path instead (a number, or {"ag": .., "rs": ..}; default
     $TEC_UB_MIN_CHUNK_FLOPS, else measured per device); stats() counts those
@@ -190,6 +259,7 @@ class CommOverlap(_C.CommOverlap):
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         rank, size = _group_rank_size(tp_group, tp_size)
+        num_splits = _check_num_splits(method, num_splits, size)
         if shape[0] % size:
             raise ValueError(f"the buffer's first dimension {shape[0]} is not divisible by tp_size {size}")
         self.shape = shape
@@ -265,7 +335,7 @@ class CommOverlap(_C.CommOverlap):
         through the tensor's storage, a cycle the garbage collector cannot
         see, and a dropped communicator would never be freed."""
         if self.device.type == "cpu":
-            flat = torch.frombuffer(memoryview(self), dtype=torch.uint8)
+            flat = torch.frombuffer(_host_view(self, self.nbytes), dtype=torch.uint8)
         else:
             flat = torch.as_tensor(_DeviceView(self, self.nbytes), device=self.device)
         return flat.view(dtype)
@@ -488,10 +558,16 @@ class CommOverlap(_C.CommOverlap):
         return 2.0 * rows * k * n >= self._min_chunk_flops[op]
 
     def stats(self):
-        """Counters: how often each path ran (ag_overlap, rs_overlap, bulk_ag,
-        bulk_rs, non_overlap, ag_fallback, rs_fallback) and traffic."""
+        """Integer counters: how often each path ran (ag_overlap, rs_overlap,
+        bulk_ag, bulk_rs, non_overlap, ag_fallback, rs_fallback), traffic, and
+        how often each schedule ran, by its name (README, "TE's ub_cfgs"):
+        "pull" (ag_gemm) and "push" (gemm_rs), in tp_size chunks whatever the
+        method; bulk_ag / bulk_rs are the bulk schedules. The TE method the
+        communicator was given is its `method` attribute."""
         st = super().stats()
         st.update(self._fallbacks)
+        st[_SCHEDULES["ag_gemm"]] = st["ag_overlap"]
+        st[_SCHEDULES["gemm_rs"]] = st["rs_overlap"]
         return st
 
     def close(self):
@@ -522,13 +598,49 @@ _DEFAULT_METHOD = {
     "qkv_fprop": "ring_exchange", "fc1_fprop": "ring_exchange", "proj_dgrad": "ring_exchange",
     "fc2_dgrad": "ring_exchange", "proj_fprop": "pipeline", "fc2_fprop": "pipeline",
 }
-# TE's ub_cfgs keys. Those tuning SMs/CGAs/priorities of TE's kernels have no
-# meaning for copy-engine / comm-thread transports and are accepted, ignored
-# (num_sm / set_sm_margin size TE's comm kernels; our GEMMs' margin is
-# initialize_ub's gemm_sm_margin).
-_CFG_KEYS = {"method", "num_splits", "is_reduce_scatter", "num_sm", "cga_size", "set_sm_margin", "aggregate",
-             "use_ce", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm", "atomic_gemm",
-             "fp8_buf", "timeout"}
+# TE's ub_cfgs keys (README, "TE's ub_cfgs"):
+#   used:     method, num_splits (checked by CommOverlap), timeout (ours).
+#   accepted, no effect, for a stated reason (values type-checked):
+#     num_sm, cga_size, comm_priority, gemm_priority -- size and schedule TE's
+#       comm kernels and streams; here copy engines (CUDA) or a comm thread
+#       (CPU) move the data, and no kernel of ours has those knobs;
+#     set_sm_margin -- every communicator's chunk GEMMs leave gemm_sm_margin
+#       SMs free (initialize_ub's argument), whatever this says;
+#     is_reduce_scatter -- every communicator does both directions;
+#     use_ce=True -- the CUDA transport always copies with the copy engines.
+#   refused when set (they would change what runs): aggregate,
+#     pipeline_rs_overlap_first_gemm, atomic_gemm, fp8_buf, use_ce=False.
+_CFG_NOOP_INT = {"num_sm": 0, "cga_size": 1, "comm_priority": None, "gemm_priority": None}  # key: minimum
+_CFG_NOOP_BOOL = ("set_sm_margin", "is_reduce_scatter")
+_CFG_REFUSED = {"aggregate": "aggregating two chunks per ring step is not implemented",
+                "pipeline_rs_overlap_first_gemm": "the push reduce-scatter has no separate first-GEMM overlap",
+                "atomic_gemm": "atomic GEMMs are not supported", "fp8_buf": "FP8 buffers are not supported"}
+_CFG_KEYS = {"method", "num_splits", "timeout", "use_ce", *_CFG_NOOP_INT, *_CFG_NOOP_BOOL, *_CFG_REFUSED}
+
+
+def _check_ub_cfg(layer, cfg):
+    """One layer's ub_cfgs entry: known keys, each used, a documented no-op,
+    or refused when set (see _CFG_KEYS above)."""
+    if layer not in LAYER_NAMES:
+        raise ValueError(f"ub_cfgs: unknown layer name {layer!r} (known: {', '.join(LAYER_NAMES)})")
+    if not isinstance(cfg, dict):
+        raise TypeError(f"ub_cfgs[{layer!r}] must be a dict, got {type(cfg).__name__}")
+    for key, val in cfg.items():
+        where = f"ub_cfgs[{layer!r}][{key!r}]"
+        if key not in _CFG_KEYS:
+            raise ValueError(f"ub_cfgs[{layer!r}]: unknown key {key!r}")
+        if key in _CFG_NOOP_INT:
+            lo = _CFG_NOOP_INT[key]
+            if isinstance(val, bool) or not isinstance(val, int) or (lo is not None and val < lo):
+                raise ValueError(f"{where} must be an int{'' if lo is None else f' >= {lo}'}, got {val!r}")
+        elif key in (*_CFG_NOOP_BOOL, "use_ce") and not isinstance(val, (bool, int)):
+            raise ValueError(f"{where} must be a bool, got {val!r}")
+        elif key in _CFG_REFUSED and val:
+            raise ValueError(f"{where}={val!r}: {_CFG_REFUSED[key]}")
+        elif key == "use_ce" and not val:
+            raise ValueError(f"{where}={val!r}: the CUDA transport always copies with the copy engines")
+    if cfg.get("method", "bulk") not in _METHODS:
+        raise ValueError(f"ub_cfgs[{layer!r}]['method'] must be one of {_METHODS}, got {cfg['method']!r}")
 _registry = {}
 
 
@@ -546,15 +658,7 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
         raise ValueError(f"shape must be [sequence * batch, hidden], got {shape}")
     ub_cfgs = dict(ub_cfgs or {})
     for layer, cfg in ub_cfgs.items():
-        if layer not in LAYER_NAMES:
-            raise ValueError(f"ub_cfgs: unknown layer name {layer!r} (known: {', '.join(LAYER_NAMES)})")
-        for key, val in cfg.items():
-            if key not in _CFG_KEYS:
-                raise ValueError(f"ub_cfgs[{layer!r}]: unknown key {key!r}")
-        if cfg.get("method", "bulk") not in _METHODS:
-            raise ValueError(f"ub_cfgs[{layer!r}]['method'] must be one of {_METHODS}, got {cfg['method']!r}")
-        if cfg.get("atomic_gemm") or cfg.get("fp8_buf"):
-            raise ValueError(f"ub_cfgs[{layer!r}]: atomic_gemm and fp8_buf are not supported")
+        _check_ub_cfg(layer, cfg)
     comms = []
     try:
         for layer in LAYER_NAMES:

@@ -1,5 +1,6 @@
 /* comm.c - the CommOverlap heap type: owns a tec_comm, exposes its buffer
- * (buffer protocol on the CPU; _pin/_unpin for device views), and the
+ * (_pin/_unpin: an address that keeps the mapping alive while a view of it
+ * lives; userbuffers.py wraps it for torch on the CPU and on CUDA), and the
  * overlap schedules as positional METH_FASTCALL methods with addresses as
  * ints. The friendly class is transformer_engine_c.userbuffers.CommOverlap;
  * tests/test_comm*.py and tests/distributed/ (the overlap runners) exercise this file. */
@@ -23,7 +24,7 @@ typedef struct {
     PyObject_HEAD
     tec_comm *comm;
     int closed;
-    Py_ssize_t exports; /* live buffer views: the mapping outlives close() until 0 */
+    Py_ssize_t exports; /* live buffer views (_pin): the mapping outlives close() until 0 */
     Py_ssize_t busy;    /* engine calls running without the GIL (CALL) */
     int device;
     char name[96]; /* kept for messages after close() */
@@ -35,7 +36,7 @@ static PyObject *defining_module(PyObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     while (tp && !PyType_GetModule(tp)) {
         PyErr_Clear();
-        tp = tp->tp_base;
+        tp = (PyTypeObject *)PyType_GetSlot(tp, Py_tp_base);
     }
     return tp ? PyType_GetModule(tp) : NULL;
 }
@@ -69,7 +70,8 @@ static tec_comm *live(CommObject *o)
 
 static PyObject *comm_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    CommObject *o = (CommObject *)type->tp_alloc(type, 0);
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    CommObject *o = (CommObject *)alloc(type, 0);
     if (o)
         o->device = TEC_DEVICE_CPU;
     return (PyObject *)o;
@@ -80,7 +82,7 @@ static void comm_dealloc(PyObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     destroy_now((CommObject *)self);
-    tp->tp_free(self);
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
     Py_DECREF(tp);
 }
 
@@ -98,7 +100,7 @@ static PyObject *py_create(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int64_t kind, dev, rank, tp, nbytes;
     double timeout;
     I64(0, kind); I64(1, dev); I64(2, rank); I64(3, tp); I64(4, nbytes);
-    const char *name = PyUnicode_AsUTF8(args[5]);
+    const char *name = PyUnicode_AsUTF8AndSize(args[5], NULL);
     if (!name)
         return NULL;
     DBL(6, timeout);
@@ -134,10 +136,10 @@ static PyObject *py_open_peers(PyObject *self, PyObject *const *args, Py_ssize_t
 {
     ARGC("_open_peers", 1);
     LIVE(c);
-    PyObject *seq = PySequence_Fast(args[0], "_open_peers() expects a sequence of bytes");
+    PyObject *seq = PySequence_Tuple(args[0]);
     if (!seq)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_Size(seq);
     if (n != tec_comm_size(c)) {
         Py_DECREF(seq);
         return PyErr_Format(PyExc_ValueError, "_open_peers() got %zd handles for %d ranks", n, tec_comm_size(c));
@@ -145,13 +147,15 @@ static PyObject *py_open_peers(PyObject *self, PyObject *const *args, Py_ssize_t
     const void *h[TEC_COMM_MAX_RANKS];
     size_t l[TEC_COMM_MAX_RANKS];
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyBytes_Check(b)) {
+        PyObject *b = PyTuple_GetItem(seq, i);
+        char *bytes;
+        Py_ssize_t len;
+        if (!PyBytes_Check(b) || PyBytes_AsStringAndSize(b, &bytes, &len) < 0) {
             Py_DECREF(seq);
             return PyErr_Format(PyExc_TypeError, "handle %zd is not bytes", i);
         }
-        h[i] = PyBytes_AS_STRING(b);
-        l[i] = (size_t)PyBytes_GET_SIZE(b);
+        h[i] = bytes;
+        l[i] = (size_t)len;
     }
     tec_status st;
     CALL(tec_comm_open_peers(c, h, l));
@@ -396,8 +400,12 @@ static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("_pin", 0);
     LIVE(c);
+    void *base = tec_comm_base(c, tec_comm_rank(c));
+    if (!base)
+        return PyErr_Format(tec_state(defining_module(self))->EngineError,
+                            "communicator '%s' has no mapped buffer", ((CommObject *)self)->name);
     ((CommObject *)self)->exports++;
-    return PyLong_FromVoidPtr(tec_comm_base(c, tec_comm_rank(c)));
+    return PyLong_FromVoidPtr(base);
 }
 
 static void unpin(CommObject *o)
@@ -424,28 +432,6 @@ static PyObject *py_unpin(PyObject *self, PyObject *const *args, Py_ssize_t narg
         unpin(o);
     Py_RETURN_NONE;
 }
-
-static int comm_getbuffer(PyObject *self, Py_buffer *view, int flags)
-{
-    CommObject *o = (CommObject *)self;
-    tec_comm *c = live(o);
-    if (!c) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_BufferError, "the communicator is closed");
-        return -1;
-    }
-    if (o->device != TEC_DEVICE_CPU || !tec_comm_base(c, tec_comm_rank(c))) {
-        PyErr_SetString(PyExc_BufferError, "only an opened CPU communicator exports its buffer to Python");
-        return -1;
-    }
-    if (PyBuffer_FillInfo(view, self, tec_comm_base(c, tec_comm_rank(c)), (Py_ssize_t)tec_comm_buffer_bytes(c), 0,
-                          flags) < 0)
-        return -1;
-    o->exports++;
-    return 0;
-}
-
-static void comm_releasebuffer(PyObject *self, Py_buffer *view) { unpin((CommObject *)self); }
 
 static PyObject *get_rank(PyObject *self, void *x) { LIVE(c); return PyLong_FromLong(tec_comm_rank(c)); }
 static PyObject *get_size(PyObject *self, void *x) { LIVE(c); return PyLong_FromLong(tec_comm_size(c)); }
@@ -484,7 +470,7 @@ static PyMethodDef comm_methods[] = {
     M("_bulk_rs_finish", py_bulk_rs_finish, "_bulk_rs_finish(stream)"),
     M("_synchronize", py_synchronize, "_synchronize(stream)"),
     M("_unmap_peers", py_unmap_peers, "_unmap_peers(stream): wait, unmap peers (collective close, first half)"),
-    M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a device view"),
+    M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a view of the buffer"),
     M("_unpin", py_unpin, "_unpin(): drop a _pin"),
     M("buffer_ranges", py_buffer_ranges, "buffer_ranges() -> [(ptr, nbytes)]: own and mapped peers' regions"),
     M("_overlaps", py_overlaps, "_overlaps(start, end) -> bool: whether bytes [start, end) meet buffer_ranges()"),
@@ -500,8 +486,6 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_traverse, comm_traverse},
     {Py_tp_methods, comm_methods},
     {Py_tp_getset, comm_getset},
-    {Py_bf_getbuffer, comm_getbuffer},
-    {Py_bf_releasebuffer, comm_releasebuffer},
     {Py_tp_doc, "A userbuffers communicator (engine side); use transformer_engine_c.CommOverlap."},
     {0, NULL},
 };
@@ -513,13 +497,13 @@ static PyType_Spec comm_spec = {
     .slots = comm_slots,
 };
 
-/* extra[0] of the module state: the CommOverlap type. */
+/* The CommOverlap type (module state's CommOverlap_type) and the transport constants. */
 int tec_comm_exec(PyObject *module)
 {
     PyObject *type = PyType_FromModuleAndSpec(module, &comm_spec, NULL);
     if (!type)
         return -1;
-    tec_state(module)->extra[0] = type;
+    tec_state(module)->CommOverlap_type = type;
     if (PyModule_AddObjectRef(module, "CommOverlap", type) < 0)
         return -1;
     if (PyModule_AddIntConstant(module, "TRANSPORT_SHM", TEC_TRANSPORT_SHM) < 0 ||
@@ -530,8 +514,8 @@ int tec_comm_exec(PyObject *module)
 
 int tec_comm_traverse(tec_module_state *st, visitproc visit, void *arg)
 {
-    Py_VISIT(st->extra[0]);
+    Py_VISIT(st->CommOverlap_type);
     return 0;
 }
 
-void tec_comm_clear(tec_module_state *st) { Py_CLEAR(st->extra[0]); }
+void tec_comm_clear(tec_module_state *st) { Py_CLEAR(st->CommOverlap_type); }

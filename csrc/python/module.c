@@ -1,5 +1,6 @@
-/* module.c - the transformer_engine_c._C extension module: multi-phase
- * init, module state, status -> exception mapping and argument converters.
+/* module.c - the transformer_engine_c._C extension module (limited API,
+ * see module.h): multi-phase init, module state, status -> exception
+ * mapping and argument converters.
  * `python -c "import transformer_engine_c"` exercises it. */
 #include "module.h"
 
@@ -15,6 +16,16 @@ PyObject *tec_raise(PyObject *module, tec_status st)
                   : s->EngineError;
     PyErr_Format(cls, "%s", msg);
     return NULL;
+}
+
+PyObject *tec_type_name(PyObject *o)
+{
+    PyObject *n = PyObject_GetAttrString((PyObject *)Py_TYPE(o), "__name__");
+    if (n && PyUnicode_Check(n))
+        return n;
+    Py_XDECREF(n);
+    PyErr_Clear();
+    return PyUnicode_FromString("?");
 }
 
 int tec_arg_count(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
@@ -62,20 +73,27 @@ int tec_arg_double(PyObject *const *args, Py_ssize_t i, double *out)
     return 1;
 }
 
+/* _init(torch.Tensor, torch.nn.Parameter): the two types prepare_for_saving
+ * passes through with a pointer compare. */
 static PyObject *tec_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!tec_arg_count("_init", nargs, 1))
+    if (!tec_arg_count("_init", nargs, 2))
         return NULL;
-    if (!PyType_Check(args[0]))
-        return PyErr_Format(PyExc_TypeError, "_init() expects torch.Tensor");
+    if (!PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[1], (PyTypeObject *)args[0]))
+        return PyErr_Format(PyExc_TypeError, "_init() expects torch.Tensor and torch.nn.Parameter");
     tec_module_state *s = tec_state(module);
-    Py_XSETREF(s->tensor_type, Py_NewRef(args[0]));
+    PyObject *old_t = s->tensor_type, *old_p = s->parameter_type;
+    s->tensor_type = Py_NewRef(args[0]);
+    s->parameter_type = Py_NewRef(args[1]);
+    Py_XDECREF(old_t);
+    Py_XDECREF(old_p);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
     {"_init", (PyCFunction)(void (*)(void))tec_init, METH_FASTCALL,
-     "_init(tensor_type): tell the engine which type is torch.Tensor."},
+     "_init(tensor_type, parameter_type): tell the engine which types are torch.Tensor and nn.Parameter."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -113,6 +131,7 @@ static int tec_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(s->EngineError);
     Py_VISIT(s->CommTimeoutError);
     Py_VISIT(s->tensor_type);
+    Py_VISIT(s->parameter_type);
     int r = tec_comm_traverse(s, visit, arg);
     return r ? r : tec_saving_traverse(s, visit, arg);
 }
@@ -123,6 +142,7 @@ static int tec_clear(PyObject *m)
     Py_CLEAR(s->EngineError);
     Py_CLEAR(s->CommTimeoutError);
     Py_CLEAR(s->tensor_type);
+    Py_CLEAR(s->parameter_type);
     tec_comm_clear(s);
     tec_saving_clear(s);
     return 0;

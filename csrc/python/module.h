@@ -1,25 +1,35 @@
 /* module.h - what the CPython files of transformer_engine_c._C share: the
  * module state, argument converters for METH_FASTCALL entry points and the
- * one helper that turns a tec_status into a Python exception. */
+ * one helper that turns a tec_status into a Python exception.
+ *
+ * The module is built on CPython's limited API (stable ABI) of 3.10: one
+ * `_C.abi3.so` serves every CPython >= 3.10. Only what the limited headers
+ * declare may be used here: no private `_Py*` calls, no type-struct fields
+ * (PyType_GetSlot instead), no unchecked tuple/list macros. */
 #ifndef TEC_PY_MODULE_H
 #define TEC_PY_MODULE_H
 
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "../core/tec.h"
 
 typedef struct {
+    /* module.c */
     PyObject *EngineError;      /* RuntimeError subclass: engine failures */
     PyObject *CommTimeoutError; /* EngineError + TimeoutError: a peer did not arrive */
     PyObject *tensor_type;      /* torch.Tensor, set by _init() */
-    PyObject *extra[8];         /* owned by the other files (see module.c) */
-    /* saving.c (appended; visited and cleared by tec_saving_traverse/clear) */
+    PyObject *parameter_type;   /* torch.nn.Parameter, set by _init() */
+    /* comm.c (visited and cleared by tec_comm_traverse/clear) */
+    PyObject *CommOverlap_type; /* heap type of the engine-side communicator */
+    /* saving.c (visited and cleared by tec_saving_traverse/clear) */
     PyObject *str_is_distributed_weight; /* interned attribute names */
     PyObject *str_prepare_for_saving;
     PyObject *str_restore_from_saved;
     PyObject *SavedObjects_type;         /* heap type of the objects container */
-    int saving_keep_refs;                /* 0 only in negative tests */
 } tec_module_state;
 
 static inline tec_module_state *tec_state(PyObject *module)
@@ -31,6 +41,10 @@ static inline tec_module_state *tec_state(PyObject *module)
  * return NULL. INVALID_ARG -> ValueError, TIMEOUT -> CommTimeoutError,
  * everything else -> EngineError. */
 PyObject *tec_raise(PyObject *module, tec_status st);
+
+/* The name of o's type (a new str reference; "?" if it has none) for error
+ * messages: the limited API has no tp_name. Call it with no exception set. */
+PyObject *tec_type_name(PyObject *o);
 
 /* Positional-argument converters; each returns 0 and sets an exception
  * naming argument `i` of `fn` on failure. */

@@ -171,7 +171,7 @@ static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nar
     ARGC("load_cuda_backend", 2);
     int64_t policy;
     I64(1, policy);
-    const char *path = PyUnicode_AsUTF8(args[0]);
+    const char *path = PyUnicode_AsUTF8AndSize(args[0], NULL);
     if (!path)
         return NULL;
     return run(m, tec_load_cuda_backend(path, (unsigned)policy));

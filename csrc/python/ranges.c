@@ -6,7 +6,7 @@
 /* Read element i of a flat range table as an address. */
 static int range_item(PyObject *table, Py_ssize_t i, unsigned long long *out)
 {
-    PyObject *v = PyTuple_GET_ITEM(table, i);
+    PyObject *v = PyTuple_GetItem(table, i);
     if (!PyLong_Check(v)) {
         PyErr_Format(PyExc_TypeError, "find_overlap(): range bound %zd must be an int", i);
         return 0;
@@ -24,7 +24,7 @@ static int range_item(PyObject *table, Py_ssize_t i, unsigned long long *out)
  * for the first end past `start`, then one compare. O(log n) item reads. */
 static Py_ssize_t find_overlap_impl(unsigned long long start, unsigned long long end, PyObject *table)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(table) / 2;
+    Py_ssize_t n = PyTuple_Size(table) / 2;
     if (start >= end || n == 0)
         return -1;
     Py_ssize_t lo = 0, hi = n;
@@ -61,12 +61,16 @@ static PyObject *py_find_overlap(PyObject *m, PyObject *const *args, Py_ssize_t 
     if (end == (unsigned long long)-1 && PyErr_Occurred())
         return PyErr_Format(PyExc_TypeError, "find_overlap(): argument 1 must be a non-negative int");
     PyObject *table = args[2];
-    if (!PyTuple_Check(table))
-        return PyErr_Format(PyExc_TypeError, "find_overlap(): argument 2 must be a tuple, not %.100s",
-                            Py_TYPE(table)->tp_name);
-    if (PyTuple_GET_SIZE(table) % 2)
+    if (!PyTuple_Check(table)) {
+        PyObject *tn = tec_type_name(table);
+        if (tn)
+            PyErr_Format(PyExc_TypeError, "find_overlap(): argument 2 must be a tuple, not %U", tn);
+        Py_XDECREF(tn);
+        return NULL;
+    }
+    if (PyTuple_Size(table) % 2)
         return PyErr_Format(PyExc_ValueError, "find_overlap(): argument 2 must hold (start, end) pairs, "
-                            "got %zd bounds", PyTuple_GET_SIZE(table));
+                            "got %zd bounds", PyTuple_Size(table));
     Py_ssize_t i = find_overlap_impl(start, end, table);
     if (i == -2)
         return NULL;

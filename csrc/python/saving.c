@@ -4,7 +4,8 @@
  * `python -m transformer_engine_c.bench_saving` times it.
  *
  * prepare_for_saving(*objs) -> (tensors_to_save: tuple, objects: SavedObjects)
- *   None, torch.Tensor        -> saved as is                    (kind PLAIN)
+ *   None, torch.Tensor, torch.nn.Parameter (exact types)
+ *                             -> saved as is                    (kind PLAIN)
  *   tensor subclass with a true `is_distributed_weight`
  *                             -> saved as is AND kept by reference (kind REF);
  *                                restore returns the original object
@@ -20,18 +21,40 @@
  *   object; `objects` is consumed (its references dropped) and cannot be
  *   restored again.
  *
- * Hot path: None and exact torch.Tensor cost a pointer compare each; the
- * marker is read only for tensor subclasses (nn.Parameter included), with an
- * interned name and no AttributeError on a miss. */
+ * Hot path: None, exact torch.Tensor and exact nn.Parameter cost a pointer
+ * compare each (an exact Parameter is never a distributed weight: the layers'
+ * own test, module/_weights.py, says the same). The marker and the delegation
+ * method are looked up only for other tensor subclasses and other objects,
+ * by interned name. Unless an object delegates, the tensors to save are the
+ * call's argument tuple itself (METH_VARARGS: no copy). On the limited API a miss raises (and clears) an
+ * AttributeError: a DistributedWeight finds its marker, so only foreign
+ * subclasses pay for that. */
 #include "module.h"
 
 #include <string.h>
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define TEC_LOOKUP_ATTR(o, name, res) PyObject_GetOptionalAttr((o), (name), (res))
-#else
-#define TEC_LOOKUP_ATTR(o, name, res) _PyObject_LookupAttr((o), (name), (res))
-#endif
+/* getattr(o, name) -> 1 with *res set, 0 if o has no such attribute (the
+ * AttributeError cleared), -1 on any other error. */
+static int lookup_attr(PyObject *o, PyObject *name, PyObject **res)
+{
+    *res = PyObject_GetAttr(o, name);
+    if (*res)
+        return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* Whether o's class defines `name` (a method found on the type, as Python
+ * finds special methods): 1, 0, or -1 with an exception. */
+static int type_has(PyObject *o, PyObject *name)
+{
+    PyObject *v;
+    int r = lookup_attr((PyObject *)Py_TYPE(o), name, &v);
+    Py_XDECREF(v);
+    return r;
+}
 
 enum { SAVED_PLAIN = 0, SAVED_REF = 1, SAVED_DELEGATE = 2 };
 
@@ -46,6 +69,7 @@ typedef struct {
     PyObject_VAR_HEAD
     Py_ssize_t n_saved;   /* length of tensors_to_save */
     Py_ssize_t n_special; /* entries that are not PLAIN */
+    Py_ssize_t n_delegate; /* of those, DELEGATE entries */
     int consumed;
     saved_entry e[];
 } SavedObjects;
@@ -74,7 +98,7 @@ static void so_dealloc(PyObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     so_clear(self);
-    tp->tp_free(self);
+    PyObject_GC_Del(self);
     Py_DECREF(tp);
 }
 
@@ -129,75 +153,116 @@ static PyType_Spec so_spec = {
 
 static int truthy(PyObject *v) { return v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v); }
 
-/* Delegate to o.prepare_for_saving(): append its tensors to *out at *pos
- * (growing *out by k - 1) and record (state, k) in entry `e`. */
-static int prepare_delegate(tec_module_state *s, PyTypeObject *tt, saved_entry *e, Py_ssize_t i,
-                            PyObject *o, PyObject **out, Py_ssize_t *pos)
+/* The tensors to save, built lazily: while every object is saved as itself
+ * the result is the argument tuple itself (no copy); the first delegating
+ * object makes a tuple of its own. */
+typedef struct {
+    PyObject *args;  /* the call's argument tuple (borrowed) */
+    PyObject *tup;   /* NULL: identical to args so far */
+    Py_ssize_t pos;  /* items emitted */
+} saved_out;
+
+/* Save o itself at the next position. */
+static void emit(saved_out *ob, PyObject *o)
 {
-    const char *tn = Py_TYPE(o)->tp_name;
-    PyObject *r = PyObject_CallMethodNoArgs(o, s->str_prepare_for_saving);
+    if (ob->tup)
+        PyTuple_SetItem(ob->tup, ob->pos, Py_NewRef(o));
+    ob->pos++;
+}
+
+/* Give the result `size` slots, keeping the ob->pos items emitted so far. */
+static int regrow(saved_out *ob, Py_ssize_t size)
+{
+    PyObject *t = PyTuple_New(size), *from = ob->tup ? ob->tup : ob->args;
+    if (!t)
+        return -1;
+    for (Py_ssize_t j = 0; j < ob->pos && j < size; j++)
+        PyTuple_SetItem(t, j, Py_NewRef(PyTuple_GetItem(from, j)));
+    Py_XDECREF(ob->tup);
+    ob->tup = t;
+    return 0;
+}
+
+/* TypeError "prepare_for_saving: argument i (TYPE OF o): MSG", MSG being
+ * `fmt` formatted with the name of `what`'s type (%U) and `j` (%zd). */
+static void delegate_error(Py_ssize_t i, PyObject *o, const char *fmt, PyObject *what, Py_ssize_t j)
+{
+    PyObject *tn = tec_type_name(o), *wn = tec_type_name(what);
+    PyObject *msg = tn && wn ? PyUnicode_FromFormat(fmt, wn, j) : NULL;
+    if (msg)
+        PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd (%U): %U", i, tn, msg);
+    Py_XDECREF(msg);
+    Py_XDECREF(tn);
+    Py_XDECREF(wn);
+}
+
+/* Delegate to o.prepare_for_saving(): append its k tensors to the result
+ * (k - 1 more slots) and record (state, k) in entry `e`. */
+static int prepare_delegate(tec_module_state *s, PyTypeObject *tt, saved_entry *e, Py_ssize_t i,
+                            PyObject *o, saved_out *ob)
+{
+    PyObject *r = PyObject_CallMethodObjArgs(o, s->str_prepare_for_saving, NULL);
     if (!r)
         return -1;
     int rc = -1;
-    PyObject *ts = NULL, *probe = NULL;
-    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
-        PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd (%.200s): its prepare_for_saving() "
-                     "must return a pair (tensors, state), got %.200s", i, tn, Py_TYPE(r)->tp_name);
+    PyObject *ts = NULL;
+    if (!PyTuple_Check(r) || PyTuple_Size(r) != 2) {
+        delegate_error(i, o, "its prepare_for_saving() must return a pair (tensors, state), got %U", r, 0);
         goto done;
     }
-    PyObject *state = PyTuple_GET_ITEM(r, 1);
-    int has = TEC_LOOKUP_ATTR(state, s->str_restore_from_saved, &probe);
+    PyObject *state = PyTuple_GetItem(r, 1);
+    PyObject *probe;
+    int has = lookup_attr(state, s->str_restore_from_saved, &probe);
+    Py_XDECREF(probe);
     if (has < 0)
         goto done;
     if (!has) {
-        PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd (%.200s): the state its "
-                     "prepare_for_saving() returned (%.200s) has no restore_from_saved()",
-                     i, tn, Py_TYPE(state)->tp_name);
+        delegate_error(i, o, "the state its prepare_for_saving() returned (%U) has no restore_from_saved()",
+                       state, 0);
         goto done;
     }
-    PyObject *t0 = PyTuple_GET_ITEM(r, 0);
+    PyObject *t0 = PyTuple_GetItem(r, 0);
     if (!PyList_Check(t0) && !PyTuple_Check(t0)) {
-        PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd (%.200s): its prepare_for_saving() "
-                     "must return a list or tuple of tensors first, got %.200s", i, tn, Py_TYPE(t0)->tp_name);
+        delegate_error(i, o, "its prepare_for_saving() must return a list or tuple of tensors first, got %U",
+                       t0, 0);
         goto done;
     }
     ts = PySequence_Tuple(t0);
     if (!ts)
         goto done;
-    Py_ssize_t k = PyTuple_GET_SIZE(ts);
+    Py_ssize_t k = PyTuple_Size(ts);
     for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *t = PyTuple_GET_ITEM(ts, j);
+        PyObject *t = PyTuple_GetItem(ts, j);
         if (t != Py_None && !PyObject_TypeCheck(t, tt)) {
-            PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd (%.200s): its prepare_for_saving() "
-                         "returned %.200s at position %zd; expected torch.Tensor or None",
-                         i, tn, Py_TYPE(t)->tp_name, j);
+            delegate_error(i, o, "its prepare_for_saving() returned %U at position %zd; expected "
+                           "torch.Tensor or None", t, j);
             goto done;
         }
     }
-    if (k != 1 && _PyTuple_Resize(out, PyTuple_GET_SIZE(*out) + k - 1) < 0)
+    Py_ssize_t size = ob->tup ? PyTuple_Size(ob->tup) : PyTuple_Size(ob->args);
+    if ((!ob->tup || k != 1) && regrow(ob, size + k - 1) < 0)
         goto done;
     for (Py_ssize_t j = 0; j < k; j++)
-        PyTuple_SET_ITEM(*out, (*pos)++, Py_NewRef(PyTuple_GET_ITEM(ts, j)));
+        emit(ob, PyTuple_GetItem(ts, j));
     e->obj = Py_NewRef(state);
     e->count = k;
     e->kind = SAVED_DELEGATE;
     rc = 0;
 done:
-    Py_XDECREF(probe);
     Py_XDECREF(ts);
     Py_DECREF(r);
     return rc;
 }
 
-/* Everything that is neither None nor an exact torch.Tensor. */
+/* Everything that is neither None nor an exact torch.Tensor / nn.Parameter. */
 static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so, Py_ssize_t i,
-                         PyObject *o, PyObject **out, Py_ssize_t *pos)
+                         PyObject *o, saved_out *ob)
 {
     saved_entry *e = &so->e[i];
     int is_tensor = PyObject_TypeCheck(o, tt);
-    if (is_tensor && s->saving_keep_refs) {
+    if (is_tensor) {
         PyObject *v;
-        int r = TEC_LOOKUP_ATTR(o, s->str_is_distributed_weight, &v);
+        int r = lookup_attr(o, s->str_is_distributed_weight, &v);
         if (r < 0)
             return -1;
         if (r > 0) {
@@ -209,72 +274,81 @@ static int prepare_other(tec_module_state *s, PyTypeObject *tt, SavedObjects *so
                 e->obj = Py_NewRef(o);
                 e->kind = SAVED_REF;
                 so->n_special++;
-                PyTuple_SET_ITEM(*out, (*pos)++, Py_NewRef(o));
+                emit(ob, o);
                 return 0;
             }
         }
     }
-    if (_PyType_Lookup(Py_TYPE(o), s->str_prepare_for_saving)) {
-        if (prepare_delegate(s, tt, e, i, o, out, pos) < 0)
+    int has = type_has(o, s->str_prepare_for_saving);
+    if (has < 0)
+        return -1;
+    if (has) {
+        if (prepare_delegate(s, tt, e, i, o, ob) < 0)
             return -1;
         so->n_special++;
+        so->n_delegate++;
         return 0;
     }
     if (!is_tensor) {
-        PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd is %.200s; expected a torch.Tensor, "
-                     "None, or an object with prepare_for_saving() and restore_from_saved() methods",
-                     i, Py_TYPE(o)->tp_name);
+        PyObject *tn = tec_type_name(o);
+        if (tn)
+            PyErr_Format(PyExc_TypeError, "prepare_for_saving: argument %zd is %U; expected a torch.Tensor, "
+                         "None, or an object with prepare_for_saving() and restore_from_saved() methods", i, tn);
+        Py_XDECREF(tn);
         return -1;
     }
-    PyTuple_SET_ITEM(*out, (*pos)++, Py_NewRef(o));
+    emit(ob, o);
     return 0;
 }
 
-static PyObject *py_prepare_for_saving(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *py_prepare_for_saving(PyObject *m, PyObject *args)
 {
     tec_module_state *s = tec_state(m);
-    PyTypeObject *tt = (PyTypeObject *)s->tensor_type;
+    PyTypeObject *tt = (PyTypeObject *)s->tensor_type, *pt = (PyTypeObject *)s->parameter_type;
     if (!tt)
         return PyErr_Format(PyExc_RuntimeError, "prepare_for_saving: _C._init(torch.Tensor) was not called");
+    const Py_ssize_t nargs = PyTuple_Size(args);
     SavedObjects *so = PyObject_GC_NewVar(SavedObjects, (PyTypeObject *)s->SavedObjects_type, nargs);
     if (!so)
         return NULL;
     memset(so->e, 0, (size_t)nargs * sizeof(saved_entry));
     so->n_saved = 0;
     so->n_special = 0;
+    so->n_delegate = 0;
     so->consumed = 0;
-    PyObject *out = PyTuple_New(nargs);
-    if (!out)
-        goto fail;
-    Py_ssize_t pos = 0;
+    saved_out ob = {.args = args, .tup = NULL, .pos = 0};
     for (Py_ssize_t i = 0; i < nargs; i++) {
-        PyObject *o = args[i];
+        PyObject *o = PyTuple_GetItem(args, i);
         so->e[i].count = 1;
-        if (o == Py_None || Py_TYPE(o) == tt) {
-            PyTuple_SET_ITEM(out, pos++, Py_NewRef(o));
+        if (o == Py_None || Py_TYPE(o) == tt || Py_TYPE(o) == pt) {
+            emit(&ob, o);
             continue;
         }
-        if (prepare_other(s, tt, so, i, o, &out, &pos) < 0)
+        if (prepare_other(s, tt, so, i, o, &ob) < 0)
             goto fail;
     }
-    so->n_saved = pos;
+    so->n_saved = ob.pos;
     if (so->n_special)
         PyObject_GC_Track(so); /* only a container that holds references can be in a cycle */
+    PyObject *out = ob.tup ? ob.tup : Py_NewRef(args);
+    ob.tup = NULL;
     PyObject *res = PyTuple_New(2);
-    if (!res)
+    if (!res) {
+        Py_DECREF(out);
         goto fail;
-    PyTuple_SET_ITEM(res, 0, out);
-    PyTuple_SET_ITEM(res, 1, (PyObject *)so);
+    }
+    PyTuple_SetItem(res, 0, out);
+    PyTuple_SetItem(res, 1, (PyObject *)so);
     return res;
 fail:
-    Py_XDECREF(out);
+    Py_XDECREF(ob.tup);
     Py_DECREF(so);
     return NULL;
 }
 
 /* ---- restore_from_saved ---------------------------------------------------- */
 
-static PyObject *restore_special(tec_module_state *s, SavedObjects *so, PyObject *const *items)
+static PyObject *restore_special(tec_module_state *s, SavedObjects *so, PyObject *items)
 {
     Py_ssize_t n = Py_SIZE(so), pos = 0;
     PyObject *res = PyList_New(n);
@@ -284,7 +358,7 @@ static PyObject *restore_special(tec_module_state *s, SavedObjects *so, PyObject
         saved_entry *e = &so->e[i];
         PyObject *item;
         if (e->kind == SAVED_PLAIN) {
-            item = Py_NewRef(items[pos]);
+            item = Py_NewRef(PyTuple_GetItem(items, pos));
         } else if (e->kind == SAVED_REF) {
             item = e->obj; /* move the container's reference into the result */
             e->obj = NULL;
@@ -293,8 +367,8 @@ static PyObject *restore_special(tec_module_state *s, SavedObjects *so, PyObject
             if (!lst)
                 goto fail;
             for (Py_ssize_t j = 0; j < e->count; j++)
-                PyList_SET_ITEM(lst, j, Py_NewRef(items[pos + j]));
-            PyObject *r = PyObject_CallMethodOneArg(e->obj, s->str_restore_from_saved, lst);
+                PyList_SetItem(lst, j, Py_NewRef(PyTuple_GetItem(items, pos + j)));
+            PyObject *r = PyObject_CallMethodObjArgs(e->obj, s->str_restore_from_saved, lst, NULL);
             Py_DECREF(lst);
             if (!r)
                 goto fail;
@@ -308,7 +382,7 @@ static PyObject *restore_special(tec_module_state *s, SavedObjects *so, PyObject
             }
         }
         pos += e->count;
-        PyList_SET_ITEM(res, i, item);
+        PyList_SetItem(res, i, item);
     }
     return res;
 fail:
@@ -322,9 +396,14 @@ static PyObject *py_restore_from_saved(PyObject *m, PyObject *const *args, Py_ss
         return NULL;
     tec_module_state *s = tec_state(m);
     PyObject *objs = args[0], *saved = args[1];
-    if (Py_TYPE(objs) != (PyTypeObject *)s->SavedObjects_type)
-        return PyErr_Format(PyExc_TypeError, "restore_from_saved: argument 0 must be the objects returned by "
-                            "prepare_for_saving (SavedObjects), got %.200s", Py_TYPE(objs)->tp_name);
+    if (Py_TYPE(objs) != (PyTypeObject *)s->SavedObjects_type) {
+        PyObject *tn = tec_type_name(objs);
+        if (tn)
+            PyErr_Format(PyExc_TypeError, "restore_from_saved: argument 0 must be the objects returned by "
+                         "prepare_for_saving (SavedObjects), got %U", tn);
+        Py_XDECREF(tn);
+        return NULL;
+    }
     SavedObjects *so = (SavedObjects *)objs;
     if (so->consumed)
         return PyErr_Format(PyExc_ValueError, "restore_from_saved: these objects were already restored; "
@@ -334,60 +413,53 @@ static PyObject *py_restore_from_saved(PyObject *m, PyObject *const *args, Py_ss
         tup = Py_NewRef(saved);
     else if (PyList_Check(saved))
         tup = PyList_AsTuple(saved); /* delegates run Python code: do not index a list they could change */
-    else
-        return PyErr_Format(PyExc_TypeError, "restore_from_saved: argument 1 must be the saved tensors (a tuple "
-                            "or list, e.g. ctx.saved_tensors), got %.200s", Py_TYPE(saved)->tp_name);
+    else {
+        PyObject *tn = tec_type_name(saved);
+        if (tn)
+            PyErr_Format(PyExc_TypeError, "restore_from_saved: argument 1 must be the saved tensors (a tuple "
+                         "or list, e.g. ctx.saved_tensors), got %U", tn);
+        Py_XDECREF(tn);
+        return NULL;
+    }
     if (!tup)
         return NULL;
     PyObject *res = NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(tup);
+    Py_ssize_t n = PyTuple_Size(tup);
     if (n != so->n_saved) {
         PyErr_Format(PyExc_ValueError, "restore_from_saved: expected %zd saved tensors (prepare_for_saving of %zd "
                      "objects), got %zd", so->n_saved, Py_SIZE(so), n);
         goto done;
     }
     so->consumed = 1;
-    PyObject *const *items = &PyTuple_GET_ITEM(tup, 0);
-    if (so->n_special) {
-        res = restore_special(s, so, items);
-    } else if ((res = PyList_New(n))) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            PyList_SET_ITEM(res, i, Py_NewRef(items[i]));
+    if (so->n_delegate) {
+        res = restore_special(s, so, tup);
+    } else if ((res = PySequence_List(tup)) && so->n_special) {
+        /* only kept references: one saved tensor per object, so positions
+         * match; put the original objects in place of what was unpacked */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            saved_entry *e = &so->e[i];
+            if (e->kind == SAVED_REF) {
+                PyList_SetItem(res, i, e->obj); /* moves the container's reference */
+                e->obj = NULL;
+            }
+        }
     }
 done:
     Py_DECREF(tup);
     return res;
 }
 
-/* _saving_keep_references(flag) -> previous flag. Private: a negative test
- * switches keep-by-reference off to show that the identity checks can fail. */
-static PyObject *py_keep_references(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!tec_arg_count("_saving_keep_references", nargs, 1))
-        return NULL;
-    int flag = PyObject_IsTrue(args[0]);
-    if (flag < 0)
-        return NULL;
-    tec_module_state *s = tec_state(m);
-    int old = s->saving_keep_refs;
-    s->saving_keep_refs = flag;
-    return PyBool_FromLong(old);
-}
-
 PyMethodDef tec_saving_methods[] = {
-    {"prepare_for_saving", (PyCFunction)(void (*)(void))py_prepare_for_saving, METH_FASTCALL,
+    {"prepare_for_saving", (PyCFunction)(void (*)(void))py_prepare_for_saving, METH_VARARGS,
      "prepare_for_saving(*tensors) -> (tensors_to_save, objects)."},
     {"restore_from_saved", (PyCFunction)(void (*)(void))py_restore_from_saved, METH_FASTCALL,
      "restore_from_saved(objects, saved_tensors) -> list."},
-    {"_saving_keep_references", (PyCFunction)(void (*)(void))py_keep_references, METH_FASTCALL,
-     "_saving_keep_references(flag) -> previous flag (tests only)."},
     {NULL, NULL, 0, NULL},
 };
 
 int tec_saving_exec(PyObject *module)
 {
     tec_module_state *s = tec_state(module);
-    s->saving_keep_refs = 1;
     if (!(s->str_is_distributed_weight = PyUnicode_InternFromString("is_distributed_weight")) ||
         !(s->str_prepare_for_saving = PyUnicode_InternFromString("prepare_for_saving")) ||
         !(s->str_restore_from_saved = PyUnicode_InternFromString("restore_from_saved")))

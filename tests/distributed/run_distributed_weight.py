@@ -9,7 +9,8 @@ again in backward: gather_count). Prints "PASS run_distributed_weight".
 
     torchrun --nproc_per_node=2 tests/distributed/run_distributed_weight.py
     (2 ranks: dp=2 x tp=1 and dp=1 x tp=2; 4 ranks adds dp=2 x tp=2)
-    --no-keep-references switches keep-by-reference off: the run must fail.
+    --no-keep-references replaces prepare_for_saving / restore_from_saved with a
+    double that does not keep by reference (tests/helpers.py): the run must fail.
 """
 import argparse
 import contextlib
@@ -22,9 +23,10 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 import transformer_engine_c as tec  # noqa: E402
 from common import rel_err  # noqa: E402
-from transformer_engine_c import _C  # noqa: E402
+from helpers import without_keep_by_reference  # noqa: E402
 from transformer_engine_c._launch import init_rank  # noqa: E402
 
 TOL = 1e-5
@@ -140,8 +142,10 @@ def main():
     global DEVICE
     _, _, DEVICE = init_rank(args.device)
     world = dist.get_world_size()
-    if args.no_keep_references:
-        _C._saving_keep_references(False)
+    if args.no_keep_references:  # for the whole run (the context object is kept: its exit would undo it)
+        global _NO_REFS
+        _NO_REFS = without_keep_by_reference()
+        _NO_REFS.__enter__()
     layouts = [(world, 1), (1, world)] + ([(2, world // 2)] if world >= 4 and world % 2 == 0 else [])
     n = 0
     for dp, tp in layouts:

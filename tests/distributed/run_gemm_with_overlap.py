@@ -98,13 +98,17 @@ def check_numerics(rank, tp):
 
 def check_registry(rank, tp):
     common.init_ub((4 * tp, 16), tp, dtype=torch.float32,
-                      ub_cfgs={"qkv_fprop": {"method": "ring_exchange", "num_splits": 2}})
+                      ub_cfgs={"qkv_fprop": {"method": "ring_exchange", "num_splits": tp}})
     try:
         a, b = tec.get_ub("qkv_fprop"), tec.get_ub("fc2_fprop")
         assert a.name == "qkv_fprop" and a.method == "ring_exchange" and b.method == "pipeline"
         x = torch.randn(4, 16)
         w = torch.randn(8, 16)
         close(a.ag_gemm(x, w), gather(x) @ w.T, "registry ag_gemm")
+        close(b.gemm_rs(gather(x), w), reduce_scatter(gather(x) @ w.T), "registry gemm_rs")
+        sa, sb = a.stats(), b.stats()  # the schedule that ran, named, under each TE method
+        assert sa["pull"] == 1 and sa["push"] == 0, sa  # ring_exchange
+        assert sb["push"] == 1 and sb["pull"] == 0, sb  # pipeline
         try:
             tec.get_ub("nope")
             raise AssertionError("get_ub of an unknown name did not raise")
@@ -113,6 +117,7 @@ def check_registry(rank, tp):
     finally:
         tec.destroy_ub()
     for bad, word in [({"qkv_fprop": {"bogus_key": 1}}, "bogus_key"), ({"qkv_fprop": {"method": "x"}}, "method"),
+                      ({"qkv_fprop": {"method": "ring_exchange", "num_splits": tp + 1}}, "num_splits"),
                       ({"nolayer": {}}, "nolayer")]:
         try:
             common.init_ub((4 * tp, 16), tp, ub_cfgs=bad)

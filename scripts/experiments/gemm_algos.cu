@@ -2,7 +2,7 @@
 // first answer (what csrc/core/cuda/gemm.cu uses) is from it; cublasGemmEx (what torch.matmul
 // calls) beside them. Each algorithm is timed alone and, where a second GPU is present, while a
 // peer copy into this GPU runs on another stream (the pull of an AG+GEMM chunk). A diagnostic:
-//   nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 scripts/gemm_algos.cu \
+//   nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 scripts/experiments/gemm_algos.cu \
 //        -o /tmp/gemm_algos -lcublasLt -lcublas && /tmp/gemm_algos 8192x6144x4096 4096x6144x4096
 // A shape MxNxK is row-major C[M,N] = A[M,K] @ B[N,K]^T, bf16 in and out, fp32 compute.
 #include <cublasLt.h>

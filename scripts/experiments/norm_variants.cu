@@ -1,10 +1,10 @@
 // LayerNorm forward kernel variants (vectors per thread x threads per row) against a device copy,
 // bf16, 2048/4096 columns (a diagnostic, one GPU; it compiles norm.cu into itself):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr -I csrc/core \
-//        scripts/norm_variants.cu -o /tmp/norm_variants && /tmp/norm_variants
+//        scripts/experiments/norm_variants.cu -o /tmp/norm_variants && /tmp/norm_variants
 // "(old)" marks what the dispatch used before the third session; it now uses 4x64 and 4x128.
-#include "../csrc/core/cuda/cuda_common.cu"
-#include "../csrc/core/cuda/norm.cu"
+#include "../../csrc/core/cuda/cuda_common.cu"
+#include "../../csrc/core/cuda/norm.cu"
 #include <stdio.h>
 
 template <int NV, int TPR> float run(fwd_params p, int reps) {

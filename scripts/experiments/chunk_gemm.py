@@ -1,6 +1,6 @@
 """What splitting a GEMM into row chunks costs (as AG+GEMM's chunk GEMMs do),
 alone and beside a device copy on another stream (a diagnostic, one GPU):
-    python3 scripts/chunk_gemm.py
+    python3 scripts/experiments/chunk_gemm.py
 Prints, per shape, the time of one torch.matmul over all rows, of 2 and 4
 equal row chunks and of a 1/4 + 3/4 split, each also with a 64 MB copy
 running beside it."""

@@ -1,7 +1,7 @@
 """A/A and order controls for a benchmark row (a diagnostic, not a test).
 
 Run under torchrun on the GPU machine:
-    torchrun --nproc_per_node=2 scripts/order_control.py [TxHxN] [iters]
+    torchrun --nproc_per_node=2 scripts/experiments/order_control.py [TxHxN] [iters]
 Times the MLP forward+backward step (as the benchmark's mlp row) with the
 benchmark's Timer (whose rounds shuffle the order, so each comparison is
 also an order control): two identical plain-layer steps against each other
