@@ -18,11 +18,12 @@ from .distributed import allreduce_sequence_parallel_grads  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
 from .module.base import UserBufferQuantizationMode, destroy_ub, get_ub, initialize_ub  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
+from .module.layernorm_mlp import LayerNormMLP  # noqa: E402
 from .module.linear import Linear  # noqa: E402
 from .quantization import autocast, fp8_autocast, fp8_model_init, quantized_model_init  # noqa: E402
 from .userbuffers import LAYER_NAMES, CommOverlap, close_comms  # noqa: E402
 
-__all__ = ["Linear", "LayerNormLinear", "EngineError", "CommTimeoutError", "prepare_for_saving",
+__all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTimeoutError", "prepare_for_saving",
            "restore_from_saved", "restore_from_func_ctx", "DistributedWeight", "checkpoint", "CommOverlap",
            "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
            "allreduce_sequence_parallel_grads", "autocast", "fp8_autocast", "fp8_model_init",

@@ -222,6 +222,65 @@ def _gemm_dev(device):
     return entry
 
 
+# Activations (csrc/core/activation.h). TE's names; the gated ones take a
+# [rows, 2 * cols] input laid out [activation half | gate half].
+ACTIVATIONS = {"gelu": 0, "relu": 1, "qgelu": 2, "srelu": 3, "silu": 4, "geglu": 16, "reglu": 17,
+               "qgeglu": 18, "sreglu": 19, "swiglu": 20, "clamped_swiglu": 21, "glu": 22}
+GATED_ACTIVATIONS = frozenset(a for a, code in ACTIVATIONS.items() if code >= 16)
+
+
+def activation_code(activation):
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"activation {activation!r} is not supported; expected one of "
+                         f"{', '.join(sorted(ACTIVATIONS))}") from None
+
+
+def _act_shape(x, code, activation):
+    check_tensor(x, "input", ndim=2)
+    rows, in_cols = x.shape
+    if code >= 16 and in_cols % 2:
+        raise ValueError(f"{activation} is gated: the input's last dimension ({in_cols}) must be even "
+                         "(activation half, then gate half)")
+    return rows, in_cols, in_cols // 2 if code >= 16 else in_cols
+
+
+def act_fwd(x, activation, bias=None, out=None, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
+    """act(x + bias) over a 2-D x ([rows, 2 * cols] for a gated activation,
+    [rows, cols] otherwise). Returns y [rows, cols]; `out`, if given, receives it.
+    limit, alpha, glu_linear_offset: clamped_swiglu only (TE's
+    activation_params, TE's defaults)."""
+    code = activation_code(activation)
+    rows, in_cols, cols = _act_shape(x, code, activation)
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=x.dtype, device=x.device, shape=(in_cols,))
+    y = torch.empty(rows, cols, dtype=x.dtype, device=x.device) if out is None else check_tensor(
+        out, "out", dtype=x.dtype, device=x.device, shape=(rows, cols))
+    _C.act_fwd(device_code(x.device), code, DTYPE_CODES[x.dtype], rows, cols, _addr(x), _addr(bias),
+               _addr(y), float(limit), float(alpha), float(glu_linear_offset), stream_of(x.device))
+    return y
+
+
+def act_bwd(dy, x, activation, dbias=False, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
+    """Backward of act_fwd: x is the activation's input (bias included), dy
+    [rows, cols]. Returns dx ([rows, in_cols]), or (dx, dbias) with dbias=True
+    (dbias = column sums of dx, float32 sums)."""
+    code = activation_code(activation)
+    rows, in_cols, cols = _act_shape(x, code, activation)
+    check_tensor(dy, "grad_output", dtype=x.dtype, device=x.device, shape=(rows, cols))
+    dev = device_code(x.device)
+    dx = torch.empty_like(x)
+    db, ws, nbytes = None, None, 0
+    if dbias:
+        db = torch.empty(in_cols, dtype=x.dtype, device=x.device)
+        nbytes = _C.act_bwd_workspace_bytes(dev, code, rows, cols)
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _C.act_bwd(dev, code, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(dx), _addr(db),
+               _addr(ws), nbytes, float(limit), float(alpha), float(glu_linear_offset), stream_of(x.device))
+    return (dx, db) if dbias else dx
+
+
 # ------------------------------------------------- the layers' fast paths
 # A layer validates its input once (shape, dtype, device, layout); these skip
 # the generic checks for it and check only what the layer does not own (a

@@ -8,6 +8,7 @@
 #ifndef TEC_BACKEND_H
 #define TEC_BACKEND_H
 
+#include "activation.h"
 #include "tec.h"
 #include "transport.h"
 
@@ -29,9 +30,13 @@ typedef struct tec_backend {
     size_t gemm_workspace_bytes;
     /* The communicator transport of this device kind (NULL: none). */
     const tec_transport_ops *transport;
+    /* Activations (activation.h), called after activation.c's checks. */
+    tec_status (*act_fwd)(int device, const tec_act_fwd_args *a, void *stream);
+    tec_status (*act_bwd)(int device, const tec_act_bwd_args *a, void *stream);
+    size_t (*act_bwd_workspace_bytes)(int device, tec_activation act, int64_t rows, int64_t cols);
 } tec_backend;
 
-#define TEC_BACKEND_ABI 3 /* 3: transport; hooks at load; no last_error */
+#define TEC_BACKEND_ABI 4 /* 3: transport; hooks at load; no last_error. 4: activations */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {

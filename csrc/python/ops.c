@@ -3,6 +3,7 @@
  * addresses as ints; friendly checks live in transformer_engine_c/_engine.py.
  * tests/test_kernels.py exercises every function here. */
 #include "module.h"
+#include "../core/activation.h"
 
 #define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
 #define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
@@ -108,6 +109,62 @@ static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromSize_t(tec_gemm_workspace_bytes((int)dev));
 }
 
+/* act_fwd(device, act, dtype, rows, cols, x, bias, y, limit, alpha,
+ *         glu_offset, stream) */
+static PyObject *py_act_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("act_fwd", 12);
+    int64_t dev, act, dt;
+    double limit, alpha, offset;
+    tec_act_fwd_args a = {0};
+    void *stream;
+    I64(0, dev); I64(1, act); I64(2, dt); I64(3, a.rows); I64(4, a.cols);
+    PTR(5, a.x); PTR(6, a.bias); PTR(7, a.y); DBL(8, limit); DBL(9, alpha); DBL(10, offset); PTR(11, stream);
+    a.act = (tec_activation)act;
+    a.dtype = (tec_dtype)dt;
+    a.limit = (float)limit;
+    a.alpha = (float)alpha;
+    a.glu_offset = (float)offset;
+    tec_status st;
+    CALL(tec_act_fwd((int)dev, &a, stream));
+    return run(m, st);
+}
+
+/* act_bwd(device, act, dtype, rows, cols, dy, x, dx, dbias, workspace,
+ *         workspace_bytes, limit, alpha, glu_offset, stream) */
+static PyObject *py_act_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("act_bwd", 15);
+    int64_t dev, act, dt, wsb;
+    double limit, alpha, offset;
+    tec_act_bwd_args a = {0};
+    void *stream;
+    I64(0, dev); I64(1, act); I64(2, dt); I64(3, a.rows); I64(4, a.cols);
+    PTR(5, a.dy); PTR(6, a.x); PTR(7, a.dx); PTR(8, a.dbias); PTR(9, a.workspace); I64(10, wsb);
+    DBL(11, limit); DBL(12, alpha); DBL(13, offset); PTR(14, stream);
+    a.act = (tec_activation)act;
+    a.dtype = (tec_dtype)dt;
+    a.workspace_bytes = (size_t)wsb;
+    a.limit = (float)limit;
+    a.alpha = (float)alpha;
+    a.glu_offset = (float)offset;
+    tec_status st;
+    CALL(tec_act_bwd((int)dev, &a, stream));
+    return run(m, st);
+}
+
+/* act_bwd_workspace_bytes(device, act, rows, cols) -> int */
+static PyObject *py_act_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("act_bwd_workspace_bytes", 4);
+    int64_t dev, act, rows, cols;
+    I64(0, dev); I64(1, act); I64(2, rows); I64(3, cols);
+    tec_status st = tec_backend_check((int)dev);
+    if (st)
+        return tec_raise(m, st);
+    return PyLong_FromSize_t(tec_act_bwd_workspace_bytes((int)dev, (tec_activation)act, rows, cols));
+}
+
 /* load_cuda_backend(path: str, gemm_policy: int) (TEC_GEMM_* bits of tec.h) */
 static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -133,6 +190,9 @@ PyMethodDef tec_ops_methods[] = {
     {"norm_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_norm_bwd_ws, METH_FASTCALL, "Workspace of norm_bwd."},
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "Row-major GEMM (see tec.h)."},
     {"gemm_workspace_bytes", (PyCFunction)(void (*)(void))py_gemm_ws, METH_FASTCALL, "Workspace of gemm."},
+    {"act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL, "Activation forward (see activation.h)."},
+    {"act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL, "Activation backward, optional dbias."},
+    {"act_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_act_bwd_ws, METH_FASTCALL, "Workspace of act_bwd with dbias."},
     {"load_cuda_backend", (PyCFunction)(void (*)(void))py_load_cuda, METH_FASTCALL, "Load the CUDA backend library."},
     {"has_cuda_backend", (PyCFunction)(void (*)(void))py_has_cuda, METH_FASTCALL, "Whether CUDA is loaded."},
     {NULL, NULL, 0, NULL},

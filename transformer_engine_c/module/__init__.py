@@ -3,4 +3,5 @@ layout: `module.base` holds the userbuffers registry and the base module)."""
 from . import base  # noqa: F401
 from .base import TransformerEngineBaseModule, destroy_ub, get_ub, initialize_ub  # noqa: F401
 from .layernorm_linear import LayerNormLinear  # noqa: F401
+from .layernorm_mlp import LayerNormMLP  # noqa: F401
 from .linear import Linear  # noqa: F401

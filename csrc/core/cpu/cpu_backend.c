@@ -191,4 +191,7 @@ const tec_backend tec_cpu_backend = {
     .gemm = cpu_gemm,
     .gemm_workspace_bytes = 0,
     .transport = &tec_shm_transport,
+    .act_fwd = tec_cpu_act_fwd,
+    .act_bwd = tec_cpu_act_bwd,
+    .act_bwd_workspace_bytes = tec_cpu_act_bwd_workspace_bytes,
 };

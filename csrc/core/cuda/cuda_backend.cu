@@ -13,6 +13,9 @@ static const tec_backend tec_cuda_backend = {
     tec_cuda_gemm,                      /* gemm */
     TEC_CUDA_GEMM_WORKSPACE_BYTES,      /* gemm_workspace_bytes */
     &tec_cuda_transport,                /* transport */
+    tec_cuda_act_fwd,                   /* act_fwd (activation.cu) */
+    tec_cuda_act_bwd,                   /* act_bwd */
+    tec_cuda_act_bwd_workspace_bytes,   /* act_bwd_workspace_bytes */
 };
 
 TEC_CUDA_EXPORT const tec_backend *tec_cuda_backend_init(const tec_core_hooks *hooks)
