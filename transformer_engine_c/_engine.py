@@ -325,3 +325,42 @@ def norm_forward(x, gamma, beta, eps, zero_centered_gamma):
                 rsigma.data_ptr(), float(eps), 1 if zero_centered_gamma else 0,
                 0 if dev < 0 else stream_of(device))
     return y, mu, rsigma
+
+
+def _plain(t, rows, cols, dtype, device):
+    """t is a contiguous [rows, cols] tensor of dtype on device (the fast
+    paths' one check of what the caller did not validate)."""
+    return t.shape == (rows, cols) and t.dtype == dtype and t.device == device and t.is_contiguous()
+
+
+def dgrad(dy, w):
+    """dX = dY W for the layers' backward (dy [m, n] contiguous, as the layer
+    made it; w [n, k])."""
+    m, n = dy.shape
+    k = w.shape[1] if w.dim() == 2 else -1
+    dtype, device = dy.dtype, dy.device
+    if m == 0 or k <= 0 or not _plain(w, n, k, dtype, device) or not dy.is_contiguous():
+        return gemm(dy, w)
+    out = torch.empty(m, k, dtype=dtype, device=device)
+    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    code = DTYPE_CODES[dtype]
+    _C.gemm(dev, code, code, 0, 0, m, k, n, dy.data_ptr(), n, w.data_ptr(), k, out.data_ptr(), k,
+            0, 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
+    return out
+
+
+def wgrad(dy, x, bias_grad):
+    """dW = dY^T X (and the bias gradient, dY's column sums, with bias_grad)
+    for the layers' backward: dy [t, n], x [t, k], both contiguous."""
+    t, n = dy.shape
+    k = x.shape[1] if x.dim() == 2 else -1
+    dtype, device = dy.dtype, dy.device
+    if t == 0 or n == 0 or k <= 0 or not _plain(x, t, k, dtype, device) or not dy.is_contiguous():
+        return gemm(dy, x, transa=True, bias_grad=bias_grad)
+    out = torch.empty(n, k, dtype=dtype, device=device)
+    bgrad = torch.empty(n, dtype=dtype, device=device) if bias_grad else None
+    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    code = DTYPE_CODES[dtype]
+    _C.gemm(dev, code, code, 1, 0, n, k, t, dy.data_ptr(), n, x.data_ptr(), k, out.data_ptr(), k,
+            0, 0 if bgrad is None else bgrad.data_ptr(), 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
+    return (out, bgrad) if bias_grad else out

@@ -258,7 +258,7 @@ def gather_grad_output(dy, tp):
 
 def dgrad(dy_total, w, tp):
     """dX = dY W, followed by the column-parallel reduction."""
-    dx = _engine.gemm(dy_total, w)
+    dx = _engine.dgrad(dy_total, w)
     if tp.mode == "column":
         dx = reduce_scatter_rows(dx, tp.group, tp.size) if tp.sp else all_reduce(dx, tp.group, tp.size)
     return dx
@@ -277,10 +277,11 @@ class Wgrad:
 
     def __init__(self, layer, weight, with_bias, is_first_microbatch, bias_from_local=False):
         self.layer, self.weight, self.with_bias = layer, weight, with_bias
-        self.params = layer._weight_params()
         self.fuse = layer.fuse_wgrad_accumulation
         self.accumulate = self.fuse and not is_first_microbatch
         self.delay = layer.delay_wgrad_compute
+        # The parameter objects (for main_grad, or .grad in backward_dw).
+        self.params = layer._weight_params() if self.fuse or self.delay else None
         self.bias_from_local = bias_from_local
 
     def __call__(self, dy_total, x_total, ub, dy_local=None):
@@ -302,7 +303,7 @@ class Wgrad:
         with_bias = self.with_bias and not self.bias_from_local
         w = self.weight
         if not self.fuse or is_distributed_weight(w):
-            res = _engine.gemm(dy_total, x_total, transa=True, bias_grad=with_bias)
+            res = _engine.wgrad(dy_total, x_total, with_bias)
             dw, db = res if with_bias else (res, None)
             if self.fuse and not is_distributed_weight(w):
                 return self._into_main_grad(dw), db
@@ -432,7 +433,7 @@ def _column_backward(dy, x_local, w, tp, ub, need_dx, wg):
                                                                       w.shape[1]):
             dx = ub.comms["dgrad"].gemm_rs(dy, w, transb=False)
         elif f["ub_bulk_wgrad"] and need_w:
-            dx_partial = _engine.gemm(dy, w)
+            dx_partial = _engine.dgrad(dy, w)
         else:
             dx = dgrad(dy, w, tp)
     if bulk_gather is not None:
