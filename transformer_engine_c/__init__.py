@@ -16,6 +16,7 @@ from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_save
 from .checkpoint import checkpoint  # noqa: E402
 from .distributed import allreduce_sequence_parallel_grads  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
+from .graph import make_graphed_callables  # noqa: E402
 from .module.base import UserBufferQuantizationMode, destroy_ub, get_ub, initialize_ub  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.layernorm_mlp import LayerNormMLP  # noqa: E402
@@ -27,4 +28,4 @@ __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTime
            "restore_from_saved", "restore_from_func_ctx", "DistributedWeight", "checkpoint", "CommOverlap",
            "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
            "allreduce_sequence_parallel_grads", "autocast", "fp8_autocast", "fp8_model_init",
-           "quantized_model_init"]
+           "quantized_model_init", "make_graphed_callables"]

@@ -258,6 +258,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         this is (is_first_microbatch not None), once on the first and reused
         until the next first micro-batch."""
         if is_distributed_weight(w):
+            refuse_capture(self, "a DistributedWeight (its gather is a collective outside the graph)")
             if is_first_microbatch is None:
                 full = w.materialize()
             else:
@@ -325,6 +326,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         size must stay the layer's tensor-parallel size)."""
         self.tp = TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
         self.tp_group = self.tp.group
+
+
+def refuse_capture(layer, what):
+    """Raise, naming the layer and the feature, when a CUDA graph is being
+    captured: a feature that cannot be replayed must fail at capture time,
+    not give wrong results at replay."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        name = f" '{layer.name}'" if getattr(layer, "name", None) else ""
+        raise RuntimeError(f"{type(layer).__name__}{name}: {what} cannot be captured in a CUDA graph; "
+                           "capture the layer without it (see tec.make_graphed_callables)")
 
 
 def _add_grad(p, g):

@@ -8,7 +8,7 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _common as C
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, refuse_capture
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -164,6 +164,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns out, (out, bias), (out, ln_out) or (out, bias, ln_out), as TE."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        if self.ub.enabled:
+            refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight.device, weight.dtype)

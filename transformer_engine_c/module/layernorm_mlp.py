@@ -9,7 +9,7 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _common as C
-from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method
+from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method, refuse_capture
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACT_PARAM_KEYS = ("limit", "alpha", "glu_linear_offset")
@@ -297,6 +297,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         with return_layernorm_output (TE's order). is_first_microbatch as
         TE's: main_grad overwritten on the first micro-batch with
         fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
+        if self.ub.enabled or self.ub2.enabled:
+            refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         dtype, cast = C.compute_dtype(self.fc1_weight.device, self.fc1_weight.dtype)
         fc1_bias = self.fc1_bias if self.use_bias else None
         fc2_bias = self.fc2_bias if self.use_bias and not self.return_bias else None

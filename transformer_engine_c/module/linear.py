@@ -5,7 +5,7 @@ import torch
 
 from .._C import prepare_for_saving, restore_from_saved
 from . import _common as C
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, refuse_capture
 
 
 def _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast):
@@ -104,6 +104,8 @@ class Linear(TransformerEngineBaseModule):
         gathered once per step)."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        if self.ub.enabled:
+            refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight.device, weight.dtype)
