@@ -32,17 +32,17 @@ def default_dtype(params_dtype):
     return dtype
 
 
-def compute_dtype(device, params_dtype):
+def compute_dtype(weight):
     """(dtype, cast): the dtype a layer call computes in and whether inputs
     and parameters are cast to it: torch.autocast's where it is on for the
     parameters' device type (TransformerEngine honours it the same way: fp32
     master weights cast per call), else the parameters' own, uncast."""
-    kind = device.type
+    kind = "cuda" if weight.is_cuda else "cpu"
     if torch.is_autocast_enabled(kind):
         dtype = torch.get_autocast_dtype(kind)
         _engine.dtype_code(dtype, "the autocast dtype")
         return dtype, True
-    return params_dtype, False
+    return weight.dtype, False
 
 
 class TPConfig:

@@ -168,7 +168,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         weight = self._weight_tensor()
         bias = self._bias_tensor()
-        dtype, cast = C.compute_dtype(weight.device, weight.dtype)
+        dtype, cast = C.compute_dtype(weight)
         args = (inp, self.layer_norm_weight, self.layer_norm_bias, weight, None if self.return_bias else bias, self,
                 is_first_microbatch, dtype, cast)
         if torch.is_grad_enabled():

@@ -299,7 +299,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
         if self.ub.enabled or self.ub2.enabled:
             refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
-        dtype, cast = C.compute_dtype(self.fc1_weight.device, self.fc1_weight.dtype)
+        dtype, cast = C.compute_dtype(self.fc1_weight)
         fc1_bias = self.fc1_bias if self.use_bias else None
         fc2_bias = self.fc2_bias if self.use_bias and not self.return_bias else None
         out = _LayerNormMLPFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, fc1_bias,

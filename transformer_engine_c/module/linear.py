@@ -108,7 +108,7 @@ class Linear(TransformerEngineBaseModule):
             refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         weight = self._weight_tensor()
         bias = self._bias_tensor()
-        dtype, cast = C.compute_dtype(weight.device, weight.dtype)
+        dtype, cast = C.compute_dtype(weight)
         args = (inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
         y = _LinearFn.apply(*args) if torch.is_grad_enabled() else _forward(*args)[0]
         y = C.like_input(y, inp.shape, self.tp)
