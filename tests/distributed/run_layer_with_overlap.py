@@ -172,6 +172,59 @@ def check_model(tp, dtype):
         tec.destroy_ub()
 
 
+class MLPBlock(torch.nn.Module):
+    """The same block as one LayerNormMLP (gelu, TE's tanh form)."""
+
+    def __init__(self, ub, **kw):
+        super().__init__()
+        self.mlp = tec.LayerNormMLP(HID, FFN, set_parallel_mode=True, ub_overlap_ag=ub, ub_overlap_rs=ub,
+                                    ub_bulk_dgrad=ub, ub_bulk_wgrad=ub, **kw)
+
+    def forward(self, x):
+        return self.mlp(x) + x
+
+
+def check_mlp_model(tp, dtype):
+    """Two LayerNormMLP blocks sharing the registry's fc1_* / fc2_*
+    communicators, fwd + bwd, against the same model without userbuffers;
+    and the LayerNormMLP model against the two-layer block with the same
+    weights (LayerNormLinear -> gelu (tanh) -> Linear)."""
+    kw = dict(params_dtype=dtype, device=common.DEV, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=tp)
+    common.init_ub((SEQ * BATCH * tp, HID), tp, dtype=dtype)
+    try:
+        names = ["fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad"]
+        s0 = {n: tec.get_ub(n).stats() for n in names}
+        run_pair(lambda ub: torch.nn.Sequential(MLPBlock(ub, **kw), MLPBlock(ub, **kw)), (SEQ, BATCH, HID), dtype,
+                 f"two-block LayerNormMLP model {dtype}", 8, tensorwise=True, scale=1.0)
+        expect(s0, {n: tec.get_ub(n) for n in names},
+               {"fc1_fprop": {"ag_overlap": 4}, "fc1_dgrad": {"bulk_ag": 2}, "fc1_wgrad": {"bulk_rs": 2},
+                "fc2_fprop": {"rs_overlap": 4}, "fc2_dgrad": {"ag_overlap": 2}}, "LayerNormMLP model")
+    finally:
+        tec.destroy_ub()
+    # One module against two layers: the same parameters give the same model.
+    torch.manual_seed(9)
+    mlp = MLPBlock(False, **kw)
+    fc1 = tec.LayerNormLinear(HID, FFN, parallel_mode="column", **kw)
+    fc2 = tec.Linear(FFN, HID, parallel_mode="row", **kw)
+    with torch.no_grad():
+        for dst, src in ((fc1.layer_norm_weight, mlp.mlp.layer_norm_weight), (fc1.layer_norm_bias, mlp.mlp.layer_norm_bias),
+                         (fc1.weight, mlp.mlp.fc1_weight), (fc1.bias, mlp.mlp.fc1_bias), (fc2.weight, mlp.mlp.fc2_weight),
+                         (fc2.bias, mlp.mlp.fc2_bias)):
+            src.add_(torch.randn_like(src) * 0.1)
+            dst.copy_(src)
+    x = torch.randn(SEQ, BATCH, HID, generator=torch.Generator().manual_seed(3 + dist.get_rank())).to(dtype)
+    x1, x2 = x.clone().to(common.DEV).requires_grad_(), x.clone().to(common.DEV).requires_grad_()
+    y1 = mlp(x1)
+    y2 = fc2(torch.nn.functional.gelu(fc1(x2), approximate="tanh")) + x2
+    dy = torch.randn(y1.shape, generator=torch.Generator().manual_seed(5)).to(dtype).to(common.DEV)
+    y1.backward(dy)
+    y2.backward(dy)
+    close(y1, y2, f"LayerNormMLP against LayerNormLinear + gelu + Linear {dtype}", True)
+    close(x1.grad, x2.grad, f"LayerNormMLP input grad against the two layers {dtype}", True)
+    close(mlp.mlp.fc1_weight.grad, fc1.weight.grad, f"LayerNormMLP fc1 weight grad {dtype}", True)
+    close(mlp.mlp.fc2_weight.grad, fc2.weight.grad, f"LayerNormMLP fc2 weight grad {dtype}", True)
+
+
 def check_construction(tp):
     """Flags that do not apply are ignored with one warning per layer, as TE
     ignores them (and the layer then runs without that overlap); the
@@ -210,7 +263,7 @@ def check_construction(tp):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--checks", default="construction,layers,fallback,model")
+    p.add_argument("--checks", default="construction,layers,fallback,model,mlp_model")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     common.setup(args.device)

@@ -12,7 +12,7 @@ from launch import gpu_count, run_torchrun
 def test_comm_gemm_overlap(nproc):
     out = run_torchrun("run_layer_with_overlap.py", nproc, ["--dtypes", "float32,bfloat16"], timeout=300,
                        pass_line="PASS run_layer_with_overlap")
-    for check in ("construction", "layers", "fallback", "model"):
+    for check in ("construction", "layers", "fallback", "model", "mlp_model"):
         assert f"ok {check} tp={nproc}" in out
 
 
@@ -22,5 +22,5 @@ def test_comm_gemm_overlap_cuda(nproc):
         pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {gpu_count()}")
     out = run_torchrun("run_layer_with_overlap.py", nproc, ["--device", "cuda", "--dtypes", "float32,bfloat16"],
                        timeout=300, pass_line="PASS run_layer_with_overlap")
-    for check in ("construction", "layers", "fallback", "model"):
+    for check in ("construction", "layers", "fallback", "model", "mlp_model"):
         assert f"ok {check} tp={nproc}" in out
