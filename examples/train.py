@@ -64,10 +64,9 @@ class Block(torch.nn.Module):
                                        **ub(ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True, ub_name="qkv"))
         self.proj = tec.Linear(H, H, parallel_mode="row", **kw, **ub(ub_overlap_rs=True, ub_overlap_ag=True,
                                                                       ub_name="proj"))
-        self.fc1 = tec.LayerNormLinear(H, 4 * H, parallel_mode="column", **kw,
-                                       **ub(ub_overlap_ag=True, ub_overlap_rs_dgrad=True, ub_name="fc1"))
-        self.fc2 = tec.Linear(4 * H, H, parallel_mode="row", **kw, **ub(ub_overlap_rs=True, ub_overlap_ag=True,
-                                                                         ub_name="fc2"))
+        # norm -> fc1 (column) -> gelu -> fc2 (row) in one module, on the fc1_* / fc2_* communicators
+        self.mlp = tec.LayerNormMLP(H, 4 * H, set_parallel_mode=True, **kw,
+                                    **ub(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True))
         self.heads, self.hd = args.heads // tp_size, H // args.heads
 
     def forward(self, x):                                   # x: [seq/tp, batch, H]
@@ -76,7 +75,7 @@ class Block(torch.nn.Module):
         q, k, v = qkv.view(s, b, self.heads, 3, self.hd).permute(3, 1, 2, 0, 4).unbind(0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
         x = x + self.proj(o)                                # reduce-scattered back to [seq/tp, batch, H]
-        return x + self.fc2(F.gelu(self.fc1(x)))
+        return x + self.mlp(x)
 
 
 class GPT(torch.nn.Module):

@@ -4,8 +4,8 @@ runs them; examples/train.py is the same model as one short script).
 A small GPT-style decoder built of the package's layers, tensor parallel with
 sequence parallelism over every rank: token + position embeddings, N blocks of
 [LayerNormLinear qkv (column) -> causal scaled_dot_product_attention on this
-rank's heads -> Linear proj (row)] and [LayerNormLinear fc1 (column) -> GELU ->
-Linear fc2 (row)], each block under tec.checkpoint, then LayerNormLinear (final
+rank's heads -> Linear proj (row)] and [LayerNormMLP (norm, fc1 column, GELU,
+fc2 row)], each block under tec.checkpoint, then LayerNormLinear (final
 norm + vocabulary head, not tensor parallel). Activations between blocks are
 [seq / tp, batch, hidden]. Trained with AdamW on a generated language (see
 MarkovCopyData) under tec.debug.check_saved_tensors, with or without
@@ -103,30 +103,22 @@ class Attention(torch.nn.Module):
         return self.proj(o)                                     # [seq / tp, batch, hidden]
 
 
-class MLP(torch.nn.Module):
-    """fc1 (column, with the norm) -> GELU -> fc2 (row). tec.LayerNormMLP, where
-    the package has it, is this pair in one module: swap it in at
-    Block.__init__ (one line)."""
-
-    def __init__(self, hidden, ffn, tp_group, overlap, **kw):
-        super().__init__()
-        self.fc1 = tec.LayerNormLinear(hidden, ffn, parallel_mode="column", sequence_parallel=True,
-                                       tp_group=tp_group, **kw,
-                                       **(dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=True, ub_name="fc1")
-                                          if overlap else {}))
-        self.fc2 = tec.Linear(ffn, hidden, parallel_mode="row", sequence_parallel=True, tp_group=tp_group,
-                              **kw, **(dict(ub_overlap_rs=True, ub_overlap_ag=True, ub_name="fc2")
-                                       if overlap else {}))
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+def mlp(hidden, ffn, tp_group, tp_size, overlap, **kw):
+    """The MLP as one tec.LayerNormMLP: norm -> fc1 (column) -> gelu (tanh) ->
+    fc2 (row), with fc1's all-gather and dgrad reduce-scatter and fc2's
+    reduce-scatter and grad_output all-gather overlapped (the fc1_* / fc2_*
+    communicators)."""
+    return tec.LayerNormMLP(hidden, ffn, sequence_parallel=True, tp_group=tp_group, tp_size=tp_size,
+                            set_parallel_mode=True, activation="gelu", **kw,
+                            **(dict(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True)
+                               if overlap else {}))
 
 
 class Block(torch.nn.Module):
     def __init__(self, hidden, heads, ffn, tp_group, tp_size, overlap, **kw):
         super().__init__()
         self.attn = Attention(hidden, heads, tp_group, tp_size, overlap, **kw)
-        self.mlp = MLP(hidden, ffn, tp_group, overlap, **kw)   # <- tec.LayerNormMLP goes here
+        self.mlp = mlp(hidden, ffn, tp_group, tp_size, overlap, **kw)
 
     def forward(self, x):
         x = x + self.attn(x)
@@ -162,15 +154,16 @@ class GPT(torch.nn.Module):
         g = torch.Generator().manual_seed(torch.initial_seed() + 1)
         with torch.no_grad():
             for blk in self.blocks:
-                for layer, split_dim, scale in ((blk.attn.qkv, 0, 1.0), (blk.attn.proj, 1, (2 * layers) ** -0.5),
-                                                (blk.mlp.fc1, 0, 1.0), (blk.mlp.fc2, 1, (2 * layers) ** -0.5)):
+                residual = (2 * layers) ** -0.5
+                for weight, split_dim, scale in ((blk.attn.qkv.weight, 0, 1.0), (blk.attn.proj.weight, 1, residual),
+                                                 (blk.mlp.fc1_weight, 0, 1.0), (blk.mlp.fc2_weight, 1, residual)):
                     # uniform(+-1/sqrt(fan_in)) as nn.Linear; residual branches
                     # scaled down by sqrt(2 * layers) as in GPT-2
-                    shape = list(layer.weight.shape)   # this rank's slice (in/out_features are too, as TE)
+                    shape = list(weight.shape)   # this rank's slice
                     shape[split_dim] *= self.tp_size
                     bound = scale / math.sqrt(shape[1])
                     full = (torch.rand(*shape, generator=g) * 2 - 1) * bound
-                    layer.weight.copy_(full.chunk(self.tp_size, split_dim)[self.tp_rank])
+                    weight.copy_(full.chunk(self.tp_size, split_dim)[self.tp_rank])
 
     def forward(self, tokens):
         """tokens [seq, batch] (every rank the whole sequence) -> logits of this
