@@ -207,3 +207,78 @@ def test_distributed_weight_gathered_once_per_step(device):
     assert m.weight.gather_count == 1  # three forwards and backwards, one gather
     m(x).sum().backward()
     assert m.weight.gather_count == 3  # without is_first_microbatch: forward and backward each gather
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_frozen_parameters_get_nothing(device, layer, frozen):
+    """A frozen weight (Megatron gives main_grad to trainable parameters
+    only) or bias: no GEMM into main_grad, no .grad, no error; the other
+    parameter's gradient is right, with fuse_wgrad_accumulation and with
+    delay_wgrad_compute."""
+    for kw in ({"fuse_wgrad_accumulation": True}, {"delay_wgrad_compute": True}):
+        m = _make(layer, device, **kw)
+        getattr(m, frozen).requires_grad_(False)
+        if frozen == "bias" and kw.get("fuse_wgrad_accumulation"):
+            m.weight.main_grad = torch.zeros(m.weight.shape, device=device)
+        x = torch.randn(8, 32, device=device, requires_grad=True)
+        dy = torch.randn(8, 24, device=device)
+        m(x).backward(dy)
+        if kw.get("delay_wgrad_compute"):
+            m.backward_dw()
+        _, dx, grads = _reference(m, x, dy)
+        assert rel_err(x.grad, dx) < TOL[torch.float32] * 3
+        assert getattr(m, frozen).grad is None and not hasattr(getattr(m, frozen), "main_grad") or frozen == "bias"
+        if frozen == "weight":
+            assert rel_err(m.bias.grad, grads["bias"]) < TOL[torch.float32] * 3
+        elif kw.get("fuse_wgrad_accumulation"):
+            assert m.bias.grad is None
+            assert rel_err(m.weight.main_grad, grads["weight"]) < TOL[torch.float32] * 3
+        else:
+            assert m.bias.grad is None and rel_err(m.weight.grad, grads["weight"]) < TOL[torch.float32] * 3
+
+
+@pytest.mark.parametrize("layer", ["LayerNormLinear", "LayerNormMLP"])
+def test_input_inside_the_fprop_buffer(layer):
+    """An input that is a view of the layer's own fprop buffer (the norm
+    writes that slot on the overlapped path) gives the gradients of a plain
+    input: the layer copies it first."""
+    c = tec.CommOverlap((8, 32), torch.float32, device="cpu", name=f"inbuf_{layer}")
+    try:
+        kw = dict(ub_overlap_ag=True, ub_comm=c, device="cpu")
+        if layer == "LayerNormLinear":
+            m = tec.LayerNormLinear(32, 24, parallel_mode="column", **kw)
+            ref = tec.LayerNormLinear(32, 24, parallel_mode="column", device="cpu")
+        else:
+            m = tec.LayerNormMLP(32, 48, set_parallel_mode=True, ub_comm=c, ub_overlap_ag=True, device="cpu")
+            ref = tec.LayerNormMLP(32, 48, set_parallel_mode=True, device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        ref.load_state_dict(m.state_dict())
+        x = torch.randn(8, 32)
+        inside = c.get_buffer(local_chunk=True, shape=(8, 32), dtype=torch.float32)
+        inside.copy_(x)
+        xi, xr = inside.detach().requires_grad_(), x.clone().requires_grad_()
+        y, yr = m(xi), ref(xr)
+        dy = torch.randn_like(yr)
+        y.backward(dy)
+        yr.backward(dy)
+        st = c.stats()
+        assert st["ag_overlap"] + st["non_overlap"] >= 1, st  # the communicator's path ran (one rank: non_overlap)
+        torch.testing.assert_close(y, yr)
+        torch.testing.assert_close(xi.grad, xr.grad)
+        for (n, p), pr in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, pr.grad, msg=n)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("layer", ["LayerNormLinear", "LayerNormMLP"])
+def test_return_layernorm_output_without_batch(layer):
+    m = getattr(tec, layer)(16, 8, return_layernorm_output=True, device="cpu")
+    x = torch.randn(4, 0, 16, requires_grad=True)
+    y, ln = m(x)
+    assert ln.shape == x.shape and y.shape[1] == 0
+    (y.sum() + ln.sum()).backward()
+    assert x.grad.shape == x.shape

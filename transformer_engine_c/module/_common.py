@@ -80,6 +80,15 @@ class TPConfig:
         return in_features, out_features
 
 
+def check_same_size(layer, tp_group):
+    """set_tensor_parallel_group: the new group must have the layer's
+    tensor-parallel size (its weights were split for it)."""
+    size = resolve_tp(tp_group, None)[1]
+    if size != layer.tp.size:
+        raise ValueError(f"{type(layer).__name__}.set_tensor_parallel_group: the group has {size} ranks but the "
+                         f"layer was built for a tensor-parallel size of {layer.tp.size}")
+
+
 _UB_VALID = {"column": ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad"),
              "row": ("ub_overlap_rs", "ub_overlap_ag")}
 
@@ -273,10 +282,13 @@ class Wgrad:
     over this rank's tokens only (a row layer under sequence parallelism,
     whose bias carries `sequence_parallel` and is reduced by the framework)."""
 
-    __slots__ = ("layer", "params", "weight", "fuse", "accumulate", "delay", "with_bias", "bias_from_local")
+    __slots__ = ("layer", "params", "weight", "need_w", "fuse", "accumulate", "delay", "with_bias",
+                 "bias_from_local")
 
-    def __init__(self, layer, weight, with_bias, is_first_microbatch, bias_from_local=False):
-        self.layer, self.weight, self.with_bias = layer, weight, with_bias
+    def __init__(self, layer, weight, with_bias, is_first_microbatch, bias_from_local=False, need_w=True):
+        # with_bias: the bias gradient is wanted; need_w: the weight's is (a
+        # frozen weight gets no GEMM, no main_grad write and no .grad).
+        self.layer, self.weight, self.with_bias, self.need_w = layer, weight, with_bias, need_w
         self.fuse = layer.fuse_wgrad_accumulation
         self.accumulate = self.fuse and not is_first_microbatch
         self.delay = layer.delay_wgrad_compute
@@ -301,6 +313,8 @@ class Wgrad:
         """dW = dY^T X (and the bias gradient, the sum of dY over tokens):
         into main_grad with fuse_wgrad_accumulation, else returned."""
         with_bias = self.with_bias and not self.bias_from_local
+        if not self.need_w:  # only the bias gradient: dY's column sums, no GEMM
+            return None, (dy_total.sum(0, dtype=torch.float32).to(dy_total.dtype) if with_bias else None)
         w = self.weight
         if not self.fuse or is_distributed_weight(w):
             res = _engine.wgrad(dy_total, x_total, with_bias)
@@ -316,7 +330,7 @@ class Wgrad:
         else:
             res = _engine.gemm(dy_total, x_total, transa=True, out_dtype=torch.float32, bias_grad=with_bias)
             dw, db = res if with_bias else (res, None)
-            self._into_main_grad(dw)
+            return self._into_main_grad(dw), db
         return self._dummy_grads(), db
 
     def _into_main_grad(self, dw):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
-from ._common import TPConfig, UBConfig
+from ._common import TPConfig, UBConfig, check_same_size
 from ._weights import is_distributed_weight
 
 __all__ = ["initialize_ub", "get_ub", "destroy_ub", "UserBufferQuantizationMode", "TransformerEngineBaseModule"]
@@ -324,6 +324,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def set_tensor_parallel_group(self, tp_group):
         """TE's setter: the layer's collectives use `tp_group` from now on (its
         size must stay the layer's tensor-parallel size)."""
+        check_same_size(self, tp_group)
         self.tp = TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
         self.tp_group = self.tp.group
 

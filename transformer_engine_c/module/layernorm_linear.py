@@ -18,7 +18,10 @@ def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, 
     path (which skips the Function): (output [tokens, out], the normalised
     output to return or None, (x, ln_out, mu, rsigma) for backward)."""
     tp, ub = layer.tp, layer.ub
-    x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
+    # An input lying in a communicator's buffer (a caller may pass a buffer
+    # view) is copied: the norm may write the fprop slot, and what is saved
+    # must outlive the buffer's next use.
+    x = C.outside_buffers(C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast), ub)
     w = layer._full_weight(weight, is_first_microbatch, dtype)
     g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
     beta = ln_bias if ln_bias is None or ln_bias.dtype == dtype else ln_bias.to(dtype)
@@ -48,8 +51,7 @@ def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, 
         if layer.return_layernorm_output_gathered and tp.mode == "column" and tp.sp:
             # The full sequence: the GEMM's gathered input (or a copy of the
             # buffer's); its gradient is reduce-scattered back in backward.
-            ln_ret = ln_total.view((ln_total.shape[0] // inp.shape[1], *inp.shape[1:])) if inp.dim() == 3 \
-                else ln_total
+            ln_ret = C.like_input(ln_total, inp.shape, tp)
         else:
             # ln_out is also saved for backward: it is returned as a view
             # made in the Function, which autograd refuses to let be
@@ -81,7 +83,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dy = C.as_2d(dout if dout.dtype == dtype else dout.to(dtype))
         wg = None
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            wg = C.Wgrad(layer, weight, ctx.has_bias, ctx.first_mb, bias_from_local=tp.mode == "row" and tp.sp)
+            wg = C.Wgrad(layer, weight, ctx.has_bias and ctx.needs_input_grad[4], ctx.first_mb,
+                         bias_from_local=tp.mode == "row" and tp.sp, need_w=ctx.needs_input_grad[3])
         if tp.mode == "row":
             dln, dw, db = C.row_backward(dy, ln_out, w, tp, ub, True, wg)
         else:

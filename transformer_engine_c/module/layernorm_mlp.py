@@ -81,6 +81,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
         w2 = layer._full_weight(fc2_weight, is_first_microbatch, dtype)
         g, beta, b1, b2 = (_cast(t, dtype) for t in (ln_weight, ln_bias, fc1_bias, fc2_bias))
         want_gathered = layer.return_layernorm_output_gathered and layer.tp.sp
+        # An input lying in fc1_fprop's buffer (a caller may pass a buffer
+        # view) is copied before the norm writes this rank's slot.
+        x = C.outside_buffers(x, layer.ub)
         ln_out, mu, rsigma, fc1_out, ln_total = _norm_fc1(layer, x, g, beta, w1, b1, want_gathered)
         act_out = _engine.act_fwd(fc1_out, layer.activation, **layer._act_kw)
         y = C.ub_fprop(act_out, w2, b2, tp2, layer.ub2)  # fc2's bias added once, after the reduction
@@ -88,7 +91,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             y = C.fprop(act_out, w2, b2, tp2)
         # Nothing saved aliases a buffer: x is copied if it lies in one (a
         # caller may pass a buffer view); the rest is memory of its own.
-        x_saved = C.outside_buffers(C.outside_buffers(x, layer.ub), layer.ub2)
+        x_saved = C.outside_buffers(x, layer.ub2)
         if layer.checkpoint:  # TE's checkpoint=True: norm, fc1, activation recomputed in backward
             tensors = (x_saved, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight)
         else:
@@ -102,7 +105,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         # Views made here cannot be modified in place (autograd's rule for a
         # Function's view outputs), as LayerNormLinear's.
         ln_ret = ln_total if want_gathered else ln_out
-        return y, (ln_ret if inp.dim() == 2 else ln_ret.view(-1, *inp.shape[1:]))
+        return y, C.like_input(ln_ret, inp.shape, layer.tp if want_gathered else None)
 
     @staticmethod
     def backward(ctx, dout, dln_ret=None):
@@ -131,8 +134,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
         # under sequence parallelism: fc2_bias carries `sequence_parallel`).
         wg2 = None
         if need[5] or need[6]:
-            wg2 = C.Wgrad(layer._gemm2, fc2_weight, ctx.has_b2, ctx.first_mb,
-                          bias_from_local=tp2.mode == "row" and tp2.sp)
+            wg2 = C.Wgrad(layer._gemm2, fc2_weight, ctx.has_b2 and need[6], ctx.first_mb,
+                          bias_from_local=tp2.mode == "row" and tp2.sp, need_w=need[5])
         dact, dw2, db2 = C.row_backward(dy, act_out, w2, tp2, layer.ub2, True, wg2)
         del act_out
 
@@ -340,6 +343,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
     def set_tensor_parallel_group(self, tp_group):
         """TE's setter: the collectives use `tp_group` from now on (same size)."""
+        C.check_same_size(self, tp_group)
         self.tp = C.TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
         self.tp2 = C.TPConfig(self.tp2.mode, self.tp2.sp, tp_group, self.tp2.size)
         self.tp_group = self.tp.group

@@ -51,7 +51,8 @@ class _LinearFn(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         wg = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            wg = C.Wgrad(layer, weight, ctx.has_bias, ctx.first_mb, bias_from_local=tp.mode == "row" and tp.sp)
+            wg = C.Wgrad(layer, weight, ctx.has_bias and ctx.needs_input_grad[2], ctx.first_mb,
+                         bias_from_local=tp.mode == "row" and tp.sp, need_w=ctx.needs_input_grad[1])
         if tp.mode == "column":
             dx, dw, db = C.column_backward(dy, x, w, tp, ub, need_dx, wg)
         else:
