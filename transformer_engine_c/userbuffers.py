@@ -189,6 +189,28 @@ def _host_view(comm, nbytes):
     return view
 
 
+# Bounds of CommOverlap's arguments: the engine's region (data, staging,
+# flags) must be addressable with room to spare; timeouts are finite
+# (TEC_COMM_TIMEOUT_MAX of tec.h).
+_BUFFER_BYTES_MAX = 2 ** 60
+_TIMEOUT_MAX = 1e6
+
+
+def _int_shape(shape, what):
+    """A shape as a tuple of Python ints: each entry an integer (a float or
+    a bool is refused, never truncated)."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {type(shape).__name__}") from None
+    out = []
+    for d in dims:
+        if isinstance(d, bool) or not hasattr(d, "__index__"):
+            raise TypeError(f"{what} must be a sequence of ints, got {shape!r}")
+        out.append(operator.index(d))
+    return tuple(out)
+
+
 def _check_num_splits(method, num_splits, tp_size):
     """num_splits as TE's ub_cfgs give it: None, or the split the schedules
     really use (tp_size for ring_exchange and pipeline; nothing splits under
@@ -236,9 +258,11 @@ class CommOverlap(_C.CommOverlap):
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
                  transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
                  gemm_sm_margin=None, _exchange=True):
-        shape = tuple(int(s) for s in shape)
+        shape = _int_shape(shape, "shape")
         if not shape or any(s <= 0 for s in shape):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         if dtype not in DTYPE_CODES:
             raise TypeError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
         if method not in _METHODS:
@@ -256,8 +280,8 @@ class CommOverlap(_C.CommOverlap):
         if (device.type == "cpu") != (_TRANSPORTS[transport] == _C.TRANSPORT_SHM):
             raise ValueError(f"transport {transport!r} does not serve device {device}")
         timeout = default_timeout() if timeout is None else float(timeout)
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 < timeout <= _TIMEOUT_MAX:  # inf and nan too: every wait has a finite limit
+            raise ValueError(f"timeout must be in (0, {_TIMEOUT_MAX:g}] seconds, got {timeout}")
         rank, size = _group_rank_size(tp_group, tp_size)
         num_splits = _check_num_splits(method, num_splits, size)
         if shape[0] % size:
@@ -274,6 +298,9 @@ class CommOverlap(_C.CommOverlap):
         self._gemm_sm_margin = _gemm_sm_margin(gemm_sm_margin, device)
         self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > _BUFFER_BYTES_MAX:
+            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes; a communicator buffer holds at most "
+                             f"{_BUFFER_BYTES_MAX} bytes")
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
         self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
