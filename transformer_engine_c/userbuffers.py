@@ -406,6 +406,13 @@ class CommOverlap(_C.CommOverlap):
 
     # ------------------------------------------------------- schedules
 
+    def _check_outside(self, op, t, name):
+        """t must not alias any communicator buffer: the operation writes it
+        while peers still read or write the buffer."""
+        if self.overlaps(t):
+            raise ValueError(f"communicator '{self.name}': {op}: {name} lies in a communicator buffer; it must "
+                             "be memory of its own")
+
     def _check_mat(self, t, name, dtype=None):
         check_tensor(t, name, ndim=2, device=self.device, dtype=dtype)
         if t.stride(1) != 1:
@@ -457,6 +464,15 @@ class CommOverlap(_C.CommOverlap):
         if rows * k * es * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
                                   rows * k * es * self.tp_size, self.nbytes)
+        # Every check before the engine takes the operation's epoch: a refused
+        # call leaves the communicator usable on every rank.
+        if out_dtype is not None and out_dtype not in (a_local.dtype, torch.float32):
+            raise ValueError(f"communicator '{self.name}': ag_gemm: out_dtype must be the input's dtype "
+                             f"({a_local.dtype}) or torch.float32, got {out_dtype}")
+        own_slot = self.buffer_ptr + self.rank * rows * k * es
+        if self.overlaps(a_local) and a_local.data_ptr() != own_slot:
+            raise ValueError(f"communicator '{self.name}': ag_gemm: a_local lies in a communicator buffer but is "
+                             "not this rank's chunk (get_buffer(local_chunk=True)); the gather overwrites it")
         if local_copy is not None:
             check_tensor(local_copy, "local_copy", dtype=a_local.dtype, device=self.device, shape=(rows, k))
             if self.overlaps(local_copy):
@@ -468,6 +484,10 @@ class CommOverlap(_C.CommOverlap):
             self._check_mat(out, "out")
             if tuple(out.shape) != (rows * self.tp_size, n):
                 raise ValueError(f"out has shape {tuple(out.shape)}; expected {(rows * self.tp_size, n)}")
+            if out.dtype not in (a_local.dtype, torch.float32) or (out_dtype is not None and out.dtype != out_dtype):
+                raise ValueError(f"communicator '{self.name}': ag_gemm: out has dtype {out.dtype}; expected "
+                                 f"{out_dtype or a_local.dtype} (the input's dtype or torch.float32)")
+            self._check_outside("ag_gemm", out, "out")
         self._ag_gemm(a_local.data_ptr(), rows, k, n, DTYPE_CODES[a_local.dtype], DTYPE_CODES[out.dtype],
                       weight.data_ptr(), weight.stride(0), int(transb), out.data_ptr(), out.stride(0),
                       bias.data_ptr() if bias is not None else 0,
@@ -489,6 +509,7 @@ class CommOverlap(_C.CommOverlap):
             out = torch.empty(rows, n, dtype=a.dtype, device=self.device)
         else:
             check_tensor(out, "out", dtype=a.dtype, device=self.device, shape=(rows, n))
+            self._check_outside("gemm_rs", out, "out")
         self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[a.dtype], weight.data_ptr(),
                       weight.stride(0), int(transb), out.data_ptr(),
                       bias.data_ptr() if bias is not None else 0, self._stream())
@@ -499,6 +520,9 @@ class CommOverlap(_C.CommOverlap):
         on the comm side; run your GEMM, then bulk_ag_finish()."""
         self._check_idle("bulk_ag_start")
         check_tensor(t, "input", device=self.device)
+        if t.dim() < 1:  # before the engine starts: the gathered shape needs a first dimension
+            raise ValueError(f"communicator '{self.name}': bulk_ag_start: the input must have at least one "
+                             f"dimension, got a {t.dim()}-d tensor")
         nbytes = t.numel() * t.element_size()
         if nbytes * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype,
@@ -535,6 +559,7 @@ class CommOverlap(_C.CommOverlap):
             out = torch.empty(oshape, dtype=t.dtype, device=self.device)
         else:
             check_tensor(out, "out", dtype=t.dtype, device=self.device, shape=oshape)
+            self._check_outside("bulk_rs_start", out, "out")
         self._bulk_rs_start(t.data_ptr(), rows, cols, DTYPE_CODES[t.dtype], out.data_ptr(), self._stream())
         self._pending = ("bulk_rs", t, out)
 

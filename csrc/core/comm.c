@@ -407,8 +407,11 @@ void tec_comm_get_stats(const tec_comm *c, tec_comm_stats *s) { *s = c->stats; }
 
 int tec_comm_ranges(const tec_comm *c, void **ptrs, size_t *bytes, int max)
 {
+    /* Own region first, then the mapped peers' in rank order; only entries
+     * [0, n) are written. */
     int n = 0;
-    for (int r = 0; r < c->size && n < max; r++) {
+    for (int k = 0; k < c->size && n < max; k++) {
+        const int r = k == 0 ? c->rank : (k <= c->rank ? k - 1 : k);
         if (!c->bases[r] || (r != c->rank && !c->mapped))
             continue;
         ptrs[n] = c->bases[r];

@@ -204,7 +204,8 @@ const char *tec_comm_name(const tec_comm *c);
 size_t tec_comm_buffer_bytes(const tec_comm *c);
 /* Address of rank r's region in this process (buffer at offset 0). */
 void *tec_comm_base(const tec_comm *c, int r);
-/* Every registered byte range: own region and mapped peers' (n <= MAX). */
+/* Every registered byte range: own region first, then the mapped peers' in
+ * rank order; returns n <= max and writes only entries [0, n). */
 int tec_comm_ranges(const tec_comm *c, void **ptrs, size_t *bytes, int max);
 void tec_comm_get_stats(const tec_comm *c, tec_comm_stats *s);
 

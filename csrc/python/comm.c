@@ -342,11 +342,9 @@ static PyObject *py_buffer_ranges(PyObject *self, PyObject *const *args, Py_ssiz
         return PyList_New(0);
     void *p[TEC_COMM_MAX_RANKS];
     size_t b[TEC_COMM_MAX_RANKS];
-    int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS);
-    int r = tec_comm_rank(o->comm);
+    const int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS); /* own range first */
     PyObject *list = PyList_New(0);
-    for (int k = 0; list && k < n; k++) {
-        int i = k == 0 ? r : (k <= r ? k - 1 : k); /* own range first */
+    for (int i = 0; list && i < n; i++) {
         PyObject *t = Py_BuildValue("(NK)", PyLong_FromVoidPtr(p[i]), (unsigned long long)b[i]);
         if (!t || PyList_Append(list, t) < 0) {
             Py_XDECREF(t);
