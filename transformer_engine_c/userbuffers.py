@@ -189,6 +189,14 @@ def _host_view(comm, nbytes):
     return view
 
 
+class _CreateFailed:
+    """What a rank that could not create its communicators sends its peers
+    in the handle exchange (a plain object: all_gather_object pickles it)."""
+
+    def __init__(self, kind, message):
+        self.kind, self.message = kind, message
+
+
 # Bounds of CommOverlap's arguments: the engine's region (data, staging,
 # flags) must be addressable with room to spare; timeouts are finite
 # (TEC_COMM_TIMEOUT_MAX of tec.h).
@@ -303,25 +311,44 @@ class CommOverlap(_C.CommOverlap):
                              f"{_BUFFER_BYTES_MAX} bytes")
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
-        self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
-        ws_bytes = _C.gemm_workspace_bytes(device_code(device))
-        self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
-        self._set_gemm(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes,
-                       self._gemm_sm_margin)
+        try:
+            self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
+            ws_bytes = _C.gemm_workspace_bytes(device_code(device))
+            self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
+            self._set_gemm(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes,
+                           self._gemm_sm_margin)
+        except Exception as e:
+            self.close()
+            if _exchange:  # the peers are waiting in the exchange: they learn of it and raise too
+                CommOverlap._exchange([], tp_group, size=size, failed=e)
+            raise
         if _exchange:
             CommOverlap._exchange([self], tp_group)
 
     @staticmethod
-    def _exchange(comms, tp_group):
+    def _exchange(comms, tp_group, size=None, failed=None):
         """Collective: exchange handles of `comms` (same order on every rank),
-        map peers, and unlink names once everyone has mapped."""
-        size = comms[0].tp_size if comms else 1
-        mine = [(c._local_handle(), c._min_chunk_flops) for c in comms]
+        map peers, and unlink names once everyone has mapped. failed: the
+        exception that stopped this rank creating its communicators (it
+        still takes part, so that every rank raises before anything is
+        mapped, instead of the others waiting for it)."""
+        size = comms[0].tp_size if comms else (size or 1)
+        if failed is not None:
+            mine = _CreateFailed(type(failed).__name__, str(failed))
+        else:
+            mine = [(c._local_handle(), c._min_chunk_flops) for c in comms]
         if size == 1:
             everyone = [mine]
         else:
             everyone = [None] * size
             dist.all_gather_object(everyone, mine, group=tp_group)
+        if failed is not None:
+            raise failed
+        bad = [(r, m) for r, m in enumerate(everyone) if isinstance(m, _CreateFailed)]
+        if bad:
+            r, m = bad[0]
+            cls = MemoryError if m.kind == "MemoryError" else RuntimeError
+            raise cls(f"communicator set-up failed on rank {r} of the group: {m.kind}: {m.message}")
         error = None
         try:
             for i, c in enumerate(comms):
@@ -713,15 +740,19 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
         _check_ub_cfg(layer, cfg)
     comms = []
     try:
-        for layer in LAYER_NAMES:
-            cfg = ub_cfgs.get(layer, {})
-            c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
-                            timeout=cfg.get("timeout", timeout), transport=transport, device=device,
-                            method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
-                            num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
-                            gemm_sm_margin=gemm_sm_margin,
-                            _exchange=False)
-            comms.append(c)
+        try:
+            for layer in LAYER_NAMES:
+                cfg = ub_cfgs.get(layer, {})
+                c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
+                                timeout=cfg.get("timeout", timeout), transport=transport, device=device,
+                                method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
+                                num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
+                                gemm_sm_margin=gemm_sm_margin,
+                                _exchange=False)
+                comms.append(c)
+        except (MemoryError, OSError, RuntimeError) as e:  # the engine's failures: the peers learn of them
+            _, size = _group_rank_size(tp_group, tp_size)
+            CommOverlap._exchange([], tp_group, size=size, failed=e)
         CommOverlap._exchange(comms, tp_group)
     except BaseException:
         for c in comms:
