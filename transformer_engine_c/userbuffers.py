@@ -13,10 +13,12 @@ communicator overwrites it. Save copies or local chunks for backward, never a
 buffer view.
 """
 import ctypes
+import functools
 import itertools
 import math
 import operator
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -189,6 +191,16 @@ def _host_view(comm, nbytes):
     return view
 
 
+def _serialised(method):
+    """Run the method under the communicator's lock: one thread at a time
+    issues work on a communicator (README, "Failure behaviour")."""
+    @functools.wraps(method)
+    def locked(self, *args, **kw):
+        with self._lock:
+            return method(self, *args, **kw)
+    return locked
+
+
 class _CreateFailed:
     """What a rank that could not create its communicators sends its peers
     in the handle exchange (a plain object: all_gather_object pickles it)."""
@@ -266,6 +278,7 @@ class CommOverlap(_C.CommOverlap):
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
                  transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
                  gemm_sm_margin=None, _exchange=True):
+        self._lock = threading.RLock()  # _serialised; exclusive()
         shape = _int_shape(shape, "shape")
         if not shape or any(s <= 0 for s in shape):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
@@ -398,6 +411,7 @@ class CommOverlap(_C.CommOverlap):
         return ValueError(f"communicator '{self.name}': buffer too small for the input: {what} of shape "
                           f"{tuple(shape)} ({dtype}) needs {need} bytes, the buffer has {have}")
 
+    @_serialised
     def get_buffer(self, local_chunk=False, shape=None, dtype=None):
         """A non-owning view of the buffer ([full shape]) or of this rank's
         chunk (local_chunk=True: rows rank*S/tp.., waits until peers have read
@@ -422,6 +436,7 @@ class CommOverlap(_C.CommOverlap):
             return flat[self.rank * numel:(self.rank + 1) * numel].view(shape)
         return flat[:numel].view(shape)
 
+    @_serialised
     def copy_into_buffer(self, t, local_chunk=False):
         """Copy t into this rank's chunk (local_chunk=True) or the whole buffer."""
         check_tensor(t, "tensor", device=self.device)
@@ -432,6 +447,13 @@ class CommOverlap(_C.CommOverlap):
         return view
 
     # ------------------------------------------------------- schedules
+
+    def exclusive(self):
+        """A context manager holding this communicator for the calling
+        thread: a sequence of operations that belongs together (writing the
+        local chunk into get_buffer() and the ag_gemm that gathers it) runs
+        without another thread's operations in between. Reentrant."""
+        return self._lock
 
     def _check_outside(self, op, t, name):
         """t must not alias any communicator buffer: the operation writes it
@@ -446,6 +468,7 @@ class CommOverlap(_C.CommOverlap):
             raise ValueError(f"{name} must have unit stride in its last dimension")
         return t
 
+    @_serialised
     def _abandon(self):
         """After an exception between a bulk *_start and its *_finish: wait
         for the comm side (errors are the caller's already) and clear the
@@ -461,7 +484,8 @@ class CommOverlap(_C.CommOverlap):
         self._live()
         if self._pending is not None:
             raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
-                               f"(call {self._pending[0]}_finish first)")
+                               f"(call {self._pending[0]}_finish first; started by thread "
+                               f"{self._pending_thread!r})")
 
     def _operands(self, op, a, weight, transb, bias):
         """Check a GEMM schedule's input [rows, k], weight (op(weight) is
@@ -477,6 +501,7 @@ class CommOverlap(_C.CommOverlap):
             check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
         return rows, k, n
 
+    @_serialised
     def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None, local_copy=None):
         """out[tp*rows, n] = all_gather(a_local) @ op(weight) (+ bias), the
         gather overlapped with the GEMM. a_local: this rank's [rows, k] chunk
@@ -521,6 +546,7 @@ class CommOverlap(_C.CommOverlap):
                       local_copy.data_ptr() if local_copy is not None else 0, self._stream())
         return out
 
+    @_serialised
     def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None):
         """out[S/tp, n] = reduce_scatter(a[S, k] @ op(weight)) (+ bias once),
         each peer's partial sent while the next is computed, partials summed
@@ -542,6 +568,7 @@ class CommOverlap(_C.CommOverlap):
                       bias.data_ptr() if bias is not None else 0, self._stream())
         return out
 
+    @_serialised
     def bulk_ag_start(self, t):
         """Start all-gathering this rank's chunk t ([rows, ...]) into the buffer
         on the comm side; run your GEMM, then bulk_ag_finish()."""
@@ -555,8 +582,10 @@ class CommOverlap(_C.CommOverlap):
             raise self._too_small("the gathered input", (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype,
                                   nbytes * self.tp_size, self.nbytes)
         self._bulk_ag_start(t.data_ptr(), nbytes, self._stream())
+        self._pending_thread = threading.current_thread().name
         self._pending = ("bulk_ag", t, (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype)
 
+    @_serialised
     def bulk_ag_finish(self):
         """Wait for the bulk all-gather; returns the gathered tensor as a
         non-owning view of the buffer (valid until the next use)."""
@@ -568,6 +597,7 @@ class CommOverlap(_C.CommOverlap):
         numel = math.prod(shape)
         return self._flat(dtype)[:numel].view(shape)
 
+    @_serialised
     def bulk_rs_start(self, t, out=None):
         """Start reduce-scattering t ([S, ...], not a buffer view) on the comm
         side into out ([S/tp, ...]); run your GEMM, then bulk_rs_finish()."""
@@ -588,8 +618,10 @@ class CommOverlap(_C.CommOverlap):
             check_tensor(out, "out", dtype=t.dtype, device=self.device, shape=oshape)
             self._check_outside("bulk_rs_start", out, "out")
         self._bulk_rs_start(t.data_ptr(), rows, cols, DTYPE_CODES[t.dtype], out.data_ptr(), self._stream())
+        self._pending_thread = threading.current_thread().name
         self._pending = ("bulk_rs", t, out)
 
+    @_serialised
     def bulk_rs_finish(self):
         """Wait for the bulk reduce-scatter; returns its output."""
         if self._pending is None or self._pending[0] != "bulk_rs":
@@ -614,6 +646,7 @@ class CommOverlap(_C.CommOverlap):
     def min_chunk_flops(self, value):
         self._min_chunk_flops = _min_chunk_flops(value, self.device)
 
+    @_serialised
     def take_overlap(self, op, rows, k, n):
         """Whether a layer should run the overlapped `op` ("ag": ag_gemm,
         "rs": gemm_rs) whose chunk GEMMs are [rows, k] @ [k, n]: False below
@@ -649,12 +682,14 @@ class CommOverlap(_C.CommOverlap):
         st[_SCHEDULES["gemm_rs"]] = st["rs_overlap"]
         return st
 
+    @_serialised
     def close(self):
         """Release the communicator (idempotent); the saved-tensor checker
         stops watching its ranges."""
         debug.unregister_comm(self)
         super().close()
 
+    @_serialised
     def synchronize(self):
         """Wait for this communicator's work on the current stream and its comm
         stream; raise what a wait on a peer recorded. On CUDA the waits run on

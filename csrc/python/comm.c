@@ -14,9 +14,14 @@
 #define DTYPE(i, v, what) do { int d_; INT(i, d_, 0, TEC_ARG_DTYPE_MAX, what); (v) = (tec_dtype)d_; } while (0)
 #define BOOL(i, v, what) INT(i, v, 0, 1, what)
 /* An engine call without the GIL. `busy` counts such calls so that close()
- * from another thread defers the destruction until the last one returns. */
+ * from another thread defers the destruction until the last one returns.
+ * A second engine call on the same communicator while one runs (another
+ * thread: the GIL is released inside) is refused: a tec_comm runs one
+ * operation at a time (the Python class serialises its calls with a lock). */
 #define CALL(expr) do {                                                     \
         CommObject *o_ = (CommObject *)self;                                \
+        if (o_->busy)                                                       \
+            return in_use(o_);                                              \
         o_->busy++;                                                         \
         Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS            \
         if (--o_->busy == 0 && o_->closed && o_->exports == 0)              \
@@ -45,6 +50,15 @@ static PyObject *defining_module(PyObject *self)
 }
 
 static PyObject *raise(PyObject *self, tec_status st) { return tec_raise(defining_module(self), st); }
+
+static PyObject *in_use(CommObject *o)
+{
+    tec_module_state *s = tec_state(defining_module((PyObject *)o));
+    PyErr_Format(s->EngineError,
+                 "communicator '%s' is in use by another thread (one operation at a time; "
+                 "transformer_engine_c.CommOverlap serialises its own calls)", o->name[0] ? o->name : "?");
+    return NULL;
+}
 
 static void destroy_now(CommObject *o)
 {

@@ -9,6 +9,7 @@ communicator. Prints "PASS run_reliability".
 import re
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,54 @@ def main():
     g = comm.bulk_ag_finish()
     torch.testing.assert_close(g, gathered(t, tp))
     check_usable(comm, tp, 4)
+
+    # 5. Threads. Raw entry point: a second engine call while one runs (here
+    # blocked waiting for rank 1, which arrives late) is refused clearly.
+    dist.barrier()
+    if rank == 0:
+        outs = {}
+        y = torch.empty(ROWS * tp, N)
+        blocker = threading.Thread(target=lambda: outs.setdefault("a", comm.ag_gemm(a, w, out=y)))
+        blocker.start()
+        deadline = time.time() + 10
+        seen = None
+        while time.time() < deadline and seen is None:
+            try:
+                tec._C.CommOverlap._synchronize(comm, 0)
+            except tec.EngineError as e:
+                seen = str(e)
+            time.sleep(0.01)
+        dist.barrier()  # let rank 1 arrive
+        blocker.join()
+        assert seen and "in use by another thread" in seen, seen
+    else:
+        dist.barrier()
+        comm.ag_gemm(a, w)
+    check_usable(comm, tp, 5)
+    # Two threads sharing the communicator through the Python class: every
+    # call serialises (inputs identical across the threads of a rank, so the
+    # order in which the ranks' threads pair up does not matter).
+    g = torch.Generator().manual_seed(7)
+    wt = torch.randn(N, K, generator=g)
+    at = torch.randn(ROWS, K, generator=g) + rank
+    want = gathered(at, tp) @ wt.t()
+    bad, errors = [], []
+
+    def worker():
+        try:
+            for _ in range(40):
+                yy = comm.ag_gemm(at, wt)
+                if not torch.allclose(yy, want, rtol=1e-5, atol=1e-5):
+                    bad.append(1)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    ths = [threading.Thread(target=worker) for _ in range(2)]
+    for t_ in ths:
+        t_.start()
+    for t_ in ths:
+        t_.join()
+    assert not errors and not bad, f"rank {rank}: {len(bad)} wrong outputs, errors {errors}"
+    check_usable(comm, tp, 6)
 
     # 4. buffer_ranges after unmapping the peers: own region only, never garbage.
     before = comm.buffer_ranges()
