@@ -88,7 +88,8 @@ def test_shm_names_private_and_unlinked():
     new = sorted(set(_shm()) - before)
     assert len(new) == 2, new
     for n in new:
-        m = re.fullmatch(rf"tec-{os.getpid()}-([0-9a-f]{{32}})", n)
+        ns = os.stat("/proc/self/ns/pid").st_ino  # the pid namespace: stale names are swept per namespace
+        m = re.fullmatch(rf"tec-{ns:x}-{os.getpid()}-([0-9a-f]{{32}})", n)
         assert m, f"{n} does not end in 128 random bits"
         st = os.stat(f"/dev/shm/{n}")
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
