@@ -12,8 +12,10 @@ Lifetime: `get_buffer()` returns a non-owning view; the next operation on the
 communicator overwrites it. Save copies or local chunks for backward, never a
 buffer view.
 """
+import atexit
 import ctypes
 import functools
+import gc
 import itertools
 import math
 import operator
@@ -832,3 +834,26 @@ def destroy_ub():
     comms = list(_registry.values())
     _registry.clear()
     close_comms(comms)
+
+
+def _before_interpreter_exit():
+    """atexit: release what this package holds while the interpreter is
+    still whole. Communicators (ours, in the registry and in reference
+    cycles through layers) keep their tp_group alive; a process group whose
+    last reference goes in the interpreter's final collection joins gloo's
+    worker threads after Python has started finalizing, and a worker that
+    then drops a finished collective (whose thread-local state holds Python
+    objects, e.g. saved-tensor hooks) must take the GIL and exits the thread
+    from inside a destructor: "terminate called without an active
+    exception". Closing locally (no collective: the peers may be gone) and
+    collecting here lets the group go while its threads can still finish."""
+    for c in list(_registry.values()):
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    _registry.clear()
+    gc.collect()
+
+
+atexit.register(_before_interpreter_exit)
