@@ -154,21 +154,9 @@ class _DeviceView:
     keeps the mapping alive (pinned) while torch holds it."""
 
     def __init__(self, comm, nbytes):
-        ptr = comm._pin()
-        self._comm = comm  # only once pinned: __del__ unpins what was pinned
+        ptr, self._pin = comm._pin()  # the mapping lives while this token does
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
-
-    def __del__(self):
-        comm = getattr(self, "_comm", None)
-        if comm is not None:
-            comm._unpin()
-
-
-def _unpin_on_del(self):
-    comm = self.__dict__.get("_comm")
-    if comm is not None:
-        comm._unpin()
 
 
 _HOST_VIEW_TYPES = {}
@@ -181,15 +169,10 @@ def _host_view(comm, nbytes):
     protocol for _C's own types, hence ctypes."""
     cls = _HOST_VIEW_TYPES.get(nbytes)
     if cls is None:
-        cls = _HOST_VIEW_TYPES.setdefault(
-            nbytes, type("_HostView", (ctypes.c_ubyte * nbytes,), {"__del__": _unpin_on_del}))
-    ptr = comm._pin()
-    try:
-        view = cls.from_address(ptr)
-    except BaseException:
-        comm._unpin()
-        raise
-    view._comm = comm  # only once pinned: __del__ unpins what was pinned
+        cls = _HOST_VIEW_TYPES.setdefault(nbytes, type("_HostView", (ctypes.c_ubyte * nbytes,), {}))
+    ptr, token = comm._pin()
+    view = cls.from_address(ptr)
+    view._pin = token  # the mapping lives while the view (and so the token) does
     return view
 
 
@@ -426,7 +409,10 @@ class CommOverlap(_C.CommOverlap):
             shape = list(self.shape)
             if local_chunk:
                 shape[0] //= self.tp_size
-        shape = tuple(int(s) for s in shape)
+        shape = _int_shape(shape, "shape")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"communicator '{self.name}': get_buffer: shape must have sizes >= 0 (no -1: the "
+                             f"view is not inferred from the buffer), got {shape}")
         numel = math.prod(shape)
         parts = self.tp_size if local_chunk else 1
         if numel * es * parts > self.nbytes:

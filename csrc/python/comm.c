@@ -1,6 +1,6 @@
 /* comm.c - the CommOverlap heap type: owns a tec_comm, exposes its buffer
- * (_pin/_unpin: an address that keeps the mapping alive while a view of it
- * lives; userbuffers.py wraps it for torch on the CPU and on CUDA), and the
+ * (_pin: an address and a token that keeps the mapping alive while a view
+ * of it lives; userbuffers.py wraps it for torch on the CPU and on CUDA), and the
  * overlap schedules as positional METH_FASTCALL methods with addresses as
  * ints. The friendly class is transformer_engine_c.userbuffers.CommOverlap;
  * tests/test_comm*.py and tests/distributed/ (the overlap runners) exercise this file. */
@@ -421,6 +421,24 @@ static PyObject *py_close(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+#define PIN_CAPSULE "transformer_engine_c._C.pin"
+
+static void unpin(CommObject *o);
+
+/* The pin token's destructor: the only way a pin is released, so no caller
+ * can unmap memory a live view still uses. */
+static void pin_release(PyObject *capsule)
+{
+    CommObject *o = (CommObject *)PyCapsule_GetPointer(capsule, PIN_CAPSULE);
+    if (!o) {
+        PyErr_Clear();
+        return;
+    }
+    unpin(o);
+    Py_DECREF(o);
+}
+
+/* _pin() -> (address, token): the mapping stays alive until the token is freed. */
 static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("_pin", 0);
@@ -429,8 +447,20 @@ static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!base)
         return PyErr_Format(tec_state(defining_module(self))->EngineError,
                             "communicator '%s' has no mapped buffer", ((CommObject *)self)->name);
+    PyObject *addr = PyLong_FromVoidPtr(base);
+    if (!addr)
+        return NULL;
+    PyObject *token = PyCapsule_New(self, PIN_CAPSULE, pin_release);
+    if (!token) {
+        Py_DECREF(addr);
+        return NULL;
+    }
+    Py_INCREF(self); /* released by pin_release */
     ((CommObject *)self)->exports++;
-    return PyLong_FromVoidPtr(base);
+    PyObject *r = PyTuple_Pack(2, addr, token);
+    Py_DECREF(addr);
+    Py_DECREF(token); /* on failure this releases the pin again */
+    return r;
 }
 
 static void unpin(CommObject *o)
@@ -447,15 +477,6 @@ static void comm_finalize(PyObject *self)
     o->closed = 1;
     if (o->exports == 0 && o->busy == 0)
         destroy_now(o);
-}
-
-static PyObject *py_unpin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    ARGC("_unpin", 0);
-    CommObject *o = (CommObject *)self;
-    if (o->exports > 0)
-        unpin(o);
-    Py_RETURN_NONE;
 }
 
 static PyObject *get_rank(PyObject *self, void *x) { LIVE(c); return PyLong_FromLong(tec_comm_rank(c)); }
@@ -495,8 +516,7 @@ static PyMethodDef comm_methods[] = {
     M("_bulk_rs_finish", py_bulk_rs_finish, "_bulk_rs_finish(stream)"),
     M("_synchronize", py_synchronize, "_synchronize(stream)"),
     M("_unmap_peers", py_unmap_peers, "_unmap_peers(stream): wait, unmap peers (collective close, first half)"),
-    M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a view of the buffer"),
-    M("_unpin", py_unpin, "_unpin(): drop a _pin"),
+    M("_pin", py_pin, "_pin() -> (address, token): the mapping lives while the token does"),
     M("buffer_ranges", py_buffer_ranges, "buffer_ranges() -> [(ptr, nbytes)]: own and mapped peers' regions"),
     M("_overlaps", py_overlaps, "_overlaps(start, end) -> bool: whether bytes [start, end) meet buffer_ranges()"),
     M("stats", py_stats, "stats() -> dict of counters"),
