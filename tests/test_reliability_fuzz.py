@@ -156,3 +156,14 @@ def test_public_gemm_matches_torch(a, b, transb):
        st.sampled_from(["f32", "bf16"]))
 def test_public_ag_gemm(a, w, dt):
     worker().call({"fn": "ag_gemm", "a": [list(a), dt], "w": [list(w), dt]})
+
+
+def teardown_module(module):
+    """End the worker (its stdin closing ends its loop)."""
+    global _worker
+    if _worker is not None:
+        _worker.p.stdin.close()
+        _worker.p.wait(timeout=30)
+        _worker.p.stdout.close()
+        _worker.p.stderr.close()
+        _worker = None
