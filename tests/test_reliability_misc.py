@@ -56,3 +56,25 @@ print("OK")
 """)
     assert_clean(rc, out, err)
     assert "OK" in out
+
+
+def test_cpu_gemm_at_flt_max_is_the_rounded_exact_result():
+    """Finite inputs near FLT_MAX: the CPU GEMM gives the exact product
+    rounded to float32 (inf only where that overflows; never NaN), where a
+    float32 accumulator could reach inf - inf = NaN. Compared with a float64
+    product cast to float32."""
+    from transformer_engine_c import _engine
+    F = torch.finfo(torch.float32).max
+    g = torch.Generator().manual_seed(0)
+    a_all = torch.full((3, 5), F)
+    y = _engine.gemm(a_all, torch.ones(2, 5), transb=True)
+    assert torch.isinf(y).all() and (y > 0).all()  # like torch: the exact sum overflows
+    for _ in range(50):
+        m, k, n = (int(v) for v in torch.randint(1, 9, (3,), generator=g))
+        a = torch.randn(m, k, generator=g)
+        a = torch.where(torch.rand(m, k, generator=g) < 0.5, a, torch.sign(a) * F)
+        w = torch.randn(n, k, generator=g)
+        y = _engine.gemm(a, w, transb=True)
+        exact = (a.double() @ w.double().t()).float()
+        assert not y.isnan().any(), (a, w, y)
+        assert torch.equal(y, exact) or torch.allclose(y, exact, rtol=1e-6, atol=0), (y, exact)
