@@ -14,8 +14,6 @@ buffer view.
 """
 import atexit
 import ctypes
-import functools
-import gc
 import itertools
 import math
 import operator
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, debug
+from ._comm_guard import _BUFFER_BYTES_MAX, _TIMEOUT_MAX, _CreateFailed, _int_shape, _serialised, release_at_exit
 from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of, workspace
 
 __all__ = ["CommOverlap", "CommTimeoutError", "initialize_ub", "get_ub", "destroy_ub", "LAYER_NAMES"]
@@ -174,46 +173,6 @@ def _host_view(comm, nbytes):
     view = cls.from_address(ptr)
     view._pin = token  # the mapping lives while the view (and so the token) does
     return view
-
-
-def _serialised(method):
-    """Run the method under the communicator's lock: one thread at a time
-    issues work on a communicator (README, "Failure behaviour")."""
-    @functools.wraps(method)
-    def locked(self, *args, **kw):
-        with self._lock:
-            return method(self, *args, **kw)
-    return locked
-
-
-class _CreateFailed:
-    """What a rank that could not create its communicators sends its peers
-    in the handle exchange (a plain object: all_gather_object pickles it)."""
-
-    def __init__(self, kind, message):
-        self.kind, self.message = kind, message
-
-
-# Bounds of CommOverlap's arguments: the engine's region (data, staging,
-# flags) must be addressable with room to spare; timeouts are finite
-# (TEC_COMM_TIMEOUT_MAX of tec.h).
-_BUFFER_BYTES_MAX = 2 ** 60
-_TIMEOUT_MAX = 1e6
-
-
-def _int_shape(shape, what):
-    """A shape as a tuple of Python ints: each entry an integer (a float or
-    a bool is refused, never truncated)."""
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{what} must be a sequence of ints, got {type(shape).__name__}") from None
-    out = []
-    for d in dims:
-        if isinstance(d, bool) or not hasattr(d, "__index__"):
-            raise TypeError(f"{what} must be a sequence of ints, got {shape!r}")
-        out.append(operator.index(d))
-    return tuple(out)
 
 
 def _check_num_splits(method, num_splits, tp_size):
@@ -822,24 +781,4 @@ def destroy_ub():
     close_comms(comms)
 
 
-def _before_interpreter_exit():
-    """atexit: release what this package holds while the interpreter is
-    still whole. Communicators (ours, in the registry and in reference
-    cycles through layers) keep their tp_group alive; a process group whose
-    last reference goes in the interpreter's final collection joins gloo's
-    worker threads after Python has started finalizing, and a worker that
-    then drops a finished collective (whose thread-local state holds Python
-    objects, e.g. saved-tensor hooks) must take the GIL and exits the thread
-    from inside a destructor: "terminate called without an active
-    exception". Closing locally (no collective: the peers may be gone) and
-    collecting here lets the group go while its threads can still finish."""
-    for c in list(_registry.values()):
-        try:
-            c.close()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-    _registry.clear()
-    gc.collect()
-
-
-atexit.register(_before_interpreter_exit)
+atexit.register(release_at_exit)
