@@ -40,7 +40,8 @@ def main():
         raise AssertionError(f"rank {rank}: initialize_ub larger than /dev/shm succeeded")
     dist.barrier()
     left = [n for n in os.listdir("/dev/shm") if n.startswith("tec-")]
-    assert not left, f"rank {rank}: left in /dev/shm: {left}"
+    assert not left, f"rank {rank} (pid {os.getpid()}): left in /dev/shm: {left}"
+    dist.barrier()  # every rank has looked before any creates the next one
     # A communicator that fits still works afterwards.
     c = tec.CommOverlap((tp * 8, 16), torch.float32, tp_group=dist.group.WORLD, timeout=20, min_chunk_flops=0)
     a, w = torch.randn(8, 16), torch.randn(4, 16)
