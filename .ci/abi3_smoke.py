@@ -72,12 +72,12 @@ def check_comm(C):
     c._create(C.TRANSPORT_SHM, -1, 0, 1, 4096, "smoke", 5.0)
     c._open_peers([c._local_handle()])
     c._release_handle()
-    ptr = c._pin()
+    ptr, token = c._pin()
     (start, nbytes), = c.buffer_ranges()
     assert start == ptr and nbytes >= 4096 and c._overlaps(ptr, ptr + 1) and not c._overlaps(ptr - 8, ptr)
     c.close()
     assert c.buffer_ranges()  # pinned: still mapped after close()
-    c._unpin()
+    del token  # the pin goes with its token
     assert c.buffer_ranges() == [] and c.closed
     try:
         c._pin()

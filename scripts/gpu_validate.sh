@@ -9,6 +9,11 @@
 #     (also runs scripts/profile_overlap.py on every GPU: host/GPU times, cProfile, a trace)
 #   SWEEP=1 BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh ...
 #     (also runs scripts/gemm_sweep_check.py, and the benchmark again with TEC_GEMM_TUNE=1)
+#   SANITIZE=1 bash scripts/gpu_validate.sh ...
+#     (also runs compute-sanitizer memcheck, racecheck and synccheck over the CUDA
+#      transport test, the single-GPU CUDA kernel/layer tests ($SANITIZE_TESTS) and,
+#      with 2 or more GPUs, the overlap runners on every GPU; a tool's run passes
+#      when it exits 0 and reports "ERROR SUMMARY: 0 errors")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -25,11 +30,41 @@ nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/
     csrc/core/cuda/cuda_transport.cu csrc/core/cuda/cuda_common.cu csrc/core/error.c -o "$OUT/transport_test" -lcudart > "$OUT/transport_test.log" 2>&1 \
   && timeout 300 "$OUT/transport_test" >> "$OUT/transport_test.log" 2>&1
 log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"
+if [ -n "${SANITIZE:-}" ]; then
+  CS=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+  ngpu=$(nvidia-smi -L | wc -l)
+  # sanitize NAME CMD...: run CMD under each tool; the log's error summary decides.
+  sanitize() {
+    local name=$1; shift
+    for tool in memcheck racecheck synccheck; do
+      local f="$OUT/sanitize_${name}_${tool}.log"
+      timeout 1200 "$CS" --tool "$tool" --target-processes all --error-exitcode 99 "$@" > "$f" 2>&1
+      local rc=$? errs
+      errs=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" "$f" | awk '{s += $3} END {print s + 0}')
+      log "compute-sanitizer $tool $name: [ -n "${SANITIZE:-}" ] && [ "${rc_sanitize:-0}" -ne 0 ] && [ "$rc" -eq 0 ] && rc=1
+exit $rc, $errs errors ($(grep -c 'ERROR SUMMARY' "$f") processes)"
+      [ "$rc" -eq 0 ] && [ "$errs" -eq 0 ] || { grep -m 20 -E "^=========  *(Invalid|Race|Barrier|Error|Uninit|Program hit)" "$f" | tee -a "$OUT/summary.txt"; rc_sanitize=1; }
+    done
+  }
+  rc_sanitize=0
+  sanitize transport "$OUT/transport_test"
+  sanitize cuda_tests python3 -m pytest -q -x -p no:cacheprovider ${SANITIZE_TESTS:-tests/test_kernels.py tests/test_layers.py tests/test_cuda_transport.py}
+  if [ "$ngpu" -ge 2 ]; then
+    sanitize gemm_overlap python3 -m torch.distributed.run --nproc_per_node="$ngpu" \
+        tests/distributed/run_gemm_with_overlap.py --device cuda --check numerics,small,close
+    sanitize layer_overlap python3 -m torch.distributed.run --nproc_per_node="$ngpu" \
+        tests/distributed/run_layer_with_overlap.py --device cuda --dtypes bfloat16 --checks layers
+  else
+    log "compute-sanitizer overlap runners: skipped, $ngpu GPU (they need 2 or more)"
+  fi
+  log "compute-sanitizer: $([ $rc_sanitize -eq 0 ] && echo clean || echo ERRORS)"
+fi
 rm -f "$OUT/transport_test"
 sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
 python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 rc=$?
-log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
+log "pytest ${sel[*]}: [ -n "${SANITIZE:-}" ] && [ "${rc_sanitize:-0}" -ne 0 ] && [ "$rc" -eq 0 ] && rc=1
+exit $rc: $(tail -1 "$OUT/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
 timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
 log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"
@@ -54,4 +89,5 @@ if [ -n "${SWEEP:-}" ]; then
     log "bench with TEC_GEMM_TUNE=1: exit $?"; grep -E "^\|" "$OUT/bench_tuned.log" | tee -a "$OUT/summary.txt"
   fi
 fi
+[ -n "${SANITIZE:-}" ] && [ "${rc_sanitize:-0}" -ne 0 ] && [ "$rc" -eq 0 ] && rc=1
 exit $rc

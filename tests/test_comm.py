@@ -58,7 +58,8 @@ def test_create_destroy_200_no_leak():
         _cycle(i)
     gc.collect()
     assert _fds() == fds, f"file descriptors: {fds} -> {_fds()}"
-    assert _shm() == shm, f"/dev/shm entries: {shm} -> {_shm()}"
+    # nothing new (a creation may also remove names of dead processes: see shm_transport.c)
+    assert set(_shm()) <= set(shm), f"/dev/shm entries: {shm} -> {_shm()}"
     assert _threads() == threads, f"threads: {threads} -> {_threads()}"
     assert _rss_kb() - rss < 8 * 1024, f"RSS grew {rss} -> {_rss_kb()} kB"
 
@@ -88,7 +89,8 @@ def test_shm_names_private_and_unlinked():
     new = sorted(set(_shm()) - before)
     assert len(new) == 2, new
     for n in new:
-        m = re.fullmatch(rf"tec-{os.getpid()}-([0-9a-f]{{32}})", n)
+        ns = os.stat("/proc/self/ns/pid").st_ino  # the pid namespace: stale names are swept per namespace
+        m = re.fullmatch(rf"tec-{ns:x}-{os.getpid()}-([0-9a-f]{{32}})", n)
         assert m, f"{n} does not end in 128 random bits"
         st = os.stat(f"/dev/shm/{n}")
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
@@ -97,7 +99,7 @@ def test_shm_names_private_and_unlinked():
     for c in objs:
         c._open_peers([c._local_handle()])
         c._release_handle()  # every rank has mapped it: the name goes
-    assert set(_shm()) == before
+    assert set(_shm()) <= before
     for c in objs:
         c.close()
 
@@ -361,7 +363,7 @@ def test_a_dropped_communicator_is_freed():
     del v
     gc.collect()
     assert ref() is None, "the dropped communicator is still alive"
-    assert _shm() == shm
+    assert set(_shm()) <= set(shm)
 
 
 def test_take_overlap_checks_state_and_values():

@@ -12,16 +12,19 @@ Lifetime: `get_buffer()` returns a non-owning view; the next operation on the
 communicator overwrites it. Save copies or local chunks for backward, never a
 buffer view.
 """
+import atexit
 import ctypes
 import itertools
 import math
 import operator
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 from . import _C, debug
+from ._comm_guard import _BUFFER_BYTES_MAX, _TIMEOUT_MAX, _CreateFailed, _int_shape, _serialised, release_at_exit
 from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of, workspace
 
 __all__ = ["CommOverlap", "CommTimeoutError", "initialize_ub", "get_ub", "destroy_ub", "LAYER_NAMES"]
@@ -150,21 +153,9 @@ class _DeviceView:
     keeps the mapping alive (pinned) while torch holds it."""
 
     def __init__(self, comm, nbytes):
-        ptr = comm._pin()
-        self._comm = comm  # only once pinned: __del__ unpins what was pinned
+        ptr, self._pin = comm._pin()  # the mapping lives while this token does
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
-
-    def __del__(self):
-        comm = getattr(self, "_comm", None)
-        if comm is not None:
-            comm._unpin()
-
-
-def _unpin_on_del(self):
-    comm = self.__dict__.get("_comm")
-    if comm is not None:
-        comm._unpin()
 
 
 _HOST_VIEW_TYPES = {}
@@ -177,15 +168,10 @@ def _host_view(comm, nbytes):
     protocol for _C's own types, hence ctypes."""
     cls = _HOST_VIEW_TYPES.get(nbytes)
     if cls is None:
-        cls = _HOST_VIEW_TYPES.setdefault(
-            nbytes, type("_HostView", (ctypes.c_ubyte * nbytes,), {"__del__": _unpin_on_del}))
-    ptr = comm._pin()
-    try:
-        view = cls.from_address(ptr)
-    except BaseException:
-        comm._unpin()
-        raise
-    view._comm = comm  # only once pinned: __del__ unpins what was pinned
+        cls = _HOST_VIEW_TYPES.setdefault(nbytes, type("_HostView", (ctypes.c_ubyte * nbytes,), {}))
+    ptr, token = comm._pin()
+    view = cls.from_address(ptr)
+    view._pin = token  # the mapping lives while the view (and so the token) does
     return view
 
 
@@ -236,9 +222,12 @@ class CommOverlap(_C.CommOverlap):
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
                  transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
                  gemm_sm_margin=None, _exchange=True):
-        shape = tuple(int(s) for s in shape)
+        self._lock = threading.RLock()  # _serialised; exclusive()
+        shape = _int_shape(shape, "shape")
         if not shape or any(s <= 0 for s in shape):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         if dtype not in DTYPE_CODES:
             raise TypeError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
         if method not in _METHODS:
@@ -256,8 +245,8 @@ class CommOverlap(_C.CommOverlap):
         if (device.type == "cpu") != (_TRANSPORTS[transport] == _C.TRANSPORT_SHM):
             raise ValueError(f"transport {transport!r} does not serve device {device}")
         timeout = default_timeout() if timeout is None else float(timeout)
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 < timeout <= _TIMEOUT_MAX:  # inf and nan too: every wait has a finite limit
+            raise ValueError(f"timeout must be in (0, {_TIMEOUT_MAX:g}] seconds, got {timeout}")
         rank, size = _group_rank_size(tp_group, tp_size)
         num_splits = _check_num_splits(method, num_splits, size)
         if shape[0] % size:
@@ -274,27 +263,49 @@ class CommOverlap(_C.CommOverlap):
         self._gemm_sm_margin = _gemm_sm_margin(gemm_sm_margin, device)
         self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > _BUFFER_BYTES_MAX:
+            raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes; a communicator buffer holds at most "
+                             f"{_BUFFER_BYTES_MAX} bytes")
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
-        self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
-        ws_bytes = _C.gemm_workspace_bytes(device_code(device))
-        self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
-        self._set_gemm(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes,
-                       self._gemm_sm_margin)
+        try:
+            self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
+            ws_bytes = _C.gemm_workspace_bytes(device_code(device))
+            self._gemm_ws = workspace(device, ws_bytes)  # kept alive with the communicator
+            self._set_gemm(self._gemm_ws.data_ptr() if self._gemm_ws is not None else None, ws_bytes,
+                           self._gemm_sm_margin)
+        except Exception as e:
+            self.close()
+            if _exchange:  # the peers are waiting in the exchange: they learn of it and raise too
+                CommOverlap._exchange([], tp_group, size=size, failed=e)
+            raise
         if _exchange:
             CommOverlap._exchange([self], tp_group)
 
     @staticmethod
-    def _exchange(comms, tp_group):
+    def _exchange(comms, tp_group, size=None, failed=None):
         """Collective: exchange handles of `comms` (same order on every rank),
-        map peers, and unlink names once everyone has mapped."""
-        size = comms[0].tp_size if comms else 1
-        mine = [(c._local_handle(), c._min_chunk_flops) for c in comms]
+        map peers, and unlink names once everyone has mapped. failed: the
+        exception that stopped this rank creating its communicators (it
+        still takes part, so that every rank raises before anything is
+        mapped, instead of the others waiting for it)."""
+        size = comms[0].tp_size if comms else (size or 1)
+        if failed is not None:
+            mine = _CreateFailed(type(failed).__name__, str(failed))
+        else:
+            mine = [(c._local_handle(), c._min_chunk_flops) for c in comms]
         if size == 1:
             everyone = [mine]
         else:
             everyone = [None] * size
             dist.all_gather_object(everyone, mine, group=tp_group)
+        if failed is not None:
+            raise failed
+        bad = [(r, m) for r, m in enumerate(everyone) if isinstance(m, _CreateFailed)]
+        if bad:
+            r, m = bad[0]
+            cls = MemoryError if m.kind == "MemoryError" else RuntimeError
+            raise cls(f"communicator set-up failed on rank {r} of the group: {m.kind}: {m.message}")
         error = None
         try:
             for i, c in enumerate(comms):
@@ -344,6 +355,7 @@ class CommOverlap(_C.CommOverlap):
         return ValueError(f"communicator '{self.name}': buffer too small for the input: {what} of shape "
                           f"{tuple(shape)} ({dtype}) needs {need} bytes, the buffer has {have}")
 
+    @_serialised
     def get_buffer(self, local_chunk=False, shape=None, dtype=None):
         """A non-owning view of the buffer ([full shape]) or of this rank's
         chunk (local_chunk=True: rows rank*S/tp.., waits until peers have read
@@ -356,7 +368,10 @@ class CommOverlap(_C.CommOverlap):
             shape = list(self.shape)
             if local_chunk:
                 shape[0] //= self.tp_size
-        shape = tuple(int(s) for s in shape)
+        shape = _int_shape(shape, "shape")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"communicator '{self.name}': get_buffer: shape must have sizes >= 0 (no -1: the "
+                             f"view is not inferred from the buffer), got {shape}")
         numel = math.prod(shape)
         parts = self.tp_size if local_chunk else 1
         if numel * es * parts > self.nbytes:
@@ -368,6 +383,7 @@ class CommOverlap(_C.CommOverlap):
             return flat[self.rank * numel:(self.rank + 1) * numel].view(shape)
         return flat[:numel].view(shape)
 
+    @_serialised
     def copy_into_buffer(self, t, local_chunk=False):
         """Copy t into this rank's chunk (local_chunk=True) or the whole buffer."""
         check_tensor(t, "tensor", device=self.device)
@@ -379,12 +395,27 @@ class CommOverlap(_C.CommOverlap):
 
     # ------------------------------------------------------- schedules
 
+    def exclusive(self):
+        """A context manager holding this communicator for the calling
+        thread: a sequence of operations that belongs together (writing the
+        local chunk into get_buffer() and the ag_gemm that gathers it) runs
+        without another thread's operations in between. Reentrant."""
+        return self._lock
+
+    def _check_outside(self, op, t, name):
+        """t must not alias any communicator buffer: the operation writes it
+        while peers still read or write the buffer."""
+        if self.overlaps(t):
+            raise ValueError(f"communicator '{self.name}': {op}: {name} lies in a communicator buffer; it must "
+                             "be memory of its own")
+
     def _check_mat(self, t, name, dtype=None):
         check_tensor(t, name, ndim=2, device=self.device, dtype=dtype)
         if t.stride(1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dimension")
         return t
 
+    @_serialised
     def _abandon(self):
         """After an exception between a bulk *_start and its *_finish: wait
         for the comm side (errors are the caller's already) and clear the
@@ -400,7 +431,8 @@ class CommOverlap(_C.CommOverlap):
         self._live()
         if self._pending is not None:
             raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
-                               f"(call {self._pending[0]}_finish first)")
+                               f"(call {self._pending[0]}_finish first; started by thread "
+                               f"{self._pending_thread!r})")
 
     def _operands(self, op, a, weight, transb, bias):
         """Check a GEMM schedule's input [rows, k], weight (op(weight) is
@@ -416,6 +448,7 @@ class CommOverlap(_C.CommOverlap):
             check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
         return rows, k, n
 
+    @_serialised
     def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None, local_copy=None):
         """out[tp*rows, n] = all_gather(a_local) @ op(weight) (+ bias), the
         gather overlapped with the GEMM. a_local: this rank's [rows, k] chunk
@@ -430,6 +463,15 @@ class CommOverlap(_C.CommOverlap):
         if rows * k * es * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
                                   rows * k * es * self.tp_size, self.nbytes)
+        # Every check before the engine takes the operation's epoch: a refused
+        # call leaves the communicator usable on every rank.
+        if out_dtype is not None and out_dtype not in (a_local.dtype, torch.float32):
+            raise ValueError(f"communicator '{self.name}': ag_gemm: out_dtype must be the input's dtype "
+                             f"({a_local.dtype}) or torch.float32, got {out_dtype}")
+        own_slot = self.buffer_ptr + self.rank * rows * k * es
+        if self.overlaps(a_local) and a_local.data_ptr() != own_slot:
+            raise ValueError(f"communicator '{self.name}': ag_gemm: a_local lies in a communicator buffer but is "
+                             "not this rank's chunk (get_buffer(local_chunk=True)); the gather overwrites it")
         if local_copy is not None:
             check_tensor(local_copy, "local_copy", dtype=a_local.dtype, device=self.device, shape=(rows, k))
             if self.overlaps(local_copy):
@@ -441,12 +483,17 @@ class CommOverlap(_C.CommOverlap):
             self._check_mat(out, "out")
             if tuple(out.shape) != (rows * self.tp_size, n):
                 raise ValueError(f"out has shape {tuple(out.shape)}; expected {(rows * self.tp_size, n)}")
+            if out.dtype not in (a_local.dtype, torch.float32) or (out_dtype is not None and out.dtype != out_dtype):
+                raise ValueError(f"communicator '{self.name}': ag_gemm: out has dtype {out.dtype}; expected "
+                                 f"{out_dtype or a_local.dtype} (the input's dtype or torch.float32)")
+            self._check_outside("ag_gemm", out, "out")
         self._ag_gemm(a_local.data_ptr(), rows, k, n, DTYPE_CODES[a_local.dtype], DTYPE_CODES[out.dtype],
                       weight.data_ptr(), weight.stride(0), int(transb), out.data_ptr(), out.stride(0),
                       bias.data_ptr() if bias is not None else 0,
                       local_copy.data_ptr() if local_copy is not None else 0, self._stream())
         return out
 
+    @_serialised
     def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None):
         """out[S/tp, n] = reduce_scatter(a[S, k] @ op(weight)) (+ bias once),
         each peer's partial sent while the next is computed, partials summed
@@ -462,23 +509,30 @@ class CommOverlap(_C.CommOverlap):
             out = torch.empty(rows, n, dtype=a.dtype, device=self.device)
         else:
             check_tensor(out, "out", dtype=a.dtype, device=self.device, shape=(rows, n))
+            self._check_outside("gemm_rs", out, "out")
         self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[a.dtype], weight.data_ptr(),
                       weight.stride(0), int(transb), out.data_ptr(),
                       bias.data_ptr() if bias is not None else 0, self._stream())
         return out
 
+    @_serialised
     def bulk_ag_start(self, t):
         """Start all-gathering this rank's chunk t ([rows, ...]) into the buffer
         on the comm side; run your GEMM, then bulk_ag_finish()."""
         self._check_idle("bulk_ag_start")
         check_tensor(t, "input", device=self.device)
+        if t.dim() < 1:  # before the engine starts: the gathered shape needs a first dimension
+            raise ValueError(f"communicator '{self.name}': bulk_ag_start: the input must have at least one "
+                             f"dimension, got a {t.dim()}-d tensor")
         nbytes = t.numel() * t.element_size()
         if nbytes * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype,
                                   nbytes * self.tp_size, self.nbytes)
         self._bulk_ag_start(t.data_ptr(), nbytes, self._stream())
+        self._pending_thread = threading.current_thread().name
         self._pending = ("bulk_ag", t, (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype)
 
+    @_serialised
     def bulk_ag_finish(self):
         """Wait for the bulk all-gather; returns the gathered tensor as a
         non-owning view of the buffer (valid until the next use)."""
@@ -490,6 +544,7 @@ class CommOverlap(_C.CommOverlap):
         numel = math.prod(shape)
         return self._flat(dtype)[:numel].view(shape)
 
+    @_serialised
     def bulk_rs_start(self, t, out=None):
         """Start reduce-scattering t ([S, ...], not a buffer view) on the comm
         side into out ([S/tp, ...]); run your GEMM, then bulk_rs_finish()."""
@@ -508,9 +563,12 @@ class CommOverlap(_C.CommOverlap):
             out = torch.empty(oshape, dtype=t.dtype, device=self.device)
         else:
             check_tensor(out, "out", dtype=t.dtype, device=self.device, shape=oshape)
+            self._check_outside("bulk_rs_start", out, "out")
         self._bulk_rs_start(t.data_ptr(), rows, cols, DTYPE_CODES[t.dtype], out.data_ptr(), self._stream())
+        self._pending_thread = threading.current_thread().name
         self._pending = ("bulk_rs", t, out)
 
+    @_serialised
     def bulk_rs_finish(self):
         """Wait for the bulk reduce-scatter; returns its output."""
         if self._pending is None or self._pending[0] != "bulk_rs":
@@ -535,6 +593,7 @@ class CommOverlap(_C.CommOverlap):
     def min_chunk_flops(self, value):
         self._min_chunk_flops = _min_chunk_flops(value, self.device)
 
+    @_serialised
     def take_overlap(self, op, rows, k, n):
         """Whether a layer should run the overlapped `op` ("ag": ag_gemm,
         "rs": gemm_rs) whose chunk GEMMs are [rows, k] @ [k, n]: False below
@@ -570,12 +629,14 @@ class CommOverlap(_C.CommOverlap):
         st[_SCHEDULES["gemm_rs"]] = st["rs_overlap"]
         return st
 
+    @_serialised
     def close(self):
         """Release the communicator (idempotent); the saved-tensor checker
         stops watching its ranges."""
         debug.unregister_comm(self)
         super().close()
 
+    @_serialised
     def synchronize(self):
         """Wait for this communicator's work on the current stream and its comm
         stream; raise what a wait on a peer recorded. On CUDA the waits run on
@@ -661,15 +722,19 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
         _check_ub_cfg(layer, cfg)
     comms = []
     try:
-        for layer in LAYER_NAMES:
-            cfg = ub_cfgs.get(layer, {})
-            c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
-                            timeout=cfg.get("timeout", timeout), transport=transport, device=device,
-                            method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
-                            num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
-                            gemm_sm_margin=gemm_sm_margin,
-                            _exchange=False)
-            comms.append(c)
+        try:
+            for layer in LAYER_NAMES:
+                cfg = ub_cfgs.get(layer, {})
+                c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
+                                timeout=cfg.get("timeout", timeout), transport=transport, device=device,
+                                method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
+                                num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
+                                gemm_sm_margin=gemm_sm_margin,
+                                _exchange=False)
+                comms.append(c)
+        except (MemoryError, OSError, RuntimeError) as e:  # the engine's failures: the peers learn of them
+            _, size = _group_rank_size(tp_group, tp_size)
+            CommOverlap._exchange([], tp_group, size=size, failed=e)
         CommOverlap._exchange(comms, tp_group)
     except BaseException:
         for c in comms:
@@ -714,3 +779,6 @@ def destroy_ub():
     comms = list(_registry.values())
     _registry.clear()
     close_comms(comms)
+
+
+atexit.register(release_at_exit)

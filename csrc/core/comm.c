@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "checked.h"
 #include "error.h"
 #include "transport.h"
 
@@ -182,17 +183,25 @@ static tec_status begin(tec_comm *c, const char *op)
     return st ? fail(c, st) : TEC_OK;
 }
 
+/* The bytes of one [rows, cols] chunk of dtype dt; SIZE_MAX when the
+ * product overflows (check_chunk then refuses it). */
+static size_t chunk_bytes(int64_t rows, int64_t cols, tec_dtype dt)
+{
+    size_t b;
+    return tec_mul3(rows, cols, (int64_t)tec_dtype_size(dt), &b) ? b : SIZE_MAX;
+}
+
 static tec_status check_chunk(tec_comm *c, const char *op, size_t chunk, int64_t rows, int64_t cols, tec_dtype dt)
 {
     if (rows < 0 || cols <= 0 || !tec_dtype_size(dt))
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: bad chunk [%lld, %lld] of dtype %d",
                              c->name, op, (long long)rows, (long long)cols, (int)dt);
-    if (chunk * (size_t)c->size > c->data_bytes)
+    /* chunk * size is compared without forming the product (it may wrap). */
+    if (chunk > c->data_bytes / (size_t)c->size)
         return tec_set_error(TEC_ERR_INVALID_ARG,
                              "communicator '%s': %s: buffer too small for the input: %d chunks of [%lld, %lld] "
-                             "(%zu bytes each) need %zu bytes, the buffer has %zu",
-                             c->name, op, c->size, (long long)rows, (long long)cols, chunk,
-                             chunk * (size_t)c->size, c->data_bytes);
+                             "(%zu bytes each) need more than the buffer's %zu bytes",
+                             c->name, op, c->size, (long long)rows, (long long)cols, chunk, c->data_bytes);
     if (chunk > TEC_FLAG_CHUNK_MAX)
         return tec_set_error(TEC_ERR_NOT_SUPPORTED, "communicator '%s': %s: chunks over 512 MiB are not supported",
                              c->name, op);
@@ -234,6 +243,23 @@ static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64
     return tec_gemm(c->device, &g, stream);
 }
 
+/* B's extent and the backend's workspace, checked before an operation takes
+ * its epoch (tec_gemm checks them again, too late to leave the peers in
+ * step). */
+static tec_status gemm_check(tec_comm *c, const char *op, const void *b, int64_t b_rows, int64_t ldb, tec_dtype dt)
+{
+    size_t bytes;
+    const tec_backend *be = tec_backend_for(c->device);
+    if (!tec_matrix_bytes(b_rows, ldb, 4, &bytes))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: weight of %lld rows with ldb=%lld is too large",
+                             c->name, op, (long long)b_rows, (long long)ldb);
+    if (be && (c->gemm_ws_bytes < be->gemm_workspace_bytes || (be->gemm_workspace_bytes && !c->gemm_ws)))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: GEMM workspace of %zu bytes, %zu needed",
+                             c->name, op, c->gemm_ws_bytes, be->gemm_workspace_bytes);
+    (void)b; (void)dt;
+    return TEC_OK;
+}
+
 /* ------------------------------------------------------------ lifetime */
 
 tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, int rank, int tp_size,
@@ -245,8 +271,9 @@ tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, 
                              rank, tp_size, TEC_COMM_MAX_RANKS);
     if (!buffer_bytes)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: empty buffer");
-    if (!(timeout_s > 0))
-        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: timeout must be > 0 seconds");
+    if (!(timeout_s > 0 && timeout_s <= TEC_COMM_TIMEOUT_MAX))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: timeout must be in (0, %g] seconds, got %g",
+                             TEC_COMM_TIMEOUT_MAX, timeout_s);
     /* Each device kind's backend supplies its transport: the CPU's the
      * shared-memory one, the CUDA library's the CUDA IPC one. */
     const tec_backend *be = NULL;
@@ -279,9 +306,18 @@ tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, 
     c->size = tp_size;
     c->timeout = timeout_s;
     snprintf(c->name, sizeof c->name, "%s", name && name[0] ? name : "comm");
-    c->data_bytes = (buffer_bytes + 255) & ~(size_t)255;
-    c->flags_off = 2 * c->data_bytes;
-    c->region_bytes = c->flags_off + (((size_t)TEC_COMM_NFLAGS * TEC_COMM_MAX_RANKS * 8 + 255) & ~(size_t)255);
+    /* Region layout (transport.h): data, staging of the same size, flags;
+     * each part rounded to 256 bytes. Checked: a wrapped sum would map a
+     * small region and let every offset past it land anywhere. */
+    const size_t flag_bytes = ((size_t)TEC_COMM_NFLAGS * TEC_COMM_MAX_RANKS * 8 + 255) & ~(size_t)255;
+    size_t rounded, twice;
+    if (!tec_add_bytes(buffer_bytes, 255, &rounded) || !tec_add_bytes(rounded & ~(size_t)255, rounded & ~(size_t)255, &twice) ||
+        !tec_add_bytes(twice, flag_bytes, &c->region_bytes)) {
+        free(c);
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator: a buffer of %zu bytes is too large", buffer_bytes);
+    }
+    c->data_bytes = rounded & ~(size_t)255;
+    c->flags_off = twice;
     st = ops->create(&c->t, device, rank, tp_size, c->region_bytes);
     if (st)
         goto fail;
@@ -371,8 +407,11 @@ void tec_comm_get_stats(const tec_comm *c, tec_comm_stats *s) { *s = c->stats; }
 
 int tec_comm_ranges(const tec_comm *c, void **ptrs, size_t *bytes, int max)
 {
+    /* Own region first, then the mapped peers' in rank order; only entries
+     * [0, n) are written. */
     int n = 0;
-    for (int r = 0; r < c->size && n < max; r++) {
+    for (int k = 0; k < c->size && n < max; k++) {
+        const int r = k == 0 ? c->rank : (k <= c->rank ? k - 1 : k);
         if (!c->bases[r] || (r != c->rank && !c->mapped))
             continue;
         ptrs[n] = c->bases[r];
@@ -470,13 +509,28 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
 
 tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream)
 {
-    const size_t es = tec_dtype_size(a->dtype), ces = tec_dtype_size(a->out_dtype);
-    const size_t chunk = (size_t)a->rows * (size_t)a->k * es;
+    const size_t ces = tec_dtype_size(a->out_dtype);
+    const size_t chunk = chunk_bytes(a->rows, a->k, a->dtype);
     tec_status st = begin_chunk(c, "ag_gemm", chunk, a->rows, a->k, a->dtype);
     if (st)
         return st;
+    size_t out_bytes;
     if (!a->out || !a->b || a->n <= 0 || !ces || a->ldc < a->n)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm: missing B or out, or bad n/ldc", c->name);
+    if (!tec_mul3(a->rows * c->size, a->ldc, (int64_t)ces, &out_bytes))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': ag_gemm: output of %d x %lld rows with ldc=%lld "
+                             "is too large", c->name, c->size, (long long)a->rows, (long long)a->ldc);
+    /* Everything the GEMMs check, checked before the epoch is taken: a
+     * refused call must leave the communicator usable on every rank. */
+    if ((a->out_dtype != a->dtype && a->out_dtype != TEC_F32) || (a->transb != 0 && a->transb != 1) ||
+        a->ldb < (a->transb ? a->k : a->n) || a->ldb < 1 || a->k <= 0)
+        return tec_set_error(TEC_ERR_INVALID_ARG,
+                             "communicator '%s': ag_gemm: out_dtype must be the input's dtype or float32, transb 0 "
+                             "or 1, and ldb at least %lld (got out_dtype %d for dtype %d, transb %d, ldb %lld)",
+                             c->name, (long long)(a->transb ? a->k : a->n), (int)a->out_dtype, (int)a->dtype,
+                             a->transb, (long long)a->ldb);
+    if ((st = gemm_check(c, "ag_gemm", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)))
+        return st;
     const int r = c->rank, n = c->size;
     const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_AG, chunk));
     const void *local = a->a_local ? a->a_local : slot(c, r, r, chunk);
@@ -593,12 +647,22 @@ static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, siz
 tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream)
 {
     const size_t es = tec_dtype_size(a->dtype);
-    const size_t chunk = (size_t)a->rows * (size_t)a->n * es;
+    const size_t chunk = chunk_bytes(a->rows, a->n, a->dtype);
     tec_status st = begin_chunk(c, "gemm_rs", chunk, a->rows, a->n, a->dtype);
     if (st)
         return st;
+    size_t a_bytes;
     if (!a->out || !a->b || !a->a || a->k <= 0 || a->lda < a->k)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: missing A, B or out, or bad k/lda", c->name);
+    if (!tec_mul3(a->rows * c->size, a->lda, (int64_t)es, &a_bytes))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: input of %d x %lld rows with lda=%lld "
+                             "is too large", c->name, c->size, (long long)a->rows, (long long)a->lda);
+    if ((a->transb != 0 && a->transb != 1) || a->ldb < (a->transb ? a->k : a->n) || a->ldb < 1)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: transb must be 0 or 1 and ldb at least "
+                             "%lld (got transb %d, ldb %lld)", c->name, (long long)(a->transb ? a->k : a->n),
+                             a->transb, (long long)a->ldb);
+    if ((st = gemm_check(c, "gemm_rs", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)))
+        return st;
     const int r = c->rank, n = c->size;
     const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_RS, chunk));
     const char *A = a->a;
@@ -685,7 +749,7 @@ tec_status tec_comm_bulk_ag_finish(tec_comm *c, void *stream)
 tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, int64_t cols, tec_dtype dtype,
                                   void *out, void *stream)
 {
-    const size_t chunk = (size_t)rows * (size_t)cols * tec_dtype_size(dtype);
+    const size_t chunk = chunk_bytes(rows, cols, dtype);
     tec_status st = begin_chunk(c, "bulk_rs", chunk, rows, cols, dtype);
     if (st)
         return st;

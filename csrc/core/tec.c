@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "checked.h"
 #include "error.h"
 
 size_t tec_dtype_size(tec_dtype dt)
@@ -84,6 +85,17 @@ size_t tec_gemm_workspace_bytes(int device)
 
 static int dtype_ok(tec_dtype dt) { return dt == TEC_F32 || dt == TEC_BF16 || dt == TEC_F16; }
 
+/* A [rows, cols] float32 matrix (the widest the backends compute in) must
+ * have a byte count that fits: the backends index it with int64 products. */
+static tec_status check_norm_size(const char *op, int64_t rows, int64_t cols)
+{
+    size_t bytes;
+    if (!tec_mul3(rows, cols, 8, &bytes))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "%s: rows=%lld x cols=%lld is too large (byte count overflows)",
+                             op, (long long)rows, (long long)cols);
+    return TEC_OK;
+}
+
 /* ------------------------------------------------------------ operations */
 
 tec_status tec_norm_fwd(int device, const tec_norm_fwd_args *a, void *stream)
@@ -95,6 +107,8 @@ tec_status tec_norm_fwd(int device, const tec_norm_fwd_args *a, void *stream)
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm: rows=%lld cols=%lld", (long long)a->rows, (long long)a->cols);
     if (!dtype_ok(a->dtype))
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm: unknown dtype %d", (int)a->dtype);
+    if ((st = check_norm_size("norm", a->rows, a->cols)))
+        return st;
     if (!a->gamma || !a->rsigma || (a->rows && (!a->x || !a->y)) || (!a->beta) != (!a->mu))
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm: missing pointer (x, y, gamma, rsigma; beta and mu together)");
     if (!(a->eps >= 0.0f))
@@ -107,6 +121,9 @@ tec_status tec_norm_fwd(int device, const tec_norm_fwd_args *a, void *stream)
 size_t tec_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols)
 {
     const tec_backend *b = tec_backend_for(device);
+    size_t bytes;
+    if (rows < 0 || cols <= 0 || !tec_mul3(rows, cols, 8, &bytes))
+        return SIZE_MAX; /* no workspace can be this large: tec_norm_bwd refuses the sizes */
     return b ? b->norm_bwd_workspace_bytes(device, rows, cols) : 0;
 }
 
@@ -119,6 +136,8 @@ tec_status tec_norm_bwd(int device, const tec_norm_bwd_args *a, void *stream)
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: rows=%lld cols=%lld", (long long)a->rows, (long long)a->cols);
     if (!dtype_ok(a->dtype))
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: unknown dtype %d", (int)a->dtype);
+    if ((st = check_norm_size("norm backward", a->rows, a->cols)))
+        return st;
     if (!a->gamma || !a->rsigma || !a->dgamma || (a->rows && (!a->x || !a->dy || !a->dx)) || (!a->dbeta) != (!a->mu))
         return tec_set_error(TEC_ERR_INVALID_ARG, "norm backward: missing pointer");
     size_t need = b->norm_bwd_workspace_bytes(device, a->rows, a->cols);
@@ -142,6 +161,20 @@ tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream)
     if (a->lda < (a_cols > 1 ? a_cols : 1) || a->ldb < (b_cols > 1 ? b_cols : 1) || a->ldc < (a->n > 1 ? a->n : 1))
         return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: leading dimension too small (lda=%lld ldb=%lld ldc=%lld)",
                              (long long)a->lda, (long long)a->ldb, (long long)a->ldc);
+    /* Every operand's extent (and the float32 copies the CPU backend makes)
+     * must have a byte count that fits, or its addressing would wrap. */
+    size_t bytes;
+    if (!tec_matrix_bytes(a->transa ? a->k : a->m, a->lda, 4, &bytes) ||
+        !tec_matrix_bytes(a->transb ? a->n : a->k, a->ldb, 4, &bytes) || !tec_matrix_bytes(a->m, a->ldc, 4, &bytes) ||
+        !tec_mul3(a->m, a->k, 4, &bytes) || !tec_mul3(a->k, a->n, 4, &bytes) || !tec_mul3(a->m, a->n, 4, &bytes))
+        return tec_set_error(TEC_ERR_INVALID_ARG,
+                             "gemm: sizes too large (byte count overflows): m=%lld n=%lld k=%lld lda=%lld ldb=%lld ldc=%lld",
+                             (long long)a->m, (long long)a->n, (long long)a->k, (long long)a->lda, (long long)a->ldb,
+                             (long long)a->ldc);
+    if (a->transa != 0 && a->transa != 1)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: transa must be 0 or 1, got %d", a->transa);
+    if (a->transb != 0 && a->transb != 1)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: transb must be 0 or 1, got %d", a->transb);
     if (a->bias && a->accumulate)
         return tec_set_error(TEC_ERR_INVALID_ARG, "gemm: bias with accumulate is not supported");
     if (a->m == 0 || a->n == 0)

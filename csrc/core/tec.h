@@ -166,6 +166,7 @@ size_t tec_gemm_workspace_bytes(int device);
  */
 
 #define TEC_COMM_MAX_RANKS 16
+#define TEC_COMM_TIMEOUT_MAX 1e6 /* seconds (11.6 days): no wait is unbounded */
 #define TEC_COMM_HANDLE_MAX 256 /* bytes of a transport's local handle */
 
 typedef enum { TEC_TRANSPORT_SHM = 0, TEC_TRANSPORT_CUDA_IPC = 1 } tec_transport_kind;
@@ -181,7 +182,8 @@ typedef struct {
 } tec_comm_stats;
 
 /* Create this rank's side: a buffer of `buffer_bytes` (rounded up to 256)
- * on `device`. name: used in error messages (copied). timeout_s > 0.
+ * on `device`. name: used in error messages (copied). timeout_s in
+ * (0, TEC_COMM_TIMEOUT_MAX]: every wait has a finite limit.
  * Then: tec_comm_local_handle -> exchange (all ranks, in rank order) ->
  * tec_comm_open_peers -> barrier -> tec_comm_release_handle. */
 tec_status tec_comm_create(tec_comm **out, tec_transport_kind kind, int device, int rank, int tp_size,
@@ -202,7 +204,8 @@ const char *tec_comm_name(const tec_comm *c);
 size_t tec_comm_buffer_bytes(const tec_comm *c);
 /* Address of rank r's region in this process (buffer at offset 0). */
 void *tec_comm_base(const tec_comm *c, int r);
-/* Every registered byte range: own region and mapped peers' (n <= MAX). */
+/* Every registered byte range: own region first, then the mapped peers' in
+ * rank order; returns n <= max and writes only entries [0, n). */
 int tec_comm_ranges(const tec_comm *c, void **ptrs, size_t *bytes, int max);
 void tec_comm_get_stats(const tec_comm *c, tec_comm_stats *s);
 

@@ -1,6 +1,6 @@
 /* comm.c - the CommOverlap heap type: owns a tec_comm, exposes its buffer
- * (_pin/_unpin: an address that keeps the mapping alive while a view of it
- * lives; userbuffers.py wraps it for torch on the CPU and on CUDA), and the
+ * (_pin: an address and a token that keeps the mapping alive while a view
+ * of it lives; userbuffers.py wraps it for torch on the CPU and on CUDA), and the
  * overlap schedules as positional METH_FASTCALL methods with addresses as
  * ints. The friendly class is transformer_engine_c.userbuffers.CommOverlap;
  * tests/test_comm*.py and tests/distributed/ (the overlap runners) exercise this file. */
@@ -10,10 +10,18 @@
 #define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
 #define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
 #define DBL(i, v) if (!tec_arg_double(args, i, &(v))) return NULL
+#define INT(i, v, lo, hi, what) if (!tec_arg_int(args, i, lo, hi, what, &(v))) return NULL
+#define DTYPE(i, v, what) do { int d_; INT(i, d_, 0, TEC_ARG_DTYPE_MAX, what); (v) = (tec_dtype)d_; } while (0)
+#define BOOL(i, v, what) INT(i, v, 0, 1, what)
 /* An engine call without the GIL. `busy` counts such calls so that close()
- * from another thread defers the destruction until the last one returns. */
+ * from another thread defers the destruction until the last one returns.
+ * A second engine call on the same communicator while one runs (another
+ * thread: the GIL is released inside) is refused: a tec_comm runs one
+ * operation at a time (the Python class serialises its calls with a lock). */
 #define CALL(expr) do {                                                     \
         CommObject *o_ = (CommObject *)self;                                \
+        if (o_->busy)                                                       \
+            return in_use(o_);                                              \
         o_->busy++;                                                         \
         Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS            \
         if (--o_->busy == 0 && o_->closed && o_->exports == 0)              \
@@ -42,6 +50,15 @@ static PyObject *defining_module(PyObject *self)
 }
 
 static PyObject *raise(PyObject *self, tec_status st) { return tec_raise(defining_module(self), st); }
+
+static PyObject *in_use(CommObject *o)
+{
+    tec_module_state *s = tec_state(defining_module((PyObject *)o));
+    PyErr_Format(s->EngineError,
+                 "communicator '%s' is in use by another thread (one operation at a time; "
+                 "transformer_engine_c.CommOverlap serialises its own calls)", o->name[0] ? o->name : "?");
+    return NULL;
+}
 
 static void destroy_now(CommObject *o)
 {
@@ -97,20 +114,33 @@ static PyObject *py_create(PyObject *self, PyObject *const *args, Py_ssize_t nar
 {
     CommObject *o = (CommObject *)self;
     ARGC("_create", 7);
-    int64_t kind, dev, rank, tp, nbytes;
+    int kind, dev, rank, tp;
+    int64_t nbytes;
     double timeout;
-    I64(0, kind); I64(1, dev); I64(2, rank); I64(3, tp); I64(4, nbytes);
-    const char *name = PyUnicode_AsUTF8AndSize(args[5], NULL);
+    INT(0, kind, 0, 255, "transport"); INT(1, dev, TEC_DEVICE_CPU, TEC_ARG_DEVICE_MAX, "device");
+    INT(3, tp, 1, TEC_COMM_MAX_RANKS, "tp_size"); INT(2, rank, 0, tp - 1, "rank");
+    if (!tec_arg_range(args, 4, 1, INT64_MAX, "buffer_bytes", &nbytes))
+        return NULL;
+    if (!PyUnicode_Check(args[5]))
+        return PyErr_Format(PyExc_TypeError, "argument 5 (name) must be a str");
+    Py_ssize_t name_len;
+    const char *name = PyUnicode_AsUTF8AndSize(args[5], &name_len);
     if (!name)
         return NULL;
+    if ((size_t)name_len != strlen(name))
+        return PyErr_Format(PyExc_ValueError, "argument 5 (name) contains a NUL character");
+    if (name_len >= (Py_ssize_t)sizeof o->name)
+        return PyErr_Format(PyExc_ValueError, "argument 5 (name) is %zd bytes long; at most %zd allowed", name_len,
+                            (Py_ssize_t)sizeof o->name - 1);
     DBL(6, timeout);
+    if (!(timeout > 0 && timeout <= TEC_COMM_TIMEOUT_MAX))
+        return PyErr_Format(PyExc_ValueError, "argument 6 (timeout) must be in (0, %g] seconds, got %R",
+                            TEC_COMM_TIMEOUT_MAX, args[6]);
     if (o->comm || o->closed)
         return PyErr_Format(PyExc_RuntimeError, "_create() called twice");
-    if (nbytes <= 0)
-        return PyErr_Format(PyExc_ValueError, "buffer_bytes must be positive");
     tec_status st;
     tec_comm *c = NULL;
-    CALL(tec_comm_create(&c, (tec_transport_kind)kind, (int)dev, (int)rank, (int)tp, (size_t)nbytes, name, timeout));
+    CALL(tec_comm_create(&c, (tec_transport_kind)kind, dev, rank, tp, (size_t)nbytes, name, timeout));
     if (st)
         return raise(self, st);
     o->comm = c;
@@ -181,14 +211,15 @@ static PyObject *py_set_gemm(PyObject *self, PyObject *const *args, Py_ssize_t n
     ARGC("_set_gemm", 3);
     LIVE(c);
     void *ptr;
-    int64_t n, margin;
-    if (!tec_arg_ptr(args, 0, &ptr) || !tec_arg_i64(args, 1, &n) || !tec_arg_i64(args, 2, &margin))
+    size_t n;
+    int64_t margin;
+    if (!tec_arg_ptr(args, 0, &ptr) || !tec_arg_size(args, 1, "nbytes", &n) || !tec_arg_i64(args, 2, &margin))
         return NULL;
     if (margin < 0 || margin > 65535) { /* userbuffers.py checks it against the device first */
         PyErr_Format(PyExc_ValueError, "gemm_sm_margin must be in [0, 65535], got %lld", (long long)margin);
         return NULL;
     }
-    tec_comm_set_gemm(c, ptr, (size_t)n, (int)margin);
+    tec_comm_set_gemm(c, ptr, n, (int)margin);
     Py_RETURN_NONE;
 }
 
@@ -217,14 +248,11 @@ static PyObject *py_ag_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
     ARGC("_ag_gemm", 14);
     LIVE(c);
     tec_ag_gemm_args a = {0};
-    int64_t dt, odt, tb;
     void *stream;
-    PTR(0, a.a_local); I64(1, a.rows); I64(2, a.k); I64(3, a.n); I64(4, dt); I64(5, odt);
-    PTR(6, a.b); I64(7, a.ldb); I64(8, tb); PTR(9, a.out); I64(10, a.ldc); PTR(11, a.bias);
+    PTR(0, a.a_local); I64(1, a.rows); I64(2, a.k); I64(3, a.n); DTYPE(4, a.dtype, "dtype");
+    DTYPE(5, a.out_dtype, "out_dtype");
+    PTR(6, a.b); I64(7, a.ldb); BOOL(8, a.transb, "transb"); PTR(9, a.out); I64(10, a.ldc); PTR(11, a.bias);
     PTR(12, a.local_copy); PTR(13, stream);
-    a.dtype = (tec_dtype)dt;
-    a.out_dtype = (tec_dtype)odt;
-    a.transb = (int)tb;
     tec_status st;
     CALL(tec_comm_ag_gemm(c, &a, stream));
     return done(self, st);
@@ -236,12 +264,9 @@ static PyObject *py_gemm_rs(PyObject *self, PyObject *const *args, Py_ssize_t na
     ARGC("_gemm_rs", 12);
     LIVE(c);
     tec_gemm_rs_args a = {0};
-    int64_t dt, tb;
     void *stream;
-    PTR(0, a.a); I64(1, a.lda); I64(2, a.rows); I64(3, a.k); I64(4, a.n); I64(5, dt);
-    PTR(6, a.b); I64(7, a.ldb); I64(8, tb); PTR(9, a.out); PTR(10, a.bias); PTR(11, stream);
-    a.dtype = (tec_dtype)dt;
-    a.transb = (int)tb;
+    PTR(0, a.a); I64(1, a.lda); I64(2, a.rows); I64(3, a.k); I64(4, a.n); DTYPE(5, a.dtype, "dtype");
+    PTR(6, a.b); I64(7, a.ldb); BOOL(8, a.transb, "transb"); PTR(9, a.out); PTR(10, a.bias); PTR(11, stream);
     tec_status st;
     CALL(tec_comm_gemm_rs(c, &a, stream));
     return done(self, st);
@@ -253,12 +278,13 @@ static PyObject *py_bulk_ag_start(PyObject *self, PyObject *const *args, Py_ssiz
     ARGC("_bulk_ag_start", 3);
     LIVE(c);
     void *src, *stream;
-    int64_t nbytes;
-    PTR(0, src); I64(1, nbytes); PTR(2, stream);
-    if (nbytes < 0)
-        return PyErr_Format(PyExc_ValueError, "chunk_bytes must be >= 0");
+    size_t nbytes;
+    PTR(0, src);
+    if (!tec_arg_size(args, 1, "chunk_bytes", &nbytes))
+        return NULL;
+    PTR(2, stream);
     tec_status st;
-    CALL(tec_comm_bulk_ag_start(c, src, (size_t)nbytes, stream));
+    CALL(tec_comm_bulk_ag_start(c, src, nbytes, stream));
     return done(self, st);
 }
 
@@ -268,10 +294,11 @@ static PyObject *py_bulk_rs_start(PyObject *self, PyObject *const *args, Py_ssiz
     ARGC("_bulk_rs_start", 6);
     LIVE(c);
     void *src, *out, *stream;
-    int64_t rows, cols, dt;
-    PTR(0, src); I64(1, rows); I64(2, cols); I64(3, dt); PTR(4, out); PTR(5, stream);
+    int64_t rows, cols;
+    tec_dtype dt;
+    PTR(0, src); I64(1, rows); I64(2, cols); DTYPE(3, dt, "dtype"); PTR(4, out); PTR(5, stream);
     tec_status st;
-    CALL(tec_comm_bulk_rs_start(c, src, rows, cols, (tec_dtype)dt, out, stream));
+    CALL(tec_comm_bulk_rs_start(c, src, rows, cols, dt, out, stream));
     return done(self, st);
 }
 
@@ -329,11 +356,9 @@ static PyObject *py_buffer_ranges(PyObject *self, PyObject *const *args, Py_ssiz
         return PyList_New(0);
     void *p[TEC_COMM_MAX_RANKS];
     size_t b[TEC_COMM_MAX_RANKS];
-    int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS);
-    int r = tec_comm_rank(o->comm);
+    const int n = tec_comm_ranges(o->comm, p, b, TEC_COMM_MAX_RANKS); /* own range first */
     PyObject *list = PyList_New(0);
-    for (int k = 0; list && k < n; k++) {
-        int i = k == 0 ? r : (k <= r ? k - 1 : k); /* own range first */
+    for (int i = 0; list && i < n; i++) {
         PyObject *t = Py_BuildValue("(NK)", PyLong_FromVoidPtr(p[i]), (unsigned long long)b[i]);
         if (!t || PyList_Append(list, t) < 0) {
             Py_XDECREF(t);
@@ -396,6 +421,24 @@ static PyObject *py_close(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+#define PIN_CAPSULE "transformer_engine_c._C.pin"
+
+static void unpin(CommObject *o);
+
+/* The pin token's destructor: the only way a pin is released, so no caller
+ * can unmap memory a live view still uses. */
+static void pin_release(PyObject *capsule)
+{
+    CommObject *o = (CommObject *)PyCapsule_GetPointer(capsule, PIN_CAPSULE);
+    if (!o) {
+        PyErr_Clear();
+        return;
+    }
+    unpin(o);
+    Py_DECREF(o);
+}
+
+/* _pin() -> (address, token): the mapping stays alive until the token is freed. */
 static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("_pin", 0);
@@ -404,8 +447,20 @@ static PyObject *py_pin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!base)
         return PyErr_Format(tec_state(defining_module(self))->EngineError,
                             "communicator '%s' has no mapped buffer", ((CommObject *)self)->name);
+    PyObject *addr = PyLong_FromVoidPtr(base);
+    if (!addr)
+        return NULL;
+    PyObject *token = PyCapsule_New(self, PIN_CAPSULE, pin_release);
+    if (!token) {
+        Py_DECREF(addr);
+        return NULL;
+    }
+    Py_INCREF(self); /* released by pin_release */
     ((CommObject *)self)->exports++;
-    return PyLong_FromVoidPtr(base);
+    PyObject *r = PyTuple_Pack(2, addr, token);
+    Py_DECREF(addr);
+    Py_DECREF(token); /* on failure this releases the pin again */
+    return r;
 }
 
 static void unpin(CommObject *o)
@@ -422,15 +477,6 @@ static void comm_finalize(PyObject *self)
     o->closed = 1;
     if (o->exports == 0 && o->busy == 0)
         destroy_now(o);
-}
-
-static PyObject *py_unpin(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    ARGC("_unpin", 0);
-    CommObject *o = (CommObject *)self;
-    if (o->exports > 0)
-        unpin(o);
-    Py_RETURN_NONE;
 }
 
 static PyObject *get_rank(PyObject *self, void *x) { LIVE(c); return PyLong_FromLong(tec_comm_rank(c)); }
@@ -470,8 +516,7 @@ static PyMethodDef comm_methods[] = {
     M("_bulk_rs_finish", py_bulk_rs_finish, "_bulk_rs_finish(stream)"),
     M("_synchronize", py_synchronize, "_synchronize(stream)"),
     M("_unmap_peers", py_unmap_peers, "_unmap_peers(stream): wait, unmap peers (collective close, first half)"),
-    M("_pin", py_pin, "_pin() -> address: keep the mapping alive for a view of the buffer"),
-    M("_unpin", py_unpin, "_unpin(): drop a _pin"),
+    M("_pin", py_pin, "_pin() -> (address, token): the mapping lives while the token does"),
     M("buffer_ranges", py_buffer_ranges, "buffer_ranges() -> [(ptr, nbytes)]: own and mapped peers' regions"),
     M("_overlaps", py_overlaps, "_overlaps(start, end) -> bool: whether bytes [start, end) meet buffer_ranges()"),
     M("stats", py_stats, "stats() -> dict of counters"),

@@ -38,13 +38,58 @@ int tec_arg_count(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
 
 int tec_arg_i64(PyObject *const *args, Py_ssize_t i, int64_t *out)
 {
+    if (!PyLong_Check(args[i])) {
+        PyErr_Format(PyExc_TypeError, "argument %zd must be an int", i);
+        return 0;
+    }
     long long v = PyLong_AsLongLong(args[i]);
     if (v == -1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_TypeError, "argument %zd must be an int", i);
+        PyErr_Clear();
+        PyErr_Format(PyExc_OverflowError, "argument %zd does not fit a signed 64-bit integer", i);
         return 0;
     }
     *out = v;
     return 1;
+}
+
+int tec_arg_range(PyObject *const *args, Py_ssize_t i, int64_t lo, int64_t hi, const char *what, int64_t *out)
+{
+    int64_t v;
+    if (!tec_arg_i64(args, i, &v))
+        return 0;
+    if (v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "argument %zd (%s) must be in [%lld, %lld], got %lld", i, what,
+                     (long long)lo, (long long)hi, (long long)v);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+int tec_arg_int(PyObject *const *args, Py_ssize_t i, int lo, int hi, const char *what, int *out)
+{
+    int64_t v;
+    if (!tec_arg_range(args, i, lo, hi, what, &v))
+        return 0;
+    *out = (int)v;
+    return 1;
+}
+
+int tec_arg_size(PyObject *const *args, Py_ssize_t i, const char *what, size_t *out)
+{
+    int64_t v;
+    if (!tec_arg_range(args, i, 0, INT64_MAX, what, &v))
+        return 0;
+    *out = (size_t)v;
+    return 1;
+}
+
+static PyObject *tec_zero(void)
+{
+    static PyObject *zero; /* immortal enough: one small int for the process */
+    if (!zero)
+        zero = PyLong_FromLong(0);
+    return zero;
 }
 
 int tec_arg_ptr(PyObject *const *args, Py_ssize_t i, void **out)
@@ -52,6 +97,14 @@ int tec_arg_ptr(PyObject *const *args, Py_ssize_t i, void **out)
     if (args[i] == Py_None) {
         *out = NULL;
         return 1;
+    }
+    if (!PyLong_Check(args[i])) {
+        PyErr_Format(PyExc_TypeError, "argument %zd must be an address (int) or None", i);
+        return 0;
+    }
+    if (PyObject_RichCompareBool(args[i], tec_zero(), Py_LT) == 1) {
+        PyErr_Format(PyExc_ValueError, "argument %zd must be an address (int >= 0) or None", i);
+        return 0;
     }
     void *p = PyLong_AsVoidPtr(args[i]);
     if (!p && PyErr_Occurred()) {
@@ -64,6 +117,10 @@ int tec_arg_ptr(PyObject *const *args, Py_ssize_t i, void **out)
 
 int tec_arg_double(PyObject *const *args, Py_ssize_t i, double *out)
 {
+    if (!PyFloat_Check(args[i]) && !PyLong_Check(args[i])) {
+        PyErr_Format(PyExc_TypeError, "argument %zd must be a float", i);
+        return 0;
+    }
     double v = PyFloat_AsDouble(args[i]);
     if (v == -1.0 && PyErr_Occurred()) {
         PyErr_Format(PyExc_TypeError, "argument %zd must be a float", i);

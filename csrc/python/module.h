@@ -49,7 +49,15 @@ PyObject *tec_type_name(PyObject *o);
 /* Positional-argument converters; each returns 0 and sets an exception
  * naming argument `i` of `fn` on failure. */
 int tec_arg_count(const char *fn, Py_ssize_t nargs, Py_ssize_t want);
-int tec_arg_i64(PyObject *const *args, Py_ssize_t i, int64_t *out);
+int tec_arg_i64(PyObject *const *args, Py_ssize_t i, int64_t *out); /* TypeError / OverflowError */
+/* Range-checked integers (ValueError naming argument i and `what`): no
+ * value is ever truncated on its way into the engine. */
+int tec_arg_range(PyObject *const *args, Py_ssize_t i, int64_t lo, int64_t hi, const char *what, int64_t *out);
+int tec_arg_int(PyObject *const *args, Py_ssize_t i, int lo, int hi, const char *what, int *out);
+int tec_arg_size(PyObject *const *args, Py_ssize_t i, const char *what, size_t *out); /* >= 0 */
+/* Shared bounds: device codes (TEC_DEVICE_CPU or a CUDA ordinal), dtype codes, flags. */
+#define TEC_ARG_DEVICE_MAX 65535
+#define TEC_ARG_DTYPE_MAX 2
 int tec_arg_ptr(PyObject *const *args, Py_ssize_t i, void **out); /* int address, 0 = NULL */
 int tec_arg_double(PyObject *const *args, Py_ssize_t i, double *out);
 

@@ -9,6 +9,11 @@
 #define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
 #define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
 #define DBL(i, v) if (!tec_arg_double(args, i, &(v))) return NULL
+#define INT(i, v, lo, hi, what) if (!tec_arg_int(args, i, lo, hi, what, &(v))) return NULL
+#define DEV(i, v) INT(i, v, TEC_DEVICE_CPU, TEC_ARG_DEVICE_MAX, "device")
+#define DTYPE(i, v, what) do { int d_; INT(i, d_, 0, TEC_ARG_DTYPE_MAX, what); (v) = (tec_dtype)d_; } while (0)
+#define BOOL(i, v, what) INT(i, v, 0, 1, what)
+#define SIZE(i, v, what) if (!tec_arg_size(args, i, what, &(v))) return NULL
 
 static PyObject *run(PyObject *module, tec_status st)
 {
@@ -26,18 +31,18 @@ static PyObject *run(PyObject *module, tec_status st)
 static PyObject *py_norm_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("norm_fwd", 13);
-    int64_t dev, dt, zcg;
+    int dev;
     double eps;
     tec_norm_fwd_args a = {0};
     void *stream;
-    I64(0, dev); I64(1, dt); I64(2, a.rows); I64(3, a.cols);
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.cols);
     PTR(4, a.x); PTR(5, a.gamma); PTR(6, a.beta); PTR(7, a.y); PTR(8, a.mu); PTR(9, a.rsigma);
-    DBL(10, eps); I64(11, zcg); PTR(12, stream);
-    a.dtype = (tec_dtype)dt;
+    DBL(10, eps); BOOL(11, a.zero_centered_gamma, "zero_centered_gamma"); PTR(12, stream);
+    if (!(eps >= 0.0 && eps <= 3.4e38))
+        return PyErr_Format(PyExc_ValueError, "argument 10 (eps) must be a finite float >= 0, got %R", args[10]);
     a.eps = (float)eps;
-    a.zero_centered_gamma = (int)zcg;
     tec_status st;
-    CALL(tec_norm_fwd((int)dev, &a, stream));
+    CALL(tec_norm_fwd(dev, &a, stream));
     return run(m, st);
 }
 
@@ -46,18 +51,15 @@ static PyObject *py_norm_fwd(PyObject *m, PyObject *const *args, Py_ssize_t narg
 static PyObject *py_norm_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("norm_bwd", 16);
-    int64_t dev, dt, zcg, wsb;
+    int dev;
     tec_norm_bwd_args a = {0};
     void *stream;
-    I64(0, dev); I64(1, dt); I64(2, a.rows); I64(3, a.cols);
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.cols);
     PTR(4, a.dy); PTR(5, a.x); PTR(6, a.mu); PTR(7, a.rsigma); PTR(8, a.gamma);
-    PTR(9, a.dx); PTR(10, a.dgamma); PTR(11, a.dbeta); I64(12, zcg);
-    PTR(13, a.workspace); I64(14, wsb); PTR(15, stream);
-    a.dtype = (tec_dtype)dt;
-    a.zero_centered_gamma = (int)zcg;
-    a.workspace_bytes = (size_t)wsb;
+    PTR(9, a.dx); PTR(10, a.dgamma); PTR(11, a.dbeta); BOOL(12, a.zero_centered_gamma, "zero_centered_gamma");
+    PTR(13, a.workspace); SIZE(14, a.workspace_bytes, "workspace_bytes"); PTR(15, stream);
     tec_status st;
-    CALL(tec_norm_bwd((int)dev, &a, stream));
+    CALL(tec_norm_bwd(dev, &a, stream));
     return run(m, st);
 }
 
@@ -65,12 +67,19 @@ static PyObject *py_norm_bwd(PyObject *m, PyObject *const *args, Py_ssize_t narg
 static PyObject *py_norm_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("norm_bwd_workspace_bytes", 3);
-    int64_t dev, rows, cols;
-    I64(0, dev); I64(1, rows); I64(2, cols);
-    tec_status st = tec_backend_check((int)dev);
+    int dev;
+    int64_t rows, cols;
+    DEV(0, dev);
+    if (!tec_arg_range(args, 1, 0, INT64_MAX, "rows", &rows) || !tec_arg_range(args, 2, 1, INT64_MAX, "cols", &cols))
+        return NULL;
+    tec_status st = tec_backend_check(dev);
     if (st)
         return tec_raise(m, st);
-    return PyLong_FromSize_t(tec_norm_bwd_workspace_bytes((int)dev, rows, cols));
+    size_t n = tec_norm_bwd_workspace_bytes(dev, rows, cols);
+    if (n == SIZE_MAX)
+        return PyErr_Format(PyExc_ValueError, "norm_bwd_workspace_bytes: rows=%lld x cols=%lld is too large",
+                            (long long)rows, (long long)cols);
+    return PyLong_FromSize_t(n);
 }
 
 /* gemm(device, ab_dtype, c_dtype, transa, transb, m, n, k, a, lda, b, ldb,
@@ -78,22 +87,18 @@ static PyObject *py_norm_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t n
 static PyObject *py_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("gemm", 20);
-    int64_t dev, abt, ct, ta, tb, acc, wsb;
+    int dev;
     tec_gemm_args a = {0};
     void *stream;
-    I64(0, dev); I64(1, abt); I64(2, ct); I64(3, ta); I64(4, tb);
+    DEV(0, dev); DTYPE(1, a.ab_dtype, "ab_dtype"); DTYPE(2, a.c_dtype, "c_dtype");
+    BOOL(3, a.transa, "transa"); BOOL(4, a.transb, "transb");
     I64(5, a.m); I64(6, a.n); I64(7, a.k);
     PTR(8, a.a); I64(9, a.lda); PTR(10, a.b); I64(11, a.ldb); PTR(12, a.c); I64(13, a.ldc);
-    PTR(14, a.bias); PTR(15, a.bias_grad); I64(16, acc); PTR(17, a.workspace); I64(18, wsb);
+    PTR(14, a.bias); PTR(15, a.bias_grad); BOOL(16, a.accumulate, "accumulate"); PTR(17, a.workspace);
+    SIZE(18, a.workspace_bytes, "workspace_bytes");
     PTR(19, stream);
-    a.ab_dtype = (tec_dtype)abt;
-    a.c_dtype = (tec_dtype)ct;
-    a.transa = (int)ta;
-    a.transb = (int)tb;
-    a.accumulate = (int)acc;
-    a.workspace_bytes = (size_t)wsb;
     tec_status st;
-    CALL(tec_gemm((int)dev, &a, stream));
+    CALL(tec_gemm(dev, &a, stream));
     return run(m, st);
 }
 
@@ -101,12 +106,12 @@ static PyObject *py_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("gemm_workspace_bytes", 1);
-    int64_t dev;
-    I64(0, dev);
-    tec_status st = tec_backend_check((int)dev);
+    int dev;
+    DEV(0, dev);
+    tec_status st = tec_backend_check(dev);
     if (st)
         return tec_raise(m, st);
-    return PyLong_FromSize_t(tec_gemm_workspace_bytes((int)dev));
+    return PyLong_FromSize_t(tec_gemm_workspace_bytes(dev));
 }
 
 /* act_fwd(device, act, dtype, rows, cols, x, bias, y, limit, alpha,
@@ -170,10 +175,16 @@ static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nar
 {
     ARGC("load_cuda_backend", 2);
     int64_t policy;
-    I64(1, policy);
-    const char *path = PyUnicode_AsUTF8AndSize(args[0], NULL);
+    if (!tec_arg_range(args, 1, 0, UINT32_MAX, "gemm_policy", &policy))
+        return NULL;
+    if (!PyUnicode_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "argument 0 (path) must be a str");
+    Py_ssize_t len;
+    const char *path = PyUnicode_AsUTF8AndSize(args[0], &len);
     if (!path)
         return NULL;
+    if ((size_t)len != strlen(path))
+        return PyErr_Format(PyExc_ValueError, "argument 0 (path) contains a NUL character");
     return run(m, tec_load_cuda_backend(path, (unsigned)policy));
 }
 

@@ -133,7 +133,11 @@ static tec_status cpu_gemm(int device, const tec_gemm_args *g, void *stream)
     const int64_t M = g->m, N = g->n, K = g->k;
     float *A = to_f32(g->a, M, K, g->lda, g->transa, g->ab_dtype);
     float *B = to_f32(g->b, K, N, g->ldb, g->transb, g->ab_dtype);
-    float *acc = malloc((size_t)MR * NB * sizeof(float));
+    /* Accumulated in double: products and partial sums of float inputs
+     * never overflow there, so a result is inf only when the exact one
+     * rounds to inf in float (a float accumulator could reach inf, then
+     * inf - inf = NaN, where the true sum is finite or an infinity). */
+    double *acc = malloc((size_t)MR * NB * sizeof(double));
     float *crow = malloc((size_t)N * sizeof(float));
     float *bias = g->bias ? malloc((size_t)N * sizeof(float)) : NULL;
     tec_status st = TEC_OK;
@@ -149,25 +153,26 @@ static tec_status cpu_gemm(int device, const tec_gemm_args *g, void *stream)
         const int mr = (int)(M - i0 < MR ? M - i0 : MR);
         for (int64_t j0 = 0; j0 < N; j0 += NB) {
             const int nb = (int)(N - j0 < NB ? N - j0 : NB);
-            memset(acc, 0, (size_t)MR * NB * sizeof(float));
+            memset(acc, 0, (size_t)MR * NB * sizeof(double));
             for (int64_t p = 0; p < K; p++) {
                 const float *b = B + p * N + j0;
                 for (int r = 0; r < mr; r++) {
-                    const float av = A[(i0 + r) * K + p];
-                    float *c = acc + r * NB;
-                    for (int j = 0; j < nb; j++) c[j] += av * b[j];
+                    const double av = A[(i0 + r) * K + p];
+                    double *c = acc + r * NB;
+                    for (int j = 0; j < nb; j++) c[j] += av * (double)b[j];
                 }
             }
             for (int r = 0; r < mr; r++) {
                 char *cdst = (char *)g->c + ((i0 + r) * g->ldc + j0) * ces;
-                float *c = acc + r * NB;
+                double *c = acc + r * NB;
                 if (bias)
                     for (int j = 0; j < nb; j++) c[j] += bias[j0 + j];
                 if (g->accumulate) {
                     tec_load_row(crow, cdst, nb, g->c_dtype);
                     for (int j = 0; j < nb; j++) c[j] += crow[j];
                 }
-                tec_store_row(cdst, c, nb, g->c_dtype);
+                for (int j = 0; j < nb; j++) crow[j] = (float)c[j];
+                tec_store_row(cdst, crow, nb, g->c_dtype);
             }
         }
     }

@@ -1,10 +1,15 @@
 /* shm_transport.c - the CPU transport of tec_comm: POSIX shared memory
- * regions (random names, mode 0600, unlinked once every rank mapped them),
+ * regions (random names, mode 0600, unlinked once every rank mapped them;
+ * reserved at creation so a full /dev/shm is an error, not a SIGBUS; names
+ * left by dead processes removed at the next creation),
  * flags as C11 atomics in the region, and a comm thread as the "copy
  * engine" executing the comm stream's FIFO. Exercised by tests/test_comm*.py
  * and tests/distributed/run_gemm_with_overlap.py. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
+#include <stdio.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
@@ -298,6 +303,60 @@ static void shm_destroy(tec_transport *t)
     free(t);
 }
 
+/* ----------------------------------------------------- names in /dev/shm
+ *
+ * A region is named /tec-<pid namespace>-<pid>-<128 random bits>: the
+ * random part keeps it unguessable (with mode 0600), the rest says whose it
+ * is. A process killed between creating its region and the moment every
+ * peer mapped it (when the name is unlinked) leaves the name behind; the
+ * next creation in any process of this user removes the names of processes
+ * of the same pid namespace that no longer exist. */
+
+#define SHM_DIR "/dev/shm"
+
+static unsigned long long pid_namespace(void)
+{
+    struct stat sb;
+    return stat("/proc/self/ns/pid", &sb) == 0 ? (unsigned long long)sb.st_ino : 0ull;
+}
+
+static int shm_name_prefix(char *buf, size_t cap, unsigned long long ns, long pid)
+{
+    return snprintf(buf, cap, "tec-%llx-%ld-", ns, pid);
+}
+
+/* Remove this user's region names whose process (same pid namespace) is gone. */
+static void sweep_stale(void)
+{
+    const unsigned long long ns = pid_namespace();
+    if (!ns)
+        return;
+    char mine[48];
+    const int plen = snprintf(mine, sizeof mine, "tec-%llx-", ns);
+    DIR *d = opendir(SHM_DIR);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, mine, (size_t)plen) != 0)
+            continue;
+        char *end;
+        long pid = strtol(e->d_name + plen, &end, 10);
+        if (pid <= 0 || *end != '-' || strlen(end + 1) != 32)
+            continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue; /* alive (or not ours to signal: alive) */
+        struct stat sb;
+        if (fstatat(dirfd(d), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 || sb.st_uid != getuid() ||
+            !S_ISREG(sb.st_mode))
+            continue;
+        char name[300];
+        snprintf(name, sizeof name, "/%s", e->d_name);
+        shm_unlink(name);
+    }
+    closedir(d);
+}
+
 static tec_status shm_create(tec_transport **out, int device, int rank, int size, size_t bytes)
 {
     *out = NULL;
@@ -317,11 +376,15 @@ static tec_status shm_create(tec_transport **out, int device, int rank, int size
         st = tec_set_error(TEC_ERR_NO_MEMORY, "shm transport: no memory for the comm queue");
         goto fail;
     }
+    sweep_stale();
+    const unsigned long long ns = pid_namespace();
     unsigned char rnd[16];
     for (int tries = 0;; tries++) {
         TEC_ERRNO_CHECK_GOTO(getrandom(rnd, sizeof rnd, 0) == (ssize_t)sizeof rnd, st, fail,
                              "shm transport: getrandom");
-        int n = snprintf(t->name, sizeof t->name, "/tec-%d-", (int)getpid());
+        int n = 1;
+        t->name[0] = '/';
+        n += shm_name_prefix(t->name + 1, sizeof t->name - 1, ns, (long)getpid());
         for (int i = 0; i < 16; i++)
             n += snprintf(t->name + n, sizeof t->name - (size_t)n, "%02x", rnd[i]);
         fd = shm_open(t->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -332,6 +395,23 @@ static tec_status shm_create(tec_transport **out, int device, int rank, int size
     t->named = 1;
     TEC_ERRNO_CHECK_GOTO(fchmod(fd, 0600) == 0 && ftruncate(fd, (off_t)bytes) == 0, st, fail,
                          "shm transport: sizing %s to %zu bytes", t->name, bytes);
+    /* Reserve the pages now: a sparse region on a full tmpfs is "created"
+     * and then kills the first process that writes past the free space
+     * with SIGBUS. posix_fallocate returns its error number. */
+    {
+        int e = posix_fallocate(fd, 0, (off_t)bytes);
+        if (e) {
+            if (e == ENOSPC || e == EFBIG || e == ENOMEM)
+                st = tec_set_error(TEC_ERR_NO_MEMORY,
+                                   "shm transport: " SHM_DIR " has no room for a region of %zu bytes (%.1f MiB): %s; "
+                                   "enlarge " SHM_DIR " (e.g. docker run --shm-size) or use a smaller buffer",
+                                   bytes, (double)bytes / (1024.0 * 1024.0), strerror(e));
+            else
+                st = tec_set_error(tec_errno_status(e), "shm transport: reserving %zu bytes for %s in " SHM_DIR ": %s",
+                                   bytes, t->name, strerror(e));
+            goto fail;
+        }
+    }
     t->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (t->base == MAP_FAILED)
         t->base = NULL;
