@@ -175,3 +175,9 @@ def test_valid_degenerate_inputs_as_torch(layer):
     lin(x).sum().backward()
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
     assert lin.weight.grad.shape == (8, 16)
+
+
+def test_wrong_type_ub_comm_is_named():
+    for bad in ("fc1", {"fprop": 3}):
+        with pytest.raises(TypeError, match="ub_comm must be a transformer_engine_c.CommOverlap"):
+            tec.Linear(16, 8, parallel_mode="column", ub_overlap_ag=True, ub_comm=bad, device="cpu")

@@ -3,12 +3,14 @@ Functions: tensor-parallel and userbuffers configuration, input validation,
 and the tensor-parallel GEMM steps (fprop, dgrad, wgrad) with their
 collectives, overlapped or not. The modules themselves (parameters, TE's
 constructor arguments) build on module/base.py."""
+import contextlib
 import warnings
 
 import torch
 
 from .. import _engine
 from ..distributed import all_gather_rows, all_reduce, reduce_scatter_rows, resolve_tp
+from ..userbuffers import CommOverlap
 from ._weights import is_distributed_weight, weight_grad
 
 PARALLEL_MODES = (None, "column", "row")
@@ -156,6 +158,9 @@ class UBConfig:
                 c = get_ub(f"{ub_name}_{role}")
             else:
                 raise ValueError(f"{cls}: {', '.join(on)} need ub_name (registry, see initialize_ub) or ub_comm")
+            if not isinstance(c, CommOverlap):
+                raise TypeError(f"{cls}: ub_comm must be a transformer_engine_c.CommOverlap or a dict of them, "
+                                f"got {type(c).__name__}")
             if c.tp_size != tp.size:
                 raise ValueError(f"{cls}: communicator '{c.name}' has {c.tp_size} ranks, the layer's tp group "
                                  f"{tp.size}")
@@ -399,6 +404,34 @@ def ub_fprop(x, w, bias, tp, ub):
     return None
 
 
+def norm_ag_gemm(comm, x, gamma, beta, eps, zero_centered_gamma, w, bias, tp, gathered):
+    """LayerNorm/RMSNorm straight into this rank's slot of `comm`'s buffer,
+    then the all-gather + GEMM overlap on it. Returns (y, ln_out, mu,
+    rsigma, the gathered normalised input or None): ln_out (what is saved
+    and returned) is a copy, never the buffer, made on the comm stream while
+    the GEMMs run; `gathered` asks for a copy of the whole gathered input.
+    The communicator is held for the sequence (another thread's operation
+    between the norm and the gather would overwrite the slot)."""
+    with comm.exclusive():
+        slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
+        ln_view, mu, rsigma = _engine.norm_fwd(x, gamma, beta, eps, zero_centered_gamma, out=slot)
+        ln_out = torch.empty_like(x)
+        y = comm.ag_gemm(ln_view, w, bias=bias, local_copy=ln_out)
+        ln_total = None
+        if gathered:
+            ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
+    return y, ln_out, mu, rsigma, ln_total
+
+
+def _held(ub):
+    """Every communicator of `ub` held by this thread (a backward's bulk
+    start ... finish pairs and buffer reads belong together)."""
+    stack = contextlib.ExitStack()
+    for c in {id(c): c for c in ub.comms.values()}.values():
+        stack.enter_context(c.exclusive())
+    return stack
+
+
 def column_backward(dy, x_local, w, tp, ub, need_dx, wg):
     """Column layer backward (dy: [S, out/tp]; x_local: the saved local
     input; wg: a Wgrad, or None when no weight/bias gradient is needed).
@@ -406,7 +439,10 @@ def column_backward(dy, x_local, w, tp, ub, need_dx, wg):
     if dy.shape[0] == 0:
         ub = NO_UB
     try:
-        return _column_backward(dy, x_local, w, tp, ub, need_dx, wg)
+        if not ub.enabled:
+            return _column_backward(dy, x_local, w, tp, ub, need_dx, wg)
+        with _held(ub):
+            return _column_backward(dy, x_local, w, tp, ub, need_dx, wg)
     except BaseException:
         for comm in ub.comms.values():  # no bulk operation is left pending
             comm._abandon()
@@ -474,8 +510,13 @@ def row_backward(dy_local, x_local, w, tp, ub, need_dx, wg):
     if ub.enabled and ub["ub_overlap_ag"] and need_dx and dy_local.shape[0] and ub.comms["dgrad"].take_overlap(
             "ag", dy_local.shape[0], dy_local.shape[1], w.shape[1]):
         c = ub.comms["dgrad"]
-        dx = c.ag_gemm(dy_local, w, transb=False)
-        dy = c.get_buffer(shape=(dy_local.shape[0] * c.tp_size, dy_local.shape[1]), dtype=dy_local.dtype)
+        with c.exclusive():  # the gathered grad_output stays in the buffer until wgrad has read it
+            dx = c.ag_gemm(dy_local, w, transb=False)
+            dy = c.get_buffer(shape=(dy_local.shape[0] * c.tp_size, dy_local.shape[1]), dtype=dy_local.dtype)
+            dw = db = None
+            if wg is not None:
+                dw, db = wg(dy, x_local, ub, dy_local)
+        return dx, dw, db
     else:
         dy = gather_grad_output(dy_local, tp)
         dx = dgrad(dy, w, tp) if need_dx else None

@@ -29,17 +29,9 @@ def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, 
     ln_total = None
     if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and x.shape[0] and ub.comms["fprop"].take_overlap(
             "ag", x.shape[0], x.shape[1], w.shape[0]):
-        # The norm writes straight into this rank's slot of the buffer;
-        # what is saved (and returned) is a copy, never the buffer, made
-        # on the comm stream while the GEMMs run.
-        comm = ub.comms["fprop"]
-        slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
-        ln_view, mu, rsigma = _engine.norm_fwd(x, g, beta, layer.eps, layer.zero_centered_gamma, out=slot)
-        ln_out = torch.empty_like(x)
-        y = comm.ag_gemm(ln_view, w, bias=b, local_copy=ln_out)
-        if layer.return_layernorm_output_gathered:
-            ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
-        del slot, ln_view
+        y, ln_out, mu, rsigma, ln_total = C.norm_ag_gemm(ub.comms["fprop"], x, g, beta, layer.eps,
+                                                         layer.zero_centered_gamma, w, b, tp,
+                                                         layer.return_layernorm_output_gathered)
     else:
         ln_out, mu, rsigma = _engine.norm_forward(x, g, beta, layer.eps, layer.zero_centered_gamma)
         y = C.ub_fprop(ln_out, w, b, tp, ub) if tp.mode == "row" and ub.enabled else None

@@ -53,17 +53,8 @@ def _norm_fc1(layer, x, ln_weight, ln_bias, w1, b1, want_gathered):
     eps, zcg = layer.eps, layer.zero_centered_gamma
     if x.shape[0] and ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap(
             "ag", x.shape[0], x.shape[1], w1.shape[0]):  # (no schedule for a call without tokens)
-        # The norm writes straight into this rank's slot of the fc1_fprop
-        # buffer; ln_out (what is saved and returned) is a copy made on the
-        # comm stream while the GEMMs run.
-        comm = ub.comms["fprop"]
-        slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=x.dtype)
-        ln_view, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, eps, zcg, out=slot)
-        ln_out = torch.empty_like(x)
-        fc1_out = comm.ag_gemm(ln_view, w1, bias=b1, local_copy=ln_out)
-        ln_total = None
-        if want_gathered:
-            ln_total = comm.get_buffer(shape=(x.shape[0] * tp.size, x.shape[1]), dtype=x.dtype).clone()
+        fc1_out, ln_out, mu, rsigma, ln_total = C.norm_ag_gemm(ub.comms["fprop"], x, ln_weight, ln_bias, eps, zcg,
+                                                               w1, b1, tp, want_gathered)
         return ln_out, mu, rsigma, fc1_out, ln_total
     ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, eps, zcg)
     ln_total = C.gather_input(ln_out, tp)
