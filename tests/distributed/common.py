@@ -49,3 +49,24 @@ def close(out, ref, what, tensorwise=False):
         d = (out.float() - ref.float()).abs()
         bad = d > 0.00125 + 0.025 * ref.float().abs()
         assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {d.max().item():.3g}"
+
+
+def compare(name, test, ref, rtol=0.025, atol=0.00125):
+    """TE's _compare_tensors semantics: fail when the element of largest
+    absolute difference is off both relatively and absolutely; a zero test
+    tensor fails unless the reference is zero too. Returns an error or None."""
+    test, ref = test.detach().float().cpu().flatten(), ref.detach().float().cpu().flatten()
+    if test.numel() != ref.numel():
+        return f"{name}: {test.numel()} elements vs {ref.numel()} in the reference"
+    if not torch.isfinite(test).all():
+        return f"{name}: non-finite values"
+    if test.count_nonzero() == 0 and ref.count_nonzero() != 0:
+        return f"{name} is a zero tensor but the reference is not"
+    diff = (test - ref).abs()
+    m = int(torch.argmax(diff))
+    abs_err = diff[m].item()
+    rel_err = abs_err / max(abs(ref[m].item()), 1e-5)
+    if rel_err > rtol and abs_err > atol:
+        return (f"{name} off at index {m}: {test[m].item()} vs {ref[m].item()} "
+                f"(rel {rel_err:.3g} > {rtol}, abs {abs_err:.3g} > {atol})")
+    return None

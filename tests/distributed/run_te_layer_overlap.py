@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import transformer_engine_c as te
 import common
+from common import compare
 
 UB_NAMES = [f"{layer}_{kind}" for layer in ("qkv", "proj", "fc1", "fc2") for kind in ("fprop", "dgrad", "wgrad")]
 COUNTERS = ("ag_overlap", "rs_overlap", "bulk_ag", "bulk_rs", "ag_fallback", "rs_fallback")
@@ -32,24 +33,6 @@ ALL_CASES = [("Linear", "row", False, False), ("Linear", "column", False, False)
              ("LayerNormLinear", "row", False, False), ("LayerNormLinear", "column", False, False),
              ("LayerNormLinear", "column", True, False),
              ("Linear", "row", False, True), ("LayerNormLinear", "column", False, True)]
-
-
-def compare(name, test, ref, rtol=0.025, atol=0.00125):
-    """TE's _compare_tensors: fail when the worst element is off both
-    relatively and absolutely, or the test tensor is zero and the reference not."""
-    test, ref = test.detach().float().cpu().flatten(), ref.detach().float().cpu().flatten()
-    if test.numel() != ref.numel():
-        return f"{name}: {test.numel()} elements vs {ref.numel()}"
-    if not torch.isfinite(test).all():
-        return f"{name}: non-finite values"
-    if test.count_nonzero() == 0 and ref.count_nonzero() != 0:
-        return f"{name} is a zero tensor but the reference is not"
-    diff = (test - ref).abs()
-    m = int(torch.argmax(diff))
-    abs_err, rel_err = diff[m].item(), diff[m].item() / max(abs(ref[m].item()), 1e-5)
-    if rel_err > rtol and abs_err > atol:
-        return f"{name} off at {m}: {test[m].item()} vs {ref[m].item()} (rel {rel_err:.3g}, abs {abs_err:.3g})"
-    return None
 
 
 def layer_args(opts, tp_group, tp, reference):

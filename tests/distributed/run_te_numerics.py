@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: reference.py
 import transformer_engine_c as te  # noqa: E402
 import common  # noqa: E402
+from common import compare  # noqa: E402
 from reference import norm as ref_norm  # noqa: E402
 
 SEQ_LEN, BATCH_SIZE, HIDDEN_SIZE = 16, 16, 64  # TE's shapes
@@ -39,27 +40,6 @@ RANK = WORLD = GROUP = None
 def tolerances(dtype):
     """TE's _get_tolerances for unquantized runs."""
     return {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 4e-5)}[dtype]
-
-
-def compare(name, test, ref, rtol, atol):
-    """TE's _compare_tensors semantics: fail when the element of largest
-    absolute difference is off both relatively and absolutely; a zero test
-    tensor fails unless the reference is zero too. Returns an error or None."""
-    test, ref = test.detach().float().cpu().flatten(), ref.detach().float().cpu().flatten()
-    if test.numel() != ref.numel():
-        return f"{name}: {test.numel()} elements vs {ref.numel()} in the reference"
-    if not torch.isfinite(test).all():
-        return f"{name}: non-finite values"
-    if test.count_nonzero() == 0 and ref.count_nonzero() != 0:
-        return f"{name} is a zero tensor but the reference is not"
-    diff = (test - ref).abs()
-    m = int(torch.argmax(diff))
-    abs_err = diff[m].item()
-    rel_err = abs_err / max(abs(ref[m].item()), 1e-5)
-    if rel_err > rtol and abs_err > atol:
-        return (f"{name} off at index {m}: {test[m].item()} vs {ref[m].item()} "
-                f"(rel {rel_err:.3g} > {rtol}, abs {abs_err:.3g} > {atol})")
-    return None
 
 
 def local(t, dim):

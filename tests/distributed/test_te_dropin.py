@@ -74,18 +74,17 @@ def test_te_layers_with_overlap_cuda(nproc, tp, forced_overlap):
 def test_compare_is_te_worst_element_rule():
     """The runners' comparison (TE's _compare_tensors) catches what it must
     and passes what TE passes."""
-    import run_te_layer_overlap
     import run_te_numerics
+    from common import compare
     ref = torch.linspace(-2, 2, 101)
-    for compare in (run_te_numerics.compare, run_te_layer_overlap.compare):
-        assert compare("same", ref.clone(), ref, 0.025, 0.00125) is None
-        off = ref.clone()
-        off[70] *= 1.1  # 10% off at an element of size ~0.8
-        assert "off at" in compare("one element", off, ref, 0.025, 0.00125)
-        tiny = ref.clone()
-        tiny[50] += 1e-3  # the reference is 0 there: relatively huge, absolutely under atol
-        assert compare("below atol", tiny, ref, 0.025, 0.00125) is None
-        assert "zero tensor" in compare("zeros", torch.zeros_like(ref), ref, 0.025, 0.00125)
-        assert "non-finite" in compare("nan", ref.clone().fill_(float("nan")), ref, 0.025, 0.00125)
-        assert "elements" in compare("shape", ref[:50], ref, 0.025, 0.00125)
+    assert compare("same", ref.clone(), ref, 0.025, 0.00125) is None
+    off = ref.clone()
+    off[70] *= 1.1  # 10% off at an element of size ~0.8
+    assert "off at" in compare("one element", off, ref, 0.025, 0.00125)
+    tiny = ref.clone()
+    tiny[50] += 1e-3  # the reference is 0 there: relatively huge, absolutely under atol
+    assert compare("below atol", tiny, ref, 0.025, 0.00125) is None
+    assert "zero tensor" in compare("zeros", torch.zeros_like(ref), ref, 0.025, 0.00125)
+    assert "non-finite" in compare("nan", ref.clone().fill_(float("nan")), ref, 0.025, 0.00125)
+    assert "elements" in compare("shape", ref[:50], ref, 0.025, 0.00125)
     assert run_te_numerics.tolerances(torch.bfloat16) == (1.6e-2, 1e-5)
