@@ -210,3 +210,39 @@ def test_targets_name_each_issue_target_and_judge_it():
     assert [(c["row"], c["met"], c["note"]) for c in ub] == [
         (f"mlp {head} tp=2", None, "not measurable: userbuffers overlap is not capturable")]
     assert "| not measurable: userbuffers overlap is not capturable | 1.000 | - |" in targets_table(checks)
+
+
+def test_graphs_wiring_with_capture_stubbed(tmp_path, monkeypatch):
+    """--graphs' variants on one CPU rank, with the CUDA-graph capture replaced
+    by the module itself (capture itself runs on GPUs only): the mlp row gets
+    both graphed variants, their host µs and ratios; our layers built for the
+    graph (no ub_* flags) pass tec.make_graphed_callables' capture checks."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    import transformer_engine_c as tec
+    from transformer_engine_c import bench
+
+    captured = []
+
+    def capture(module, sample_args, **kw):
+        captured.append((type(module).__name__, tuple(a.shape for a in sample_args)))
+        return module
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        timer = bench.Timer(torch.device("cpu"), group, warmup=1, iters=2, batch=1)
+        args = argparse.Namespace(dtype=torch.float32, graphs=True)
+        row = bench.run_shape(tec, "mlp", 64, 32, 96, args, 0, 1, torch.device("cpu"), group, timer, None)
+    finally:
+        tec.destroy_ub()
+        dist.destroy_process_group()
+    assert sorted(captured) == [("TorchTPMLP", ((64, 32),)), ("_TwoLayerMLP", ((64, 32),))]
+    for name in ("ours_graphed_no_overlap", "torch_mlp_graphed"):
+        assert row[name] > 0 and row["host_us"][name] > 0, row
+    for ratio in ("graphed_vs_torch_mlp", "graphed_vs_torch_graphed"):
+        assert math.isfinite(row[ratio]) and row[ratio] > 0, row
