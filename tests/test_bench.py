@@ -1,9 +1,14 @@
 """The benchmark command runs on the CPU (2 ranks, its small shape) and
 writes its table: every case, both of our layers, the path the overlapped
-one took. Numbers are not judged here (speed is measured on the GPUs)."""
+one took, PyTorch's TP MLP baseline and every variant's host µs. Numbers are
+not judged here (speed is measured on the GPUs); the baseline block is checked
+against a single-process MLP."""
 import json
+import math
 import subprocess
 import sys
+
+import pytest
 
 
 def test_bench_command_runs_on_cpu(tmp_path):
@@ -29,6 +34,91 @@ def test_bench_command_runs_on_cpu(tmp_path):
     checked = {(t["target"], t["row"].split()[0]) for t in data["targets"]}
     for case in ("ag_gemm", "gemm_rs", "mlp", "mlp_bulk"):  # every row: not slower than without overlap
         assert ("not slower than without overlap (ours / ours_overlap)", case) in checked
+    for case, row in rows.items():  # every timed variant has its host µs, from the same samples
+        timed = {k for k, v in row.items() if k in row["host_us"]}
+        assert {"ours", "ours_overlap"} <= set(row["host_us"]) and timed == set(row["host_us"]), (case, row)
+        assert all(v > 0 for v in row["host_us"].values()), (case, row["host_us"])
+    for case in ("ag_gemm", "gemm_rs"):
+        assert "sequential" in rows[case]["host_us"] and "torch_mlp" not in rows[case]
+    for case in ("mlp", "mlp_bulk"):  # PyTorch's TP MLP block: timed, and ours against it
+        row = rows[case]
+        assert row["torch_mlp"] > 0 and row["host_us"]["torch_mlp"] > 0
+        assert math.isfinite(row["speedup_vs_torch_mlp"]) and row["speedup_vs_torch_mlp"] > 0
+        assert math.isfinite(row["lnmlp_vs_torch_mlp"]) and row["lnmlp_vs_torch_mlp"] > 0
+        assert "ours_graphed_no_overlap" not in row and "torch_mlp_graphed" not in row  # no --graphs
+        assert ("eager: MLP step not slower than PyTorch's TP MLP (torch_mlp / ours_overlap)", case) in checked
+    assert ("eager: not slower than PyTorch's sequential path (sequential / ours_overlap)", "gemm_rs") in checked
+    assert "## Host µs per call" in md and "| torch_mlp host_us |" in md and "torch_mlp |" in md
+
+
+def test_bench_refuses_graphs_on_cpu():
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--device", "cpu", "--graphs"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "--graphs needs --device cuda" in r.stderr and "CUDA graphs" in r.stderr, r.stderr
+
+
+def _torch_mlp_rank(rank, store_path, out_path):
+    """One of 2 gloo ranks: TorchTPMLP (its shards of full weights) forward +
+    backward against the same MLP computed whole in this process."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from transformer_engine_c.bench_mlp import TorchTPMLP
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        T, H, N = 8, 6, 10
+        g = torch.Generator().manual_seed(3)
+        full = {k: torch.randn(*s, generator=g, dtype=torch.float64)
+                for k, s in (("x", (T, H)), ("dy", (T, H)), ("gamma", (H,)), ("beta", (H,)), ("w1", (N, H)),
+                             ("b1", (N,)), ("w2", (H, N)), ("b2", (H,)))}
+        block = TorchTPMLP(H, N, dist.group.WORLD, torch.float64, torch.device("cpu"))
+        cols, rows = slice(rank * N // 2, (rank + 1) * N // 2), slice(rank * T // 2, (rank + 1) * T // 2)
+        with torch.no_grad():
+            block.norm.weight.copy_(full["gamma"])
+            block.norm.bias.copy_(full["beta"])
+            block.fc1.weight.copy_(full["w1"][cols])
+            block.fc1.bias.copy_(full["b1"][cols])
+            block.fc2.weight.copy_(full["w2"][:, cols])
+            block.fc2_bias.copy_(full["b2"])
+        x = full["x"][rows].clone().requires_grad_()
+        y = block(x)
+        y.backward(full["dy"][rows])
+        xr = full["x"].clone().requires_grad_()
+        w1 = full["w1"].clone().requires_grad_()
+        h = F.gelu(F.linear(F.layer_norm(xr, (H,), full["gamma"], full["beta"]), w1, full["b1"]), approximate="tanh")
+        ref = F.linear(h, full["w2"], full["b2"])
+        ref.backward(full["dy"])
+        errs = [float((y - ref[rows]).abs().max()), float((x.grad - xr.grad[rows]).abs().max()),
+                float((block.fc1.weight.grad - w1.grad[cols]).abs().max())]
+        with open(f"{out_path}.{rank}", "w") as f:
+            json.dump(errs, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_mlp_baseline_matches_the_whole_mlp(tmp_path):
+    """The baseline is a real TP MLP: on 2 ranks its output rows, input
+    gradient and fc1 weight-gradient shard equal the single-process MLP's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_torch_mlp_rank, args=(str(tmp_path / "store"), str(tmp_path / "errs")), nprocs=2, join=True)
+    for rank in range(2):
+        errs = json.loads((tmp_path / f"errs.{rank}").read_text())
+        assert max(errs) < 1e-10, (rank, errs)
+
+
+def test_torch_mlp_baseline_checks_its_shapes(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from transformer_engine_c.bench_mlp import TorchTPMLP
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # a TP group of 2, without one
+    with pytest.raises(ValueError, match="n=7 must divide by the TP size 2"):
+        TorchTPMLP(4, 7, None, torch.float32, torch.device("cpu"))
 
 
 def test_timer_balances_the_order_of_its_rounds(tmp_path):
@@ -53,8 +143,10 @@ def test_timer_balances_the_order_of_its_rounds(tmp_path):
             def missing():
                 raise NotImplementedError
             fns["missing"] = missing  # left out of the rounds and the result
-            res = Timer(torch.device("cpu"), None, warmup=1, iters=32, seed=7).many(fns)
+            host = {}
+            res = Timer(torch.device("cpu"), None, warmup=1, iters=32, seed=7).many(fns, host=host)
             assert set(res) == set("abcd") and all(v >= 0 for v in res.values())
+            assert set(host) == set("abcd") and all(v > 0 for v in host.values())  # µs per call, same samples
             assert seen[:4] == list("abcd")  # the warm-up, in order
             rounds = [seen[4 + 4 * i:8 + 4 * i] for i in range(32)]
             assert all(sorted(r) == list("abcd") for r in rounds)
@@ -80,7 +172,10 @@ def test_targets_name_each_issue_target_and_judge_it():
             row("gemm_rs", 4, speedup_vs_ours=1.2, speedup_vs_sequential=1.6, speedup_vs_async_tp=1.8),
             row("mlp", 4, speedup_vs_ours=1.25),
             row("ag_gemm", 2, speedup_vs_ours=1.2, speedup_vs_sequential=1.16),
-            row("mlp", 2, shape=(2048, 2048, 6144), speedup_vs_ours=0.99, speedup_vs_sequential=0.5)]
+            row("mlp", 2, shape=(2048, 2048, 6144), speedup_vs_ours=0.99, speedup_vs_sequential=0.5,
+                speedup_vs_torch_mlp=0.8, lnmlp_vs_torch_mlp=1.1, graphed_vs_torch_mlp=1.6),
+            row("mlp", 2, speedup_vs_ours=1.1, speedup_vs_torch_mlp=1.2, graphed_vs_torch_mlp=1.2),
+            row("gemm_rs", 2, shape=(1024, 1024, 4096), speedup_vs_sequential=0.9)]
     got = {(t["target"], t["row"]): t["met"] for t in targets(rows)}
     head = "8192x4096x12288"
     assert got[("TP=4: within 1.10x of the limit (limit / ours_overlap)", f"ag_gemm {head} tp=4")] is True
@@ -94,5 +189,61 @@ def test_targets_name_each_issue_target_and_judge_it():
     assert got[("TP=2: faster than sequential", f"ag_gemm {head} tp=2")] is True
     assert got[("not slower than without overlap (ours / ours_overlap)", "mlp 2048x2048x6144 tp=2")] is False
     # the headline's targets are not applied to other shapes, nor TP=4's to TP=2
-    assert not any(t.startswith("TP=") for t, r in got if "2048x2048x6144" in r)
+    assert not any(t.startswith("TP=") and "graphed" not in t for t, r in got if "2048x2048x6144" in r)
     assert ("TP=4: faster than sequential", f"ag_gemm {head} tp=2") not in got
+    # issue 17: eager against PyTorch's sequential path and TP MLP at every shape; graphed at 2048x2048x6144
+    small = "mlp 2048x2048x6144 tp=2"
+    assert got[("eager: not slower than PyTorch's sequential path (sequential / ours_overlap)",
+                "gemm_rs 1024x1024x4096 tp=2")] is False
+    assert got[("eager: not slower than PyTorch's sequential path (sequential / ours_overlap)",
+                f"ag_gemm {head} tp=2")] is True
+    eager_mlp = "eager: MLP step not slower than PyTorch's TP MLP (torch_mlp / ours_overlap)"
+    assert got[(eager_mlp, small)] is False
+    assert got[(eager_mlp, f"mlp {head} tp=2")] is True
+    assert got[("eager: LayerNormMLP not slower than PyTorch's TP MLP (torch_mlp / lnmlp)", small)] is True
+    graphed = "TP=2: graphed MLP step (no overlap) against PyTorch's eager TP MLP (torch_mlp / ours_graphed_no_overlap)"
+    assert got[(graphed, small)] is True
+    assert (graphed, f"mlp {head} tp=2") not in got  # 1.2 would fail 1.5: it is not applied there
+    # graphed with overlap: listed at the headline shape, not measurable
+    from transformer_engine_c.bench import targets_table
+    checks = targets(rows)
+    ub = [c for c in checks if c["target"].startswith("TP=2: graphed with overlap")]
+    assert [(c["row"], c["met"], c["note"]) for c in ub] == [
+        (f"mlp {head} tp=2", None, "not measurable: userbuffers overlap is not capturable")]
+    assert "| not measurable: userbuffers overlap is not capturable | 1.000 | - |" in targets_table(checks)
+
+
+def test_graphs_wiring_with_capture_stubbed(tmp_path, monkeypatch):
+    """--graphs' variants on one CPU rank, with the CUDA-graph capture replaced
+    by the module itself (capture itself runs on GPUs only): the mlp row gets
+    both graphed variants, their host µs and ratios; our layers built for the
+    graph (no ub_* flags) pass tec.make_graphed_callables' capture checks."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    import transformer_engine_c as tec
+    from transformer_engine_c import bench
+
+    captured = []
+
+    def capture(module, sample_args, **kw):
+        captured.append((type(module).__name__, tuple(a.shape for a in sample_args)))
+        return module
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        timer = bench.Timer(torch.device("cpu"), group, warmup=1, iters=2, batch=1)
+        args = argparse.Namespace(dtype=torch.float32, graphs=True)
+        row = bench.run_shape(tec, "mlp", 64, 32, 96, args, 0, 1, torch.device("cpu"), group, timer, None)
+    finally:
+        tec.destroy_ub()
+        dist.destroy_process_group()
+    assert sorted(captured) == [("TorchTPMLP", ((64, 32),)), ("_TwoLayerMLP", ((64, 32),))]
+    for name in ("ours_graphed_no_overlap", "torch_mlp_graphed"):
+        assert row[name] > 0 and row["host_us"][name] > 0, row
+    for ratio in ("graphed_vs_torch_mlp", "graphed_vs_torch_graphed"):
+        assert math.isfinite(row[ratio]) and row[ratio] > 0, row

@@ -4,6 +4,7 @@ PyTorch sequential path, PyTorch async-TP and the limit, in one process.
     python -m transformer_engine_c.bench --out bench_out          # every GPU, or 2 CPU ranks
     python -m transformer_engine_c.bench --shapes 8192x4096x12288 --cases ag_gemm,gemm_rs,mlp
     python -m transformer_engine_c.bench --sweep                  # tokens 2048-16384, H 2048/4096/8192, N 3H/4H
+    python -m transformer_engine_c.bench --cases mlp --graphs     # + CUDA-graphed MLP steps (CUDA only)
 
 Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
@@ -19,6 +20,13 @@ to issue the first kernels is then part of every number). The norm and copy
 bandwidths are the GPU's time alone (see Timer.device_time). Results: a table
 on stdout and bench.json, bench.md (and bench.png where matplotlib is
 installed) in --out, each followed by the targets the rows are checked against.
+
+The mlp rows also time PyTorch's own tensor-parallel MLP block (torch_mlp,
+see bench_mlp), and with --graphs (CUDA only) the step captured in a CUDA
+graph and replayed: ours_graphed_no_overlap and torch_mlp_graphed (without
+userbuffers overlap, which cannot be captured). Every variant also gets its
+host µs per call (the host's time to issue it, from the same samples), in a
+second table.
 """
 import argparse
 import json
@@ -32,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ._launch import init_rank, relaunch, under_torchrun
+from .bench_mlp import GRAPH_NOTE, ours_graphed_fns, torch_mlp_fns
 
 CASES = ("ag_gemm", "gemm_rs", "mlp", "mlp_bulk")
 DEFAULT_CASES = ("ag_gemm", "gemm_rs", "mlp")
@@ -53,8 +62,15 @@ def parse():
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4, help="calls per timed sample (1: per-call latency)")
     ap.add_argument("--out", default=None, help="directory for bench.json / bench.md / bench.png")
+    ap.add_argument("--graphs", action="store_true",
+                    help="mlp rows also time the step captured in a CUDA graph and replayed: ours "
+                    "(ours_graphed_no_overlap) and PyTorch's TP MLP block (torch_mlp_graphed); CUDA only; "
+                    "without userbuffers overlap, which cannot be captured")
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    if args.graphs and not cuda:
+        ap.error("--graphs needs --device cuda: CUDA graphs exist only on CUDA devices "
+                 "(the CPU run has no graphed variants)")
     args.nproc = args.nproc or (gpus if cuda else 2)
     if args.sweep:
         args.shapes = [(t, h, n * h) for h in (2048, 4096, 8192) for n in (3, 4) for t in (2048, 4096, 8192, 16384)]
@@ -89,13 +105,15 @@ class Timer:
             seed = int(t.item())
         self.seed = seed
 
-    def many(self, fns):
+    def many(self, fns, host=None):
         """{name: median ms of fn(), max over ranks} for the dict fns, measured in
         interleaved rounds: each round takes one sample of every fn, in an order
         that varies (each fn in each position equally often, after varying
         predecessors; see _rounds). A fn that
         raises NotImplementedError in its warm-up is left out of the result.
-        Every rank must pass the same names in the same order (fns may be collective)."""
+        Every rank must pass the same names in the same order (fns may be collective).
+        host: a dict that gets {name: median host µs per call, max over ranks}
+        from the same samples (see sample)."""
         import torch.distributed as dist
 
         live = {}
@@ -113,7 +131,10 @@ class Timer:
             self.sync()
             dist.barrier(group=self.group)
             return self.sample(fn, self.batch)
-        return self._rounds(live, measure)
+        ms, host_us = self._rounds(live, measure)
+        if host is not None:
+            host.update(host_us)
+        return ms
 
     def device_time(self, fns, calls=10, sleep_cycles=5_000_000):
         """As many(), for local (non-collective) fns, ms per call of the GPU's
@@ -132,12 +153,13 @@ class Timer:
             if sleep is not None:
                 sleep(sleep_cycles)
             return self.sample(fn, calls)
-        return self._rounds(fns, measure)
+        return self._rounds(fns, measure)[0]
 
     def _rounds(self, fns, measure):
         import torch.distributed as dist
 
         times = {name: [] for name in fns}
+        hosts = {name: [] for name in fns}
         items = list(fns.items())
         n = max(1, len(items))
         for i in range(self.iters):
@@ -148,27 +170,37 @@ class Timer:
             k = i % n
             perm = random.Random(self.seed * 1_000_003 + i // n).sample(items, len(items))
             for name, fn in perm[k:] + perm[:k]:
-                times[name].append(measure(fn))
-        t = torch.tensor([statistics.median(times[n]) for n in fns] or [0.0], dtype=torch.float64,
-                         device=self.device)
+                ms, host_us = measure(fn)
+                times[name].append(ms)
+                hosts[name].append(host_us)
+        t = torch.tensor([statistics.median(v[n]) for v in (times, hosts) for n in fns] or [0.0],
+                         dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return dict(zip(fns, t.tolist()))
+        t = t.tolist()
+        return dict(zip(fns, t[:len(fns)])), dict(zip(fns, t[len(fns):]))
 
     def sample(self, fn, calls):
-        """ms per call over `calls` calls issued back to back, from whatever
-        the device was doing (idle after sync())."""
+        """(ms per call, host µs per call) over `calls` calls issued back to
+        back, from whatever the device was doing (idle after sync()). The host
+        time is the host clock from the first call's start to the last one's
+        return, before anything waits for the GPU: the time to issue a call
+        (on the CPU device, the whole call; on a GPU it includes any wait a
+        call itself makes, e.g. for a full launch queue)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            host = time.perf_counter() - t0
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / calls
+            return start.elapsed_time(end) / calls, host * 1e6 / calls
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / calls
+        host = time.perf_counter() - t0
+        return host * 1e3 / calls, host * 1e6 / calls
 
     def sync(self):
         if self.cuda:
@@ -247,10 +279,12 @@ def _path(before, after):
 
 
 def time_row(tec, row, timer, fns):
-    """row.update(timer.many(fns)), and row["path"]: which paths the
-    overlapped layer ("ours_overlap") took."""
+    """row.update(timer.many(fns)), row["host_us"]: {variant: host µs per
+    call} from the same samples, and row["path"]: which paths the overlapped
+    layer ("ours_overlap") took."""
     before = _paths(tec) if "ours_overlap" in fns else None
-    row.update(timer.many(fns))
+    row["host_us"] = {}
+    row.update(timer.many(fns, host=row["host_us"]))
     if before is not None:
         row["path"] = _path(before, _paths(tec))
 
@@ -350,6 +384,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 y.backward(dy)
             fns[name] = step
         fns.update(_lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, "ours_overlap" in fns))
+        fns.update(torch_mlp_fns(H, N, group, dtype, device, x, dy, args.graphs))
+        if args.graphs:
+            fns.update(ours_graphed_fns(tec, *_ub_layers(tec, case, size, group, T, H, N, dtype, device, False),
+                                        x, dy))
         if "ours_overlap" in fns:  # the saved-tensor aliasing checker's cost on the same step
             overlapped = fns["ours_overlap"]
 
@@ -364,7 +402,16 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             row["lnmlp_speedup"] = row["lnmlp"] / row["lnmlp_overlap"]
         if row.get("lnmlp") and row.get("ours"):
             row["lnmlp_vs_two_layer"] = row["ours"] / row["lnmlp"]
-    for base in ("ours", "sequential", "async_tp", "limit"):
+        # PyTorch's eager TP MLP block over ours (eager: LayerNormMLP's step, overlapped where it can;
+        # graphed: without overlap), and PyTorch's graphed block over our graphed step
+        lnmlp = row.get("lnmlp_overlap") or row.get("lnmlp")
+        for key, mine, base in (("lnmlp_vs_torch_mlp", lnmlp, "torch_mlp"),
+                                ("graphed_vs_torch_mlp", row.get("ours_graphed_no_overlap"), "torch_mlp"),
+                                ("graphed_vs_torch_graphed", row.get("ours_graphed_no_overlap"),
+                                 "torch_mlp_graphed")):
+            if mine and row.get(base):
+                row[key] = row[base] / mine
+    for base in ("ours", "sequential", "async_tp", "limit", "torch_mlp"):
         if row.get("ours_overlap") and row.get(base):
             row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
     return row
@@ -373,7 +420,9 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
 COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit", "sequential", "async_tp",
            "ours", "ours_overlap", "path", "speedup_vs_ours", "speedup_vs_sequential", "speedup_vs_async_tp",
            "speedup_vs_limit", "ours_gemm", "norm_gbps", "copy_gbps", "copy_same_gbps", "checked",
-           "checker_overhead_pct", "lnmlp", "lnmlp_overlap", "lnmlp_speedup", "lnmlp_vs_two_layer")
+           "checker_overhead_pct", "lnmlp", "lnmlp_overlap", "lnmlp_speedup", "lnmlp_vs_two_layer",
+           "torch_mlp", "speedup_vs_torch_mlp", "lnmlp_vs_torch_mlp", "ours_graphed_no_overlap",
+           "torch_mlp_graphed", "graphed_vs_torch_mlp", "graphed_vs_torch_graphed")
 
 
 def fmt(v):
@@ -386,7 +435,26 @@ def table(rows):
     return "\n".join(lines)
 
 
+def _us(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def host_table(rows):
+    """Host µs per call of every variant (a column each, "-" where a row has
+    none): the host's time to issue the call, from the same samples."""
+    names = []
+    for r in rows:
+        names += [n for n in r.get("host_us", {}) if n not in names]
+    cols = ["case", "tokens", "hidden", "n", "tp"]
+    lines = ["| " + " | ".join(cols + [f"{n} host_us" for n in names]) + " |", "|" + "---|" * (len(cols) + len(names))]
+    lines += ["| " + " | ".join([fmt(r.get(c)) for c in cols] + [_us(r.get("host_us", {}).get(n)) for n in names])
+              + " |" for r in rows]
+    return "\n".join(lines)
+
+
 HEADLINE = (8192, 4096, 12288)
+SMALL = (2048, 2048, 6144)  # the host-bound shape of issue 17's graph target
+NOT_CAPTURABLE = "not measurable: userbuffers overlap is not capturable"
 MLP_HEADLINE = (8192, 4096, 16384)  # LayerNormMLP's targets (issue 16): TP=2
 
 
@@ -400,16 +468,34 @@ def targets(rows):
     sequential, GEMM+RS 1.5x over sequential and 1.9x over async-TP, the MLP
     1.25x over no overlap; mlp rows at 8192x4096x16384, TP=2 (issue 16):
     LayerNormMLP 1.20x over itself without overlap, and without overlap no
-    slower than the two-layer block. They are set for H200s: on the CPU they are
+    slower than the two-layer block; issue 17: every row not slower than
+    PyTorch's eager sequential path / TP MLP block, the graphed MLP step 1.5x
+    over PyTorch's eager block at 2048x2048x6144 TP=2, and (not measurable yet)
+    graphed with overlap over graphed without at the headline shape. They are set for H200s: on the CPU they are
     reported, not meant. (The checker's cost has its own benchmark,
     bench_checker.)"""
     out = []
 
-    def check(row, target, value, need):
-        if value is not None:
+    def check(row, target, value, need, note=None):
+        if value is not None or note:
             out.append({"target": target, "row": f"{row['case']} {row['tokens']}x{row['hidden']}x{row['n']} "
-                        f"tp={row['tp']}", "value": value, "need": need, "met": value >= need})
+                        f"tp={row['tp']}", "value": value, "need": need,
+                        "met": None if value is None else value >= need, **({"note": note} if note else {})})
     for r in rows:
+        shape = (r["tokens"], r["hidden"], r["n"])
+        # issue 17: the eager layers and MLP step never slower than plain PyTorch
+        check(r, "eager: not slower than PyTorch's sequential path (sequential / ours_overlap)",
+              r.get("speedup_vs_sequential"), 1.0)
+        check(r, "eager: MLP step not slower than PyTorch's TP MLP (torch_mlp / ours_overlap)",
+              r.get("speedup_vs_torch_mlp"), 1.0)
+        check(r, "eager: LayerNormMLP not slower than PyTorch's TP MLP (torch_mlp / lnmlp)",
+              r.get("lnmlp_vs_torch_mlp"), 1.0)
+        if r["case"] == "mlp" and r["tp"] == 2 and shape == SMALL:
+            check(r, "TP=2: graphed MLP step (no overlap) against PyTorch's eager TP MLP "
+                  "(torch_mlp / ours_graphed_no_overlap)", r.get("graphed_vs_torch_mlp"), 1.5)
+        if r["case"] == "mlp" and r["tp"] == 2 and shape == HEADLINE:
+            check(r, "TP=2: graphed with overlap not slower than graphed without overlap", None, 1.0,
+                  note=NOT_CAPTURABLE)
         check(r, "not slower than without overlap (ours / ours_overlap)", r.get("speedup_vs_ours"), 1.0)
         check(r, "LayerNormMLP not slower than without overlap (lnmlp / lnmlp_overlap)", r.get("lnmlp_speedup"), 1.0)
         if (r["tokens"], r["hidden"], r["n"]) == MLP_HEADLINE and r["tp"] == 2 and r["case"] == "mlp":
@@ -441,8 +527,8 @@ def targets(rows):
 
 def targets_table(checks):
     lines = ["| target | row | measured | needed | met |", "|---|---|---|---|---|"]
-    lines += [f"| {c['target']} | {c['row']} | {c['value']:.3f} | {c['need']:.3f} | {'yes' if c['met'] else 'NO'} |"
-              for c in checks]
+    lines += [f"| {c['target']} | {c['row']} | {c.get('note') or format(c['value'], '.3f')} | {c['need']:.3f} | "
+              f"{'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |" for c in checks]
     return "\n".join(lines)
 
 
@@ -450,12 +536,15 @@ def write(rows, checks, args, out):
     os.makedirs(out, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters, "batch": args.batch}
+            "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters, "batch": args.batch,
+            "graphs": args.graphs}
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "targets": checks}, f, indent=1)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(f"# transformer_engine_c benchmark\n\n{json.dumps(meta)}\n\nTimes in ms (median, max over "
                 f"ranks); speedups are baseline time / overlapped time.\n\n{table(rows)}\n\n"
+                f"## Host µs per call\n\nThe host's time to issue one call (median, max over ranks; on the "
+                f"CPU the whole call); {GRAPH_NOTE}.\n\n{host_table(rows)}\n\n"
                 f"## Targets (set for H200s)\n\n{targets_table(checks)}\n")
     try:
         import matplotlib
@@ -498,6 +587,7 @@ def worker(args):
     if rank == 0:
         checks = targets(rows)
         print(table(rows))
+        print("\nhost µs per call (the time to issue it):\n" + host_table(rows))
         print("\ntargets (set for H200s):\n" + targets_table(checks))
         if args.out:
             write(rows, checks, args, args.out)
