@@ -82,3 +82,21 @@ def test_capture_refuses_distributed_weight_at_capture_time():
     with pytest.raises(RuntimeError, match="Linear: a DistributedWeight .* cannot be captured in a CUDA graph"):
         with torch.cuda.graph(g):
             m(x)
+
+
+@CUDA
+def test_capture_refuses_a_communicator_operation():
+    """Under a plain torch.cuda.graph, a userbuffers operation refuses to run
+    (naming the communicator and the operation), whoever calls it."""
+    c = tec.CommOverlap((32, 64), torch.bfloat16, device="cuda", name="graph_ag")
+    try:
+        a = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(96, 64, dtype=torch.bfloat16, device="cuda")
+        c.ag_gemm(a, w)  # eager works
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="communicator 'graph_ag': ag_gemm cannot be captured"):
+            with torch.cuda.graph(g):
+                c.ag_gemm(a, w)
+    finally:
+        torch.cuda.synchronize()
+        c.close()

@@ -5,7 +5,6 @@ process and never returns a wrong product. Calls run in a long-lived
 worker subprocess (tests/fuzz_worker.py): a crash is a test failure that
 names the call."""
 import json
-import math
 import os
 import subprocess
 import sys

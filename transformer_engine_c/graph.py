@@ -4,10 +4,12 @@ torch.cuda.make_graphed_callables, for this package's layers.
 The layers capture as they are: every engine call (norm, activation, GEMM)
 is enqueued on the current stream with workspaces from PyTorch's allocator,
 so a graphed forward+backward replays the same kernels on the same memory.
-Two features are refused at capture time, with an error naming the layer:
-userbuffers overlap (its handshakes count calls on the host, so a replay
-would wait for flags that never come) and DistributedWeight (its gather is a
-collective issued per call). FP8 arguments raise NotImplementedError.
+Two features cannot be replayed and are refused: userbuffers overlap (its
+handshakes count calls on the host, so a replay would wait for flags that
+never come; every CommOverlap operation refuses to run under capture) and
+DistributedWeight (its gather is a collective issued per call; the layers
+refuse it under capture). make_graphed_callables checks both before it
+captures, naming the layer. FP8 arguments raise NotImplementedError.
 """
 import torch
 

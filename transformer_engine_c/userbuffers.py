@@ -429,6 +429,10 @@ class CommOverlap(_C.CommOverlap):
 
     def _check_idle(self, op):
         self._live()
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"communicator '{self.name}': {op} cannot be captured in a CUDA graph (its "
+                               "handshakes count calls on the host, so a replay would wait for flags that never "
+                               "come); capture the layer without ub_* flags (see tec.make_graphed_callables)")
         if self._pending is not None:
             raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
                                f"(call {self._pending[0]}_finish first; started by thread "

@@ -188,6 +188,11 @@ class _NoUB:
 NO_UB = _NoUB()
 
 
+def cast(t, dtype):
+    """t in the call's compute dtype (None and tensors already in it pass)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def check_input(inp, in_local, dtype, device, tp, cast, name="inp"):
     """Validate the layer input; return it as a contiguous 2-D [tokens, in]
     in the layer's compute dtype `dtype`: under autocast (`cast`) the input
@@ -430,6 +435,22 @@ def _held(ub):
     for c in {id(c): c for c in ub.comms.values()}.values():
         stack.enter_context(c.exclusive())
     return stack
+
+
+def linear_backward(ctx, dy, x_local, w, weight, need_dx, iw):
+    """A layer's linear backward: (dx, dw, db). `weight` is the saved weight
+    object (a DistributedWeight comes back as itself), `w` the full weight in
+    the compute dtype; the weight and bias gradients are wanted as
+    ctx.needs_input_grad[iw] and [iw + 1] say."""
+    layer = ctx.layer
+    tp, need = layer.tp, ctx.needs_input_grad
+    wg = None
+    if need[iw] or need[iw + 1]:
+        wg = Wgrad(layer, weight, ctx.has_bias and need[iw + 1], ctx.first_mb,
+                   bias_from_local=tp.mode == "row" and tp.sp, need_w=need[iw])
+    if tp.mode == "column":
+        return column_backward(dy, x_local, w, tp, layer.ub, need_dx, wg)
+    return row_backward(dy, x_local, w, tp, layer.ub, need_dx, wg)
 
 
 def column_backward(dy, x_local, w, tp, ub, need_dx, wg):

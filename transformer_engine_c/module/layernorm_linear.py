@@ -8,7 +8,7 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _common as C
-from .base import TransformerEngineBaseModule, refuse_capture
+from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -23,9 +23,7 @@ def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, 
     # must outlive the buffer's next use.
     x = C.outside_buffers(C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast), ub)
     w = layer._full_weight(weight, is_first_microbatch, dtype)
-    g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
-    beta = ln_bias if ln_bias is None or ln_bias.dtype == dtype else ln_bias.to(dtype)
-    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    g, beta, b = C.cast(ln_weight, dtype), C.cast(ln_bias, dtype), C.cast(bias, dtype)
     ln_total = None
     if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and x.shape[0] and ub.comms["fprop"].take_overlap(
             "ag", x.shape[0], x.shape[1], w.shape[0]):
@@ -66,23 +64,16 @@ class _LayerNormLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dln_out=None):
-        layer = ctx.layer
-        tp, ub, dtype = layer.tp, layer.ub, ctx.dtype
+        layer, dtype = ctx.layer, ctx.dtype
+        tp = layer.tp
         x, ln_out, mu, rsigma, ln_weight, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
         w = layer._full_weight(weight, None if ctx.first_mb is None else False, dtype)
-        g = ln_weight if ln_weight.dtype == dtype else ln_weight.to(dtype)
-        dy = C.as_2d(dout if dout.dtype == dtype else dout.to(dtype))
-        wg = None
-        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            wg = C.Wgrad(layer, weight, ctx.has_bias and ctx.needs_input_grad[4], ctx.first_mb,
-                         bias_from_local=tp.mode == "row" and tp.sp, need_w=ctx.needs_input_grad[3])
-        if tp.mode == "row":
-            dln, dw, db = C.row_backward(dy, ln_out, w, tp, ub, True, wg)
-        else:
-            dln, dw, db = C.column_backward(dy, ln_out, w, tp, ub, True, wg)
+        g = C.cast(ln_weight, dtype)
+        dy = C.as_2d(C.cast(dout, dtype))
+        dln, dw, db = C.linear_backward(ctx, dy, ln_out, w, weight, True, 3)
         if dln_out is not None:
-            dln_out = C.as_2d(dln_out if dln_out.dtype == dtype else dln_out.to(dtype))
+            dln_out = C.as_2d(C.cast(dln_out, dtype))
             if dln_out.shape[0] != dln.shape[0]:  # the gathered output's gradient: this rank's rows, summed
                 dln_out = reduce_scatter_rows(dln_out, tp.group, tp.size)
             dln = dln + dln_out
@@ -159,8 +150,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns out, (out, bias), (out, ln_out) or (out, bias, ln_out), as TE."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
-        if self.ub.enabled:
-            refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight)
@@ -178,7 +167,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if self.return_bias:
             if bias is None:
                 bias = getattr(self, self.bias_names[0])
-            bias = bias if bias.dtype == dtype else bias.to(dtype)
+            bias = C.cast(bias, dtype)
             return (y, bias, ln_out) if self.return_layernorm_output else (y, bias)
         return (y, ln_out) if self.return_layernorm_output else y
 

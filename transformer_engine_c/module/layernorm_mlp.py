@@ -9,7 +9,7 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _common as C
-from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method, refuse_capture
+from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACT_PARAM_KEYS = ("limit", "alpha", "glu_linear_offset")
@@ -40,10 +40,6 @@ class _Gemm:
         return [getattr(self.module, self.weight_name)]
 
 
-def _cast(t, dtype):
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
 def _norm_fc1(layer, x, ln_weight, ln_bias, w1, b1, want_gathered):
     """Norm, then fc1 on the (gathered) normalised input. Returns (ln_out:
     this rank's normalised tokens, memory of its own; mu; rsigma; fc1_out
@@ -70,7 +66,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         x = C.check_input(inp, layer.hidden_size, dtype, fc1_weight.device, layer.tp, cast)
         w1 = layer._full_weight(fc1_weight, is_first_microbatch, dtype)
         w2 = layer._full_weight(fc2_weight, is_first_microbatch, dtype)
-        g, beta, b1, b2 = (_cast(t, dtype) for t in (ln_weight, ln_bias, fc1_bias, fc2_bias))
+        g, beta, b1, b2 = (C.cast(t, dtype) for t in (ln_weight, ln_bias, fc1_bias, fc2_bias))
         want_gathered = layer.return_layernorm_output_gathered and layer.tp.sp
         # An input lying in fc1_fprop's buffer (a caller may pass a buffer
         # view) is copied before the norm writes this rank's slot.
@@ -108,17 +104,17 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if layer.checkpoint:
             x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight = t
             w1 = layer._full_weight(fc1_weight, first_mb, dtype)
-            g = _cast(ln_weight, dtype)
-            ln_out, mu, rsigma, fc1_out, _ = _norm_fc1(layer, x, g, _cast(ln_bias, dtype), w1,
-                                                       _cast(fc1_bias, dtype), False)
+            g = C.cast(ln_weight, dtype)
+            ln_out, mu, rsigma, fc1_out, _ = _norm_fc1(layer, x, g, C.cast(ln_bias, dtype), w1,
+                                                       C.cast(fc1_bias, dtype), False)
             act_out = _engine.act_fwd(fc1_out, layer.activation, **layer._act_kw)
         else:
             x, ln_weight, fc1_weight, fc2_weight, ln_out, mu, rsigma, fc1_out, act_out = t
             w1 = layer._full_weight(fc1_weight, first_mb, dtype)
-            g = _cast(ln_weight, dtype)
+            g = C.cast(ln_weight, dtype)
         w2 = layer._full_weight(fc2_weight, first_mb, dtype)
         need = ctx.needs_input_grad
-        dy = C.as_2d(_cast(dout, dtype))
+        dy = C.as_2d(C.cast(dout, dtype))
 
         # fc2 (row): dgrad (ub_overlap_ag: the grad_output all-gather
         # overlapped), then wgrad and its bias gradient (this rank's tokens
@@ -142,7 +138,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         wg1 = C.Wgrad(layer._gemm1, fc1_weight, False, ctx.first_mb) if need[3] else None
         dln, dw1, _ = C.column_backward(dfc1, ln_out, w1, tp1, layer.ub, True, wg1)
         if dln_ret is not None:
-            dln_ret = C.as_2d(_cast(dln_ret, dtype))
+            dln_ret = C.as_2d(C.cast(dln_ret, dtype))
             if dln_ret.shape[0] != dln.shape[0]:  # the gathered output's gradient: this rank's rows, summed
                 dln_ret = reduce_scatter_rows(dln_ret, tp1.group, tp1.size)
             dln = dln + dln_ret
@@ -291,8 +287,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
         with return_layernorm_output (TE's order). is_first_microbatch as
         TE's: main_grad overwritten on the first micro-batch with
         fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
-        if self.ub.enabled or self.ub2.enabled:
-            refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         dtype, cast = C.compute_dtype(self.fc1_weight)
         fc1_bias = self.fc1_bias if self.use_bias else None
         fc2_bias = self.fc2_bias if self.use_bias and not self.return_bias else None
@@ -301,7 +295,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         y, ln_out = out if self.return_layernorm_output else (out, None)
         res = (C.like_input(y, inp.shape),)
         if self.return_bias:
-            res += (_cast(self.fc2_bias, dtype),)
+            res += (C.cast(self.fc2_bias, dtype),)
         if self.return_layernorm_output:
             res += (ln_out,)
         return res[0] if len(res) == 1 else res

@@ -5,7 +5,7 @@ import torch
 
 from .._C import prepare_for_saving, restore_from_saved
 from . import _common as C
-from .base import TransformerEngineBaseModule, refuse_capture
+from .base import TransformerEngineBaseModule
 
 
 def _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast):
@@ -15,7 +15,7 @@ def _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast):
     tp = layer.tp
     x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
     w = layer._full_weight(weight, is_first_microbatch, dtype)
-    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    b = C.cast(bias, dtype)
     y = C.ub_fprop(x, w, b, tp, layer.ub) if layer.ub.enabled else None
     if y is None:
         y = C.fprop(C.gather_input(x, tp), w, b, tp)
@@ -40,23 +40,14 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        layer = ctx.layer
-        tp, ub, dtype = layer.tp, layer.ub, ctx.dtype
+        layer, dtype = ctx.layer, ctx.dtype
         x, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
         if layer.save_original_input:
-            x = C.as_2d(x if x.dtype == dtype else x.to(dtype))
+            x = C.as_2d(C.cast(x, dtype))
         w = layer._full_weight(weight, None if ctx.first_mb is None else False, dtype)
-        dy = C.as_2d(dout if dout.dtype == dtype else dout.to(dtype))
-        need_dx = ctx.needs_input_grad[0]
-        wg = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            wg = C.Wgrad(layer, weight, ctx.has_bias and ctx.needs_input_grad[2], ctx.first_mb,
-                         bias_from_local=tp.mode == "row" and tp.sp, need_w=ctx.needs_input_grad[1])
-        if tp.mode == "column":
-            dx, dw, db = C.column_backward(dy, x, w, tp, ub, need_dx, wg)
-        else:
-            dx, dw, db = C.row_backward(dy, x, w, tp, ub, need_dx, wg)
+        dy = C.as_2d(C.cast(dout, dtype))
+        dx, dw, db = C.linear_backward(ctx, dy, x, w, weight, ctx.needs_input_grad[0], 1)
         return (C.like_input(dx, ctx.inp_shape) if dx is not None else None), dw, db, None, None, None, None
 
 
@@ -105,8 +96,6 @@ class Linear(TransformerEngineBaseModule):
         gathered once per step)."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
-        if self.ub.enabled:
-            refuse_capture(self, "userbuffers overlap (its handshakes count calls on the host)")
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight)
@@ -116,7 +105,7 @@ class Linear(TransformerEngineBaseModule):
         if self.return_bias:
             if bias is None:
                 bias = getattr(self, self.bias_names[0])
-            return y, (bias if bias.dtype == dtype else bias.to(dtype))
+            return y, C.cast(bias, dtype)
         return y
 
     def extra_repr(self):
