@@ -76,9 +76,16 @@ def allreduce_sequence_parallel_grads(*modules):
                 seen.add(id(p))
                 by_group.setdefault(id(tp.group), (tp.group, []))[1].append(p.grad)
     for group, grads in by_group.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_coalesced(grads, group)
+
+
+def all_reduce_coalesced(tensors, group, dtype=None):
+    """Sum each of `tensors` in place over `group` in one all-reduce of them
+    flattened together (in `dtype` when given, e.g. float32 for 16-bit
+    gradients; else torch's promotion of theirs)."""
+    flat = torch.cat([t.reshape(-1) if dtype is None else t.reshape(-1).to(dtype) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

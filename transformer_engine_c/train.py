@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import transformer_engine_c as tec
+from .distributed import all_reduce_coalesced
 from .distributed_weight import DistributedWeight
 
 
@@ -202,12 +203,7 @@ def sync_grads(model):
         grads.append(p.grad)
     if not grads or model.tp_size == 1:
         return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])   # one collective, summed in fp32
-    dist.all_reduce(flat, group=model.tp_group)
-    i = 0
-    for g in grads:
-        g.copy_(flat[i:i + g.numel()].view_as(g))
-        i += g.numel()
+    all_reduce_coalesced(grads, model.tp_group, torch.float32)   # one collective, summed in fp32
 
 
 # ---------------------------------------------------------------- training
