@@ -2,7 +2,8 @@
 plain C, built with the C compiler together with comm.c, tec.c and error.c and run on any
 machine. The mock drains every rank's streams in random orders the schedule's own waits
 and events allow, so a missing wait shows as a wrong output; timeouts (an absent rank)
-and mismatched shapes across ranks must be reported with their messages."""
+and mismatched shapes across ranks must be reported with their messages. Captured
+sequences replayed as a CUDA graph replays them must stay right with device epochs."""
 import os
 import shutil
 import subprocess
@@ -28,3 +29,6 @@ def test_schedules_against_a_mock_transport(tmp_path):
     assert proc.returncode == 0 and "PASS comm_schedule_test" in proc.stdout, proc.stdout[-4000:] + proc.stderr
     # The checker's own negative check ran (a mock ignoring waits was caught).
     assert "negative check: ignored waits caught" in proc.stdout, proc.stdout
+    # CUDA graphs as the mock models them: replays with device epochs checked, and
+    # host-counted epochs caught replaying stale handshakes.
+    assert "negative check: stale epochs caught in 12 of 12 runs" in proc.stdout, proc.stdout

@@ -1,8 +1,10 @@
 """CUDA graphs of the layers (tec.make_graphed_callables, torch.cuda.graph):
 forward and backward captured once and replayed 100 times with new inputs
 give exactly the eager results (the same kernels on the same data); what
-cannot be replayed (userbuffers overlap, DistributedWeight) is refused at
-capture time, naming the layer; TE's FP8 arguments are refused."""
+cannot be replayed (DistributedWeight) is refused at capture time, naming the
+layer; TE's FP8 arguments are refused. Userbuffers operations capture (on
+one rank here; two ranks: tests/distributed/test_graph_overlap.py), and a
+bulk operation's start and finish must be captured together."""
 import pytest
 import torch
 
@@ -31,13 +33,14 @@ def test_fp8_and_unsupported_arguments_are_refused():
             tec.make_graphed_callables(m, x, **kw)
 
 
-def test_userbuffers_and_distributed_weight_are_refused_before_capture():
+def test_distributed_weight_is_refused_before_capture():
     c = tec.CommOverlap((8, 16), torch.float32, device="cpu", name="graph_ub")
-    try:
+    try:  # userbuffers overlap is capturable: on the CPU only the missing GPU stops it
         m = torch.nn.Sequential(tec.Linear(16, 8, parallel_mode="column", ub_overlap_ag=True, ub_comm=c,
                                            device="cpu"))
-        with pytest.raises(RuntimeError, match=r"Linear \(0\) uses userbuffers overlap"):
-            tec.make_graphed_callables(m, (torch.randn(8, 16),))
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match="needs a CUDA device"):
+                tec.make_graphed_callables(m, (torch.randn(8, 16),))
     finally:
         c.close()
     m = tec.Linear(16, 8, device="cpu")
@@ -85,18 +88,42 @@ def test_capture_refuses_distributed_weight_at_capture_time():
 
 
 @CUDA
-def test_capture_refuses_a_communicator_operation():
-    """Under a plain torch.cuda.graph, a userbuffers operation refuses to run
-    (naming the communicator and the operation), whoever calls it."""
+def test_communicator_operations_replay_on_one_rank():
+    """ag_gemm and gemm_rs captured under a plain torch.cuda.graph replay as
+    eager (one rank: the schedules' copies and GEMMs, no handshakes)."""
     c = tec.CommOverlap((32, 64), torch.bfloat16, device="cuda", name="graph_ag")
     try:
         a = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
         w = torch.randn(96, 64, dtype=torch.bfloat16, device="cuda")
-        c.ag_gemm(a, w)  # eager works
+        w2 = torch.randn(64, 96, dtype=torch.bfloat16, device="cuda")
+        c.ag_gemm(a, w)  # warm-up (GEMM plans) before the capture
         g = torch.cuda.CUDAGraph()
-        with pytest.raises(RuntimeError, match="communicator 'graph_ag': ag_gemm cannot be captured"):
+        with torch.cuda.graph(g):
+            y = c.ag_gemm(a, w)
+            z = c.gemm_rs(y, w2)
+        for _ in range(10):
+            a.copy_(torch.randn_like(a))
+            g.replay()
+            ye = c.ag_gemm(a, w)
+            assert torch.equal(y, ye)
+            assert torch.equal(z, c.gemm_rs(ye, w2))
+    finally:
+        torch.cuda.synchronize()
+        c.close()
+
+
+@CUDA
+def test_bulk_start_and_finish_must_be_captured_together():
+    c = tec.CommOverlap((32, 64), torch.bfloat16, device="cuda", name="graph_bulk")
+    try:
+        t = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+        c.bulk_ag_start(t)
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="graph_bulk': bulk_ag_finish inside the CUDA graph capture its "
+                                               "bulk_ag_start was outside of"):
             with torch.cuda.graph(g):
-                c.ag_gemm(a, w)
+                c.bulk_ag_finish()
+        assert torch.equal(c.bulk_ag_finish(), t)  # still pending: finished outside, as started
     finally:
         torch.cuda.synchronize()
         c.close()

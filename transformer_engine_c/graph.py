@@ -4,12 +4,14 @@ torch.cuda.make_graphed_callables, for this package's layers.
 The layers capture as they are: every engine call (norm, activation, GEMM)
 is enqueued on the current stream with workspaces from PyTorch's allocator,
 so a graphed forward+backward replays the same kernels on the same memory.
-Two features cannot be replayed and are refused: userbuffers overlap (its
-handshakes count calls on the host, so a replay would wait for flags that
-never come; every CommOverlap operation refuses to run under capture) and
-DistributedWeight (its gather is a collective issued per call; the layers
-refuse it under capture). make_graphed_callables checks both before it
-captures, naming the layer. FP8 arguments raise NotImplementedError.
+Userbuffers overlap captures too: the handshakes take their epochs from
+device memory when they run and advance them there, so a graph replays any
+number of times, and several graphs and eager calls share a communicator
+(docs/architecture.md, "CUDA graphs"). One feature cannot be replayed and is
+refused: DistributedWeight (its gather is a collective issued per call; the
+layers refuse it under capture). make_graphed_callables checks for it
+before it captures, naming the layer. FP8 arguments raise
+NotImplementedError.
 """
 import torch
 
@@ -51,11 +53,6 @@ def _check_capturable(callable_):
         return
     for name, m in callable_.named_modules():
         label = f"{type(m).__name__}{f' ({name})' if name else ''}"
-        for attr in ("ub", "ub2"):
-            ub = getattr(m, attr, None)
-            if getattr(ub, "enabled", False):
-                raise RuntimeError(f"make_graphed_callables: {label} uses userbuffers overlap, which cannot be "
-                                   "captured in a CUDA graph (build it without ub_* flags to graph it)")
         for pname, p in m.named_parameters(recurse=False):
             if getattr(p, "is_distributed_weight", False) and type(p) is not torch.nn.Parameter:
                 raise RuntimeError(f"make_graphed_callables: {label}.{pname} is a DistributedWeight, whose "

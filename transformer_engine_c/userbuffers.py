@@ -259,6 +259,7 @@ class CommOverlap(_C.CommOverlap):
         self.num_splits = num_splits
         self.timeout = timeout
         self._pending = None
+        self._pending_captured = False
         self._min_chunk_flops = _min_chunk_flops(min_chunk_flops, device)
         self._gemm_sm_margin = _gemm_sm_margin(gemm_sm_margin, device)
         self._fallbacks = {"ag_fallback": 0, "rs_fallback": 0}
@@ -427,12 +428,14 @@ class CommOverlap(_C.CommOverlap):
                 pass
             self._pending = None
 
+    def _capturing(self):
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _check_idle(self, op):
+        # Operations may be captured in CUDA graphs: the handshakes' epochs
+        # live in device memory and move on there (docs/architecture.md,
+        # "CUDA graphs"), so replays and eager calls share a communicator.
         self._live()
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"communicator '{self.name}': {op} cannot be captured in a CUDA graph (its "
-                               "handshakes count calls on the host, so a replay would wait for flags that never "
-                               "come); capture the layer without ub_* flags (see tec.make_graphed_callables)")
         if self._pending is not None:
             raise RuntimeError(f"communicator '{self.name}': {op} while {self._pending[0]} is pending "
                                f"(call {self._pending[0]}_finish first; started by thread "
@@ -535,13 +538,24 @@ class CommOverlap(_C.CommOverlap):
         self._bulk_ag_start(t.data_ptr(), nbytes, self._stream())
         self._pending_thread = threading.current_thread().name
         self._pending = ("bulk_ag", t, (t.shape[0] * self.tp_size, *t.shape[1:]), t.dtype)
+        self._pending_captured = self._capturing()
+
+    def _check_finish(self, op):
+        """A bulk operation's finish is enqueued where its start was: both
+        in one CUDA graph capture, or both outside."""
+        if self._pending is None or self._pending[0] != op:
+            raise RuntimeError(f"communicator '{self.name}': {op}_finish without {op}_start")
+        if self._pending_captured != self._capturing():
+            raise RuntimeError(f"communicator '{self.name}': {op}_finish "
+                               f"{'outside' if self._pending_captured else 'inside'} the CUDA graph capture its "
+                               f"{op}_start was {'inside' if self._pending_captured else 'outside'} of: start and "
+                               "finish must be captured together")
 
     @_serialised
     def bulk_ag_finish(self):
         """Wait for the bulk all-gather; returns the gathered tensor as a
         non-owning view of the buffer (valid until the next use)."""
-        if self._pending is None or self._pending[0] != "bulk_ag":
-            raise RuntimeError(f"communicator '{self.name}': bulk_ag_finish without bulk_ag_start")
+        self._check_finish("bulk_ag")
         pending, self._pending = self._pending, None  # keeps the input alive until finished
         _, _, shape, dtype = pending
         self._bulk_ag_finish(self._stream())
@@ -571,12 +585,12 @@ class CommOverlap(_C.CommOverlap):
         self._bulk_rs_start(t.data_ptr(), rows, cols, DTYPE_CODES[t.dtype], out.data_ptr(), self._stream())
         self._pending_thread = threading.current_thread().name
         self._pending = ("bulk_rs", t, out)
+        self._pending_captured = self._capturing()
 
     @_serialised
     def bulk_rs_finish(self):
         """Wait for the bulk reduce-scatter; returns its output."""
-        if self._pending is None or self._pending[0] != "bulk_rs":
-            raise RuntimeError(f"communicator '{self.name}': bulk_rs_finish without bulk_rs_start")
+        self._check_finish("bulk_rs")
         pending, self._pending = self._pending, None  # keeps the input alive until finished
         self._bulk_rs_finish(self._stream())
         return pending[2]

@@ -116,14 +116,14 @@ _Static_assert(3 * (TEC_COMM_MAX_RANKS - 1) <= TEC_FLAG_STEPS_MAX, "announce_fre
 
 static void seq_signal(flag_seq *q, uint64_t *f, uint64_t value)
 {
-    tec_flag_step st = {f, value, 0, 0, {0}};
+    tec_flag_step st = {f, value, TEC_STEP_SIGNAL, TEC_EPOCH_OP, {0}};
     q->s[q->n++] = st;
 }
 
 /* Wait until our own flag `kind` from `src` reaches value's epoch. */
 static void seq_wait(tec_comm *c, flag_seq *q, int kind, int src, uint64_t value, tec_wait_site site)
 {
-    tec_flag_step st = {flag(c, c->rank, kind, src), value, 1, 0, site};
+    tec_flag_step st = {flag(c, c->rank, kind, src), value, TEC_STEP_WAIT, TEC_EPOCH_OP, site};
     q->s[q->n++] = st;
     c->stats.waits++;
 }
@@ -134,8 +134,22 @@ static tec_status seq_run(tec_comm *c, flag_seq *q, void *stream)
     q->n = 0;
     if (!n)
         return TEC_OK;
-    TRY(c->ops->flags(c->t, q->s, n, c->timeout, stream));
+    TRY(c->ops->flags(c->t, q->s, n, c->timeout, flag(c, c->rank, TEC_FLAG_EPOCH, 0), stream));
     return TEC_OK;
+}
+
+/* The end of an operation over more than one rank, on `stream` after the
+ * comm stream joined it: where epochs live on the device, they move on
+ * there (transport.h "Where the epoch comes from"). */
+static tec_status finish_op(tec_comm *c, int published, void *stream)
+{
+    if (!(c->ops->caps & TEC_TRANSPORT_DEVICE_EPOCHS))
+        return TEC_OK;
+    flag_seq q = {.n = 1};
+    tec_flag_step st = {flag(c, c->rank, TEC_FLAG_EPOCH, 0), (uint64_t)(published != 0), TEC_STEP_ADVANCE,
+                        TEC_EPOCH_OP, {0}};
+    q.s[0] = st;
+    return seq_run(c, &q, stream);
 }
 
 /* Add waits until every peer finished pulling our own slot. */
@@ -144,8 +158,10 @@ static void seq_consumed(tec_comm *c, flag_seq *q, const char *op)
     if (!c->last_publish)
         return;
     for (int p = 0; p < c->size; p++)
-        if (p != c->rank)
+        if (p != c->rank) {
             seq_wait(c, q, TEC_FLAG_CONSUMED, p, tec_flag_value(c->last_publish, 0), site(c, op, "chunk consumed", p, 0));
+            q->s[q->n - 1].epoch = TEC_EPOCH_PUBLISHED;
+        }
 }
 
 /* Make `stream` wait until every peer finished pulling our own slot. */
@@ -585,6 +601,7 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
     void *M = c->ops->comm_stream(c->t);
     TRY(c->ops->event_record(c->t, EV_END, M));
     TRY(c->ops->event_wait(c->t, EV_END, stream));
+    TRY(finish_op(c, 1, stream));
     c->stats.ag_overlap++;
     return TEC_OK;
 }
@@ -698,6 +715,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias, v, stream));
     TRY(c->ops->event_record(c->t, EV_END, M));
     TRY(c->ops->event_wait(c->t, EV_END, stream));
+    TRY(finish_op(c, 0, stream));
     c->stats.rs_overlap++;
     return TEC_OK;
 }
@@ -735,6 +753,7 @@ static tec_status bulk_finish(tec_comm *c, int kind, const char *op, void *strea
     c->pending = PENDING_NONE;
     TRY(c->ops->event_wait(c->t, EV_BULK, stream));
     if (c->size > 1) {
+        TRY(finish_op(c, kind == PENDING_AG, stream));
         if (kind == PENDING_AG) c->stats.bulk_ag++;
         else c->stats.bulk_rs++;
     }

@@ -12,6 +12,7 @@
  *                        peers; written by this rank, copied to peers)
  *   [2*data, +flags)     TEC_COMM_NFLAGS kinds x TEC_COMM_MAX_RANKS uint64
  *                        flags; flag[kind][src] is written only by rank src
+ *                        (EPOCH: this rank's own words, see below)
  * The region must start zero-filled (flags start at epoch 0).
  *
  * Handshakes. Every operation takes the next epoch e (a per-communicator
@@ -31,6 +32,21 @@
  *                 the core on the host to name the peers that never arrived
  *                 after a timeout (transports with TEC_TRANSPORT_HOST_FLAGS)
  * Flags are never reset: epochs only grow.
+ *
+ * Where the epoch comes from. Host transports take it from the values the
+ * core computed (the core's counter). A transport with
+ * TEC_TRANSPORT_DEVICE_EPOCHS takes it on the device when a step runs, from
+ * this rank's EPOCH words: EPOCH[0] = the last epoch this rank completed,
+ * EPOCH[1] = the epoch of the last all-gather of its own slot (0: none). A
+ * step's value then contributes only its tag; its epoch is EPOCH[0] + 1
+ * (TEC_EPOCH_OP) or EPOCH[1] (TEC_EPOCH_PUBLISHED, the CONSUMED waits). Every
+ * operation over more than one rank ends with an ADVANCE step on the
+ * caller's stream after the comm stream has joined it (EPOCH[0] += 1, and
+ * EPOCH[1] = EPOCH[0] when the operation published our slot), so every step
+ * of an operation sees the same epoch and the next operation the next one.
+ * Nothing of an epoch is then baked into a launch: a CUDA graph captured
+ * over the operations replays with fresh epochs every time, and eager calls
+ * in between continue the same count.
  */
 #ifndef TEC_TRANSPORT_H
 #define TEC_TRANSPORT_H
@@ -51,7 +67,8 @@ extern "C" {
 
 #define TEC_COMM_NEVENTS (TEC_COMM_MAX_RANKS + 8)
 
-enum { TEC_FLAG_READY = 0, TEC_FLAG_CONSUMED = 1, TEC_FLAG_FREE = 2, TEC_FLAG_ARRIVED = 3, TEC_COMM_NFLAGS = 4 };
+enum { TEC_FLAG_READY = 0, TEC_FLAG_CONSUMED = 1, TEC_FLAG_FREE = 2, TEC_FLAG_ARRIVED = 3, TEC_FLAG_EPOCH = 4,
+       TEC_COMM_NFLAGS = 5 };
 
 /* ---------------------------------------------------------- wire format
  * A flag is 64 bits: the epoch in the high 32, the tag in the low 32; a tag
@@ -79,12 +96,18 @@ typedef struct {
 } tec_wait_site;
 
 /* One step of a flag sequence (tec_transport_ops.flags): a signal
- * (*flag = value) or a wait (until flag's epoch reaches value's). */
+ * (*flag = value), a wait (until flag's epoch reaches value's) or, on
+ * device-epoch transports only, the end of an operation (ADVANCE: the EPOCH
+ * words move on; `flag` is EPOCH[0], `value` 1 when the operation published
+ * this rank's slot). */
+enum { TEC_STEP_SIGNAL = 0, TEC_STEP_WAIT = 1, TEC_STEP_ADVANCE = 2 };
+/* Where a device-epoch transport takes a step's epoch from (see above). */
+enum { TEC_EPOCH_OP = 0, TEC_EPOCH_PUBLISHED = 1 };
 typedef struct {
     uint64_t *flag;
     uint64_t value;
-    int wait;           /* 1: wait, reported at `site`; 0: signal */
-    int pad;
+    int kind;           /* TEC_STEP_*; a wait is reported at `site` */
+    int epoch;          /* TEC_EPOCH_* */
     tec_wait_site site;
 } tec_flag_step;
 
@@ -128,6 +151,10 @@ enum {
      * each operation marks ARRIVED, and a timeout names the peers that
      * never arrived. */
     TEC_TRANSPORT_HOST_FLAGS = 1u << 1,
+    /* Epochs are taken on the device when a step runs (see "Where the
+     * epoch comes from"): the schedules end every operation with an
+     * ADVANCE step, and a captured CUDA graph replays correctly. */
+    TEC_TRANSPORT_DEVICE_EPOCHS = 1u << 2,
 };
 
 /* Streams. Every data-moving call takes `stream`: either the transport's
@@ -196,11 +223,14 @@ typedef struct tec_transport_ops {
     /* steps[0..n) in order on `stream`, each as signal() / wait() would run
      * it (timeout_s for every wait), as one operation: CUDA launches one
      * kernel for the whole sequence instead of one per step. After a failed
-     * wait the rest of the sequence is skipped (the transport is broken). */
-    tec_status (*flags)(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream);
+     * wait the rest of the sequence is skipped (the transport is broken).
+     * `epochs`: this rank's EPOCH words, where a device-epoch transport
+     * takes the steps' epochs from (NULL: the values' own epochs). */
+    tec_status (*flags)(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, uint64_t *epochs,
+                        void *stream);
 } tec_transport_ops;
 
-#define TEC_TRANSPORT_ABI 3 /* 3: caps; no last_error (errors go through tec_set_error) */
+#define TEC_TRANSPORT_ABI 4 /* 4: device epochs (flags' epochs, step kinds); 3: caps; no last_error */
 
 extern const tec_transport_ops tec_shm_transport;
 

@@ -35,7 +35,7 @@ static int failures;
 
 /* ================================================================ streams */
 
-enum { K_COPY, K_SIGNAL, K_WAIT, K_EVREC, K_EVWAIT, K_REDUCE, K_GEMM };
+enum { K_COPY, K_SIGNAL, K_WAIT, K_EVREC, K_EVWAIT, K_REDUCE, K_GEMM, K_ADVANCE };
 enum { QMAX = 1024, NRANKS = TEC_COMM_MAX_RANKS };
 
 typedef struct {
@@ -45,6 +45,8 @@ typedef struct {
     size_t bytes;
     uint64_t *flag;
     uint64_t value;
+    uint64_t *epochs; /* device epochs: value's epoch is read from here when the op runs */
+    int epoch_ref;    /* TEC_EPOCH_* */
     double timeout;
     tec_wait_site site;
     int event;
@@ -76,7 +78,19 @@ struct tec_transport {
 
 static tec_transport *g_rank[NRANKS]; /* the mock's "IPC": rank -> transport */
 static int g_ignore_waits;             /* the negative check: waits never hold anything back */
+static int g_quiet;                    /* negative checks: failures expected, not reported */
 static uint64_t g_rng = 1;
+
+/* "CUDA graph capture": while g_capturing, enqueued ops are recorded
+ * instead of queued; replay() enqueues the recording again, as a graph
+ * launch runs the captured nodes again (event edges kept, by re-issuing
+ * records and waits in capture order; flag values exactly as captured). */
+enum { CAPMAX = 4096 };
+static struct {
+    mock_stream *s;
+    op_t o;
+} g_cap[CAPMAX];
+static int g_ncap, g_capturing;
 
 static uint64_t rng(void)
 {
@@ -91,6 +105,13 @@ static tec_status push(void *stream, const op_t *o)
     mock_stream *s = stream;
     if (!s)
         return tec_set_error(TEC_ERR_INVALID_ARG, "mock: no stream");
+    if (g_capturing) {
+        if (g_ncap == CAPMAX)
+            return tec_set_error(TEC_ERR_INTERNAL, "mock: capture full");
+        g_cap[g_ncap].s = s;
+        g_cap[g_ncap++].o = *o;
+        return TEC_OK;
+    }
     if (s->tail == QMAX)
         return tec_set_error(TEC_ERR_INTERNAL, "mock: stream queue full");
     s->q[s->tail++] = *o;
@@ -98,6 +119,17 @@ static tec_status push(void *stream, const op_t *o)
 }
 
 /* ------------------------------------------------------------- executing */
+
+/* A flag op's value when it runs: with device epochs, its epoch comes from
+ * the rank's EPOCH words now (transport.h); 0 for a CONSUMED wait before
+ * anything was published (nothing to wait for). */
+static uint64_t value_now(const op_t *o)
+{
+    if (!o->epochs)
+        return o->value;
+    const uint64_t e = o->epoch_ref == TEC_EPOCH_PUBLISHED ? o->epochs[1] : o->epochs[0] + 1;
+    return e ? tec_flag_value(e, (uint32_t)o->value) : 0;
+}
 
 static void run_gemm(const tec_gemm_args *g)
 {
@@ -123,7 +155,7 @@ static int runnable(mock_stream *s)
     tec_transport *t = s->owner;
     if (o->kind == K_WAIT)
         return g_ignore_waits || t->failed ||
-               tec_flag_epoch(__atomic_load_n(o->flag, __ATOMIC_ACQUIRE)) >= tec_flag_epoch(o->value);
+               tec_flag_epoch(__atomic_load_n(o->flag, __ATOMIC_ACQUIRE)) >= tec_flag_epoch(value_now(o));
     if (o->kind == K_EVWAIT)
         return t->ev_done[o->event] >= o->ticket;
     return 1;
@@ -135,7 +167,7 @@ static void record_failure(tec_transport *t, int st, const op_t *o, uint64_t see
         return;
     t->failed = st;
     t->seen = seen;
-    t->want = o->value;
+    t->want = value_now(o);
     t->timeout = o->timeout;
     t->site = o->site;
 }
@@ -148,15 +180,20 @@ static void execute(mock_stream *s)
     case K_COPY: memcpy(o->dst, o->src, o->bytes); break;
     case K_SIGNAL:
         if (!t->failed) /* a broken transport signals nothing (peers then time out) */
-            __atomic_store_n(o->flag, o->value, __ATOMIC_RELEASE);
+            __atomic_store_n(o->flag, value_now(o), __ATOMIC_RELEASE);
         break;
     case K_WAIT: {
-        const uint64_t seen = __atomic_load_n(o->flag, __ATOMIC_ACQUIRE);
-        if (!g_ignore_waits && !t->failed && tec_flag_epoch(seen) == tec_flag_epoch(o->value) &&
-            (uint32_t)seen != (uint32_t)o->value)
+        const uint64_t seen = __atomic_load_n(o->flag, __ATOMIC_ACQUIRE), want = value_now(o);
+        if (!g_ignore_waits && !t->failed && tec_flag_epoch(seen) == tec_flag_epoch(want) &&
+            (uint32_t)seen != (uint32_t)want)
             record_failure(t, TEC_ERR_INVALID_ARG, o, seen);
         break;
     }
+    case K_ADVANCE:
+        o->epochs[0]++;
+        if (o->value)
+            o->epochs[1] = o->epochs[0];
+        break;
     case K_EVREC: t->ev_done[o->event] = o->ticket; break;
     case K_EVWAIT: break;
     case K_REDUCE: {
@@ -339,13 +376,45 @@ static tec_status m_synchronize(tec_transport *t, void *stream)
     return m_check(t);
 }
 
-static tec_status m_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream)
+static tec_transport_ops mock_transport;
+
+/* With TEC_TRANSPORT_DEVICE_EPOCHS in the mock's caps, epochs are resolved
+ * when each op runs (value_now) and ADVANCE steps are accepted. */
+static tec_status m_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, uint64_t *epochs,
+                          void *stream)
 {
     if (n < 0 || n > TEC_FLAG_STEPS_MAX)
         return tec_set_error(TEC_ERR_INVALID_ARG, "mock: flags: %d steps (0..%d)", n, TEC_FLAG_STEPS_MAX);
+    const int dev = (mock_transport.caps & TEC_TRANSPORT_DEVICE_EPOCHS) != 0;
     for (int i = 0; i < n; i++) {
-        tec_status st = steps[i].wait ? m_wait(t, steps[i].flag, steps[i].value, timeout_s, steps[i].site, stream)
-                                      : m_signal(t, steps[i].flag, steps[i].value, stream);
+        const tec_flag_step *s = &steps[i];
+        if (s->kind == TEC_STEP_ADVANCE && !dev)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "mock: ADVANCE step without device epochs");
+        if (s->kind == TEC_STEP_WAIT && m_check(t))
+            return m_check(t);
+        op_t o = {.kind = s->kind == TEC_STEP_WAIT ? K_WAIT : s->kind == TEC_STEP_SIGNAL ? K_SIGNAL : K_ADVANCE,
+                  .flag = s->flag, .value = s->value, .epochs = dev ? epochs : NULL, .epoch_ref = s->epoch,
+                  .timeout = timeout_s, .site = s->site};
+        tec_status st = push(stream, &o);
+        if (st)
+            return st;
+    }
+    return TEC_OK;
+}
+
+/* Run the recording again on the same streams (a graph launch): each
+ * record gets a new ticket and each wait the latest record's, in capture
+ * order, so the captured event edges hold again. */
+static tec_status replay(void)
+{
+    for (int i = 0; i < g_ncap; i++) {
+        op_t o = g_cap[i].o;
+        tec_transport *t = g_cap[i].s->owner;
+        if (o.kind == K_EVREC)
+            o.ticket = ++t->ev_issued[o.event];
+        else if (o.kind == K_EVWAIT)
+            o.ticket = t->ev_issued[o.event];
+        tec_status st = push(g_cap[i].s, &o);
         if (st)
             return st;
     }
@@ -455,7 +524,8 @@ static int sync_all(tec_comm **c, int tp, const char *what)
     int ok = 1;
     for (int r = 0; r < tp; r++)
         if (tec_comm_synchronize(c[r], S_OF(c[r])) != TEC_OK) {
-            printf("FAIL %s: rank %d: %s\n", what, r, tec_last_error());
+            if (!g_quiet)
+                printf("FAIL %s: rank %d: %s\n", what, r, tec_last_error());
             ok = 0;
         }
     return ok;
@@ -464,8 +534,10 @@ static int sync_all(tec_comm **c, int tp, const char *what)
 #define TRY_RANK(r, call)                                                                         \
     do {                                                                                          \
         if ((call) != TEC_OK) {                                                                   \
-            printf("FAIL rank %d: %s: %s\n", (r), #call, tec_last_error());                     \
-            failures++;                                                                           \
+            if (!g_quiet) {                                                                       \
+                printf("FAIL rank %d: %s: %s\n", (r), #call, tec_last_error());                 \
+                failures++;                                                                       \
+            }                                                                                     \
             return -1;                                                                            \
         }                                                                                         \
     } while (0)
@@ -534,6 +606,32 @@ static int check_ag(tec_comm **c, int tp, const gemm_io *io, int transb, int dir
     return wrong;
 }
 
+/* GEMM+RS issued on every rank. */
+static int issue_rs(tec_comm **c, int tp, gemm_io *io, int transb)
+{
+    for (int r = 0; r < tp; r++) {
+        tec_gemm_rs_args a = {.a = io->A[r], .lda = K, .rows = ROWS, .k = K, .n = N, .dtype = TEC_F32, .b = io->B,
+                              .ldb = transb ? K : N, .transb = transb, .out = io->out[r], .bias = io->bias};
+        TRY_RANK(r, tec_comm_gemm_rs(c[r], &a, S_OF(c[r])));
+    }
+    return 0;
+}
+
+static int check_rs(int tp, const gemm_io *io, int transb)
+{
+    int wrong = 0;
+    for (int r = 0; r < tp; r++)
+        for (int i = 0; i < ROWS; i++)
+            for (int j = 0; j < N; j++) {
+                double want = io->bias[j];
+                for (int p = 0; p < tp; p++)
+                    for (int q = 0; q < K; q++)
+                        want += (double)io->A[p][(r * ROWS + i) * K + q] * bval(io, transb, q, j);
+                wrong += !close_to(io->out[r][i * N + j], want);
+            }
+    return wrong;
+}
+
 /* Two batches of operations, each issued on every rank without a host
  * synchronization in between (as a layer's forward and backward issue
  * them), then synchronized and checked: returns the number of wrong
@@ -554,11 +652,8 @@ static int steps(tec_comm **c, int tp, int transb)
         for (int i = 0; i < ROWS * N; i++)
             bout[r][i] = NAN;
     }
-    for (int r = 0; r < tp; r++) {
-        tec_gemm_rs_args a = {.a = rs.A[r], .lda = K, .rows = ROWS, .k = K, .n = N, .dtype = TEC_F32, .b = rs.B,
-                              .ldb = transb ? K : N, .transb = transb, .out = rs.out[r], .bias = rs.bias};
-        TRY_RANK(r, tec_comm_gemm_rs(c[r], &a, S_OF(c[r])));
-    }
+    if (issue_rs(c, tp, &rs, transb))
+        return -1;
     for (int r = 0; r < tp; r++)
         TRY_RANK(r, tec_comm_bulk_rs_start(c[r], bsrc[r], ROWS, N, TEC_F32, bout[r], S_OF(c[r])));
     for (int r = 0; r < tp; r++)
@@ -571,15 +666,7 @@ static int steps(tec_comm **c, int tp, int transb)
         TRY_RANK(r, tec_comm_bulk_ag_finish(c[r], S_OF(c[r])));
     if (!sync_all(c, tp, "batch 1"))
         return -1;
-    for (int r = 0; r < tp; r++)
-        for (int i = 0; i < ROWS; i++)
-            for (int j = 0; j < N; j++) {
-                double want = rs.bias[j];
-                for (int p = 0; p < tp; p++)
-                    for (int q = 0; q < K; q++)
-                        want += (double)rs.A[p][(r * ROWS + i) * K + q] * bval(&rs, transb, q, j);
-                wrong += !close_to(rs.out[r][i * N + j], want);
-            }
+    wrong += check_rs(tp, &rs, transb);
     for (int r = 0; r < tp; r++)
         for (int i = 0; i < ROWS * N; i++) {
             double want = 0.0;
@@ -611,10 +698,11 @@ static int steps(tec_comm **c, int tp, int transb)
 /* Every schedule, tp 1..4, both issue orders, both B layouts, many seeds. */
 static void schedules_are_right(void)
 {
-    const unsigned caps[2] = {TEC_TRANSPORT_ASYNC, TEC_TRANSPORT_HOST_FLAGS};
+    const unsigned caps[3] = {TEC_TRANSPORT_ASYNC, TEC_TRANSPORT_HOST_FLAGS,
+                              TEC_TRANSPORT_ASYNC | TEC_TRANSPORT_DEVICE_EPOCHS};
     int runs = 0;
     for (int tp = 1; tp <= 4; tp++)
-        for (int ci = 0; ci < 2; ci++)
+        for (int ci = 0; ci < 3; ci++)
             for (int transb = 0; transb < 2; transb++)
                 for (int seed = 1; seed <= 12; seed++) {
                     tec_comm *c[NRANKS] = {0};
@@ -663,6 +751,81 @@ static void ignoring_waits_is_caught(void)
     g_ignore_waits = 0;
     CHECK(caught > 0, "a mock that ignores every wait passed the output checks");
     printf("negative check: ignored waits caught in %d of 18 runs\n", caught);
+}
+
+/* CUDA graphs, as the mock models them: a GEMM+RS, an AG+GEMM from a_local
+ * and one written into the slot directly, captured once on every rank and
+ * replayed with new data, twice back to back and with eager batches in
+ * between. Returns the number of wrong outputs, or -1 after a failure. */
+static int replays(tec_comm **c, int tp, int transb)
+{
+    static gemm_io rs, ag, agd;
+    int wrong = 0;
+    g_ncap = 0;
+    g_capturing = 1;
+    const int issued = !issue_rs(c, tp, &rs, transb) && !issue_ag(c, tp, &ag, transb, 0) &&
+                       !issue_ag(c, tp, &agd, transb, 1);
+    g_capturing = 0;
+    if (!issued)
+        return -1;
+    for (int round = 0; round < 6; round++) {
+        fresh(&rs, tp, (size_t)tp * ROWS * K, ROWS * N);
+        fresh(&ag, tp, ROWS * K, (size_t)tp * ROWS * N);
+        fresh(&agd, tp, ROWS * K, (size_t)tp * ROWS * N);
+        if (replay() || (round % 2 && replay())) /* odd rounds: two launches, no host sync between */
+            return -1;
+        if (!sync_all(c, tp, "replay"))
+            return -1;
+        wrong += check_rs(tp, &rs, transb) + check_ag(c, tp, &ag, transb, 0, 0) + check_ag(c, tp, &agd, transb, 1, 1);
+        if (round % 3 == 1) { /* eager operations between launches continue the same epochs */
+            const int w = steps(c, tp, transb);
+            if (w < 0)
+                return -1;
+            wrong += w;
+        }
+    }
+    return wrong;
+}
+
+static void graphs_replay(void)
+{
+    int runs = 0, caught = 0;
+    for (int tp = 2; tp <= 4; tp++)
+        for (int transb = 0; transb < 2; transb++)
+            for (int seed = 1; seed <= 8; seed++) {
+                tec_comm *c[NRANKS] = {0};
+                mock_transport.caps = TEC_TRANSPORT_ASYNC | TEC_TRANSPORT_DEVICE_EPOCHS;
+                g_rng = 0x51afd6ed4e1c2b3dull * (uint64_t)(seed + 100 * tp + 1000 * transb);
+                if (!open_group(c, tp, "graph"))
+                    return;
+                const int w0 = steps(c, tp, transb); /* eager work before the capture */
+                const int wrong = w0 < 0 ? w0 : replays(c, tp, transb);
+                CHECK(w0 == 0 && wrong == 0, "graph replays: tp %d transb %d seed %d: %d / %d wrong outputs", tp,
+                      transb, seed, w0, wrong);
+                close_group(c, tp);
+                runs++;
+            }
+    /* Negative check: epochs counted on the host are baked into what was
+     * captured, so a replay after other work waits for stale epochs and
+     * reads buffers before they are written. The same checks must see it. */
+    const int before = failures;
+    g_quiet = 1;
+    for (int tp = 2; tp <= 4; tp++)
+        for (int seed = 1; seed <= 4; seed++) {
+            tec_comm *c[NRANKS] = {0};
+            mock_transport.caps = TEC_TRANSPORT_ASYNC;
+            g_rng = 0x2545f4914f6cdd1dull * (uint64_t)(seed + 10 * tp);
+            if (!open_group(c, tp, "stale"))
+                break;
+            caught += steps(c, tp, 1) != 0 || replays(c, tp, 1) != 0;
+            for (int r = 0; r < tp; r++) /* drain what a failed replay left queued */
+                tec_comm_synchronize(c[r], S_OF(c[r]));
+            close_group(c, tp);
+        }
+    g_quiet = 0;
+    failures = before;
+    CHECK(caught == 12, "host-counted epochs replayed correctly in %d of 12 runs", 12 - caught);
+    printf("graphs: %d replay runs checked; negative check: stale epochs caught in %d of 12 runs\n", runs, caught);
 }
 
 /* A rank that never arrives: its peers time out naming the step and peer;
@@ -722,7 +885,9 @@ int main(void)
 {
     schedules_are_right();
     ignoring_waits_is_caught();
+    graphs_replay();
     absent_rank_times_out(TEC_TRANSPORT_ASYNC);
+    absent_rank_times_out(TEC_TRANSPORT_ASYNC | TEC_TRANSPORT_DEVICE_EPOCHS);
     absent_rank_times_out(TEC_TRANSPORT_HOST_FLAGS);
     mismatched_shapes_are_reported();
     if (failures) {

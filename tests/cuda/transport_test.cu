@@ -303,7 +303,7 @@ static void test_sequences(tec_transport *t, void **bases, int q, int first, int
             {flag(peer, TEC_FLAG_READY, r), tec_flag_value(e, 3), 0, 0, {0}},
             {flag(own, TEC_FLAG_READY, q), tec_flag_value(e, 3), 1, 0, site("sequence", "chunk ready", q, e)},
         };
-        TK(ops->flags(t, ready, 2, WAIT_S, M));
+        TK(ops->flags(t, ready, 2, WAIT_S, NULL, M));
         check_kernel<<<128, 256, 0, (cudaStream_t)M>>>((const uint32_t *)((char *)own + q * CHUNK), n,
                                                        (uint32_t)(77 * e + q), bad);
         CK(cudaGetLastError());
@@ -311,7 +311,7 @@ static void test_sequences(tec_transport *t, void **bases, int q, int first, int
             {flag(peer, TEC_FLAG_FREE, r), tec_flag_value(e, 0), 0, 0, {0}},
             {flag(own, TEC_FLAG_FREE, q), tec_flag_value(e, 0), 1, 0, site("sequence", "slot free", q, e)},
         };
-        TK(ops->flags(t, freed, 2, WAIT_S, M));
+        TK(ops->flags(t, freed, 2, WAIT_S, NULL, M));
     }
     TK(ops->synchronize(t, M));
     const double dt = now_s() - t0;
@@ -320,7 +320,7 @@ static void test_sequences(tec_transport *t, void **bases, int q, int first, int
     if (h)
         die("flag sequences: %llu words seen before they were written (ordering broken)", h);
     tec_flag_step none[1];
-    if (ops->flags(t, none, TEC_FLAG_STEPS_MAX + 1, WAIT_S, M) != TEC_ERR_INVALID_ARG)
+    if (ops->flags(t, none, TEC_FLAG_STEPS_MAX + 1, WAIT_S, NULL, M) != TEC_ERR_INVALID_ARG)
         die("flags: a sequence longer than TEC_FLAG_STEPS_MAX was accepted");
     CK(cudaFree(bad));
     barrier();
@@ -583,7 +583,7 @@ static void test_failures(tec_transport *t, void **bases, int q)
             {flag(own, TEC_FLAG_READY, 0), tec_flag_value(2 * E, 0), 1, 0, site("ag_gemm", "chunk ready", 0, 3)},
             {flag(peer, TEC_FLAG_CONSUMED, 1), tec_flag_value(5, 0), 0, 0, {0}},
         };
-        TK(ops->flags(t, seq, 2, 1.0, M));
+        TK(ops->flags(t, seq, 2, 1.0, NULL, M));
         for (int step = 4; step < 7; step++)
             TK(ops->wait(t, flag(own, TEC_FLAG_READY, 0), tec_flag_value(2 * E, 0), 1.0,
                          site("ag_gemm", "chunk ready", 0, step), M));

@@ -557,13 +557,20 @@ static tec_status shm_synchronize(tec_transport *t, void *stream)
     return get_err(t);
 }
 
-static tec_status shm_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout, void *stream)
+/* Epochs are the core's (host flags): `epochs` is not read, and an ADVANCE
+ * step (device-epoch transports only) is refused. */
+static tec_status shm_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout, uint64_t *epochs,
+                            void *stream)
 {
+    (void)epochs;
     if (n < 0 || n > TEC_FLAG_STEPS_MAX || (n && !steps))
         return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: flags: %d steps (0..%d)", n, TEC_FLAG_STEPS_MAX);
     for (int i = 0; i < n; i++) {
-        tec_status st = steps[i].wait ? shm_wait(t, steps[i].flag, steps[i].value, timeout, steps[i].site, stream)
-                                      : shm_signal(t, steps[i].flag, steps[i].value, stream);
+        if (steps[i].kind != TEC_STEP_SIGNAL && steps[i].kind != TEC_STEP_WAIT)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: flags: step %d of kind %d", i, steps[i].kind);
+        tec_status st = steps[i].kind == TEC_STEP_WAIT
+                            ? shm_wait(t, steps[i].flag, steps[i].value, timeout, steps[i].site, stream)
+                            : shm_signal(t, steps[i].flag, steps[i].value, stream);
         if (st != TEC_OK)
             return st;
     }

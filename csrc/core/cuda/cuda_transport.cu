@@ -167,7 +167,10 @@ __device__ __forceinline__ void ct_raise(uint64_t *flag, uint64_t value, const u
 }
 
 /* A whole flag sequence in one kernel: steps in order, stopping at the
- * first failed wait (later signals are then suppressed anyway). */
+ * first failed wait (later signals are then suppressed anyway). With
+ * `epochs` (the rank's EPOCH words, transport.h) a step's epoch is read
+ * here, when the step runs, so a captured graph replays with fresh epochs;
+ * without, the values are used as given (ct_signal, ct_wait). */
 struct ct_flags_args {
     tec_flag_step steps[TEC_FLAG_STEPS_MAX];
     int n;
@@ -175,6 +178,7 @@ struct ct_flags_args {
     double timeout_s;
     unsigned int *failed;
     ct_record *rec;
+    uint64_t *epochs;
 };
 static_assert(sizeof(ct_flags_args) <= 4000, "ct_flags_args exceeds the kernel parameter space");
 
@@ -182,11 +186,28 @@ __global__ void __launch_bounds__(1) ct_flags_kernel(ct_flags_args a)
 {
     for (int i = 0; i < a.n; i++) {
         const tec_flag_step &s = a.steps[i];
-        if (s.wait) {
-            if (!ct_spin(s.flag, s.value, a.timeout_ns, a.timeout_s, a.failed, a.rec, s.site))
+        uint64_t value = s.value;
+        if (a.epochs) {
+            /* Earlier kernels wrote the words (stream / event order); this
+             * thread is the only one touching them now. */
+            volatile uint64_t *ep = a.epochs;
+            if (s.kind == TEC_STEP_ADVANCE) {
+                const uint64_t e = ep[0] + 1;
+                ep[0] = e;
+                if (s.value)
+                    ep[1] = e;
+                continue;
+            }
+            const uint64_t e = s.epoch == TEC_EPOCH_PUBLISHED ? ep[1] : ep[0] + 1;
+            if (s.epoch == TEC_EPOCH_PUBLISHED && e == 0)
+                continue; /* nothing published yet: nothing to wait for */
+            value = tec_flag_value(e, (uint32_t)s.value);
+        }
+        if (s.kind == TEC_STEP_WAIT) {
+            if (!ct_spin(s.flag, value, a.timeout_ns, a.timeout_s, a.failed, a.rec, s.site))
                 return;
-        } else {
-            ct_raise(s.flag, s.value, a.failed);
+        } else if (s.kind == TEC_STEP_SIGNAL) {
+            ct_raise(s.flag, value, a.failed);
         }
     }
 }
@@ -493,7 +514,8 @@ tec_status ct_copy(tec_transport *t, void *dst, const void *src, size_t bytes, v
 }
 
 /* One ct_flags_kernel over steps[0..n) (checked by the caller). */
-tec_status ct_launch_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream)
+tec_status ct_launch_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, uint64_t *epochs,
+                           void *stream)
 {
     TEC_CUDA_ENTER(t->device);
     ct_flags_args a;
@@ -505,6 +527,7 @@ tec_status ct_launch_flags(tec_transport *t, const tec_flag_step *steps, int n, 
     a.timeout_s = timeout_s;
     a.failed = t->failed;
     a.rec = t->rec_dev;
+    a.epochs = epochs;
     ct_flags_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(a);
     TEC_CUDA_LAUNCH_CHECK("the flag kernel");
     return TEC_OK;
@@ -519,7 +542,8 @@ tec_status ct_signal(tec_transport *t, uint64_t *flag, uint64_t value, void *str
     memset(&step, 0, sizeof step);
     step.flag = flag;
     step.value = value;
-    return ct_launch_flags(t, &step, 1, 1.0, stream);
+    step.kind = TEC_STEP_SIGNAL;
+    return ct_launch_flags(t, &step, 1, 1.0, NULL, stream);
 }
 
 tec_status ct_wait(tec_transport *t, const uint64_t *flag, uint64_t value, double timeout_s, tec_wait_site site,
@@ -535,12 +559,13 @@ tec_status ct_wait(tec_transport *t, const uint64_t *flag, uint64_t value, doubl
     memset(&step, 0, sizeof step);
     step.flag = (uint64_t *)flag; /* only read by a wait */
     step.value = value;
-    step.wait = 1;
+    step.kind = TEC_STEP_WAIT;
     step.site = site;
-    return ct_launch_flags(t, &step, 1, timeout_s, stream);
+    return ct_launch_flags(t, &step, 1, timeout_s, NULL, stream);
 }
 
-tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, void *stream)
+tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double timeout_s, uint64_t *epochs,
+                    void *stream)
 {
     TEC_CUDA_REQUIRE(t, "flags: no transport");
     TEC_CUDA_REQUIRE(n >= 0 && n <= TEC_FLAG_STEPS_MAX && (steps || !n), "flags: %d steps (0..%d)", n, TEC_FLAG_STEPS_MAX);
@@ -550,7 +575,11 @@ tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double 
     for (int i = 0; i < n; i++) {
         TEC_CUDA_REQUIRE(steps[i].flag && ((uintptr_t)steps[i].flag & 7u) == 0,
                    "flags: step %d's flag %p is not an aligned 8-byte word", i, (void *)steps[i].flag);
-        waits += steps[i].wait != 0;
+        TEC_CUDA_REQUIRE(steps[i].kind == TEC_STEP_SIGNAL || steps[i].kind == TEC_STEP_WAIT ||
+                             (steps[i].kind == TEC_STEP_ADVANCE && epochs),
+                         "flags: step %d of kind %d%s", i, steps[i].kind,
+                         steps[i].kind == TEC_STEP_ADVANCE ? " without the epoch words" : "");
+        waits += steps[i].kind == TEC_STEP_WAIT;
     }
     if (waits) {
         tec_status st = ct_check(t); /* a broken transport stays broken */
@@ -558,7 +587,9 @@ tec_status ct_flags(tec_transport *t, const tec_flag_step *steps, int n, double 
             return st;
         TEC_CUDA_REQUIRE(timeout_s > 0, "flags: timeout must be > 0 seconds");
     }
-    return ct_launch_flags(t, steps, n, timeout_s, stream);
+    TEC_CUDA_REQUIRE(!epochs || ((uintptr_t)epochs & 7u) == 0, "flags: epoch words %p are not aligned",
+                     (void *)epochs);
+    return ct_launch_flags(t, steps, n, timeout_s, epochs, stream);
 }
 
 tec_status ct_event_record(tec_transport *t, int ev, void *stream)
@@ -652,7 +683,9 @@ tec_status ct_synchronize(tec_transport *t, void *stream)
 const tec_transport_ops tec_cuda_transport = {
     TEC_TRANSPORT_ABI,
     "cuda_ipc",
-    TEC_TRANSPORT_ASYNC, /* caps: streams run apart from the host; flags live in device memory */
+    /* caps: streams run apart from the host; flags live in device memory and
+     * so do the epochs (a captured CUDA graph replays with fresh ones) */
+    TEC_TRANSPORT_ASYNC | TEC_TRANSPORT_DEVICE_EPOCHS,
     ct_create,
     ct_destroy,
     ct_local_handle,
