@@ -20,6 +20,9 @@
  *           goes on, check()/synchronize() report the failure from then on.
  *   Steps run in order; a failed wait ends its kernel (a schedule's
  *   handshakes cost one launch instead of one per peer and step).
+ *   Epochs (TEC_TRANSPORT_DEVICE_EPOCHS): the kernel builds each step's
+ *   value from the rank's EPOCH words when it runs, and ADVANCE steps move
+ *   them on, so launches carry no epoch and captured graphs replay.
  *   After a failure the transport is broken: later waits return at once and
  *   signals are suppressed (peers then time out rather than read data of a
  *   broken schedule); copies still run (data in a broken communicator is
