@@ -4,9 +4,40 @@ non-overlapped sequence-parallel collectives (along the first dimension of a
 import torch
 import torch.distributed as dist
 
-# PyTorch 2.13 renamed the flat collectives; older releases have only the old names.
+# The layers' collectives call the process group's own methods: torch.distributed's
+# functions add 15-30 µs of Python per call on top of them (argument checks, group
+# lookups, logging wrappers; scripts/experiments/collective_host_cost.py), which is
+# most of a small layer's host time. Only groups this rank belongs to reach here
+# (resolve_tp). A group without the methods (None where there is no default group)
+# takes torch.distributed's functions; PyTorch 2.13 renamed the flat ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _process_group(group):
+    """The ProcessGroup object behind `group` (None: the default group), if it
+    has the methods the direct calls use."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return pg if hasattr(pg, "_allgather_base") and hasattr(pg, "_reduce_scatter_base") else None
+
+
+def _all_gather_into(out, x, group, async_op):
+    pg = _process_group(group)
+    if pg is None:
+        return _all_gather_flat(out, x, group=group, async_op=async_op)
+    work = pg._allgather_base(out, x)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _reduce_scatter_into(out, x, group):
+    pg = _process_group(group)
+    if pg is None:
+        _reduce_scatter_flat(out, x, group=group)
+    else:
+        pg._reduce_scatter_base(out, x).wait()  # the default options: SUM
 
 
 def resolve_tp(tp_group, tp_size):
@@ -35,7 +66,7 @@ def all_gather_rows(x, group, size, async_op=False):
     if size == 1:
         return (x, None) if async_op else x
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather_flat(out, x.contiguous(), group=group, async_op=async_op)
+    work = _all_gather_into(out, x.contiguous(), group, async_op)
     return (out, work) if async_op else out
 
 
@@ -46,13 +77,17 @@ def reduce_scatter_rows(x, group, size):
     if x.shape[0] % size:
         raise ValueError(f"cannot reduce-scatter {x.shape[0]} rows over {size} ranks")
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, x.contiguous(), group=group)
+    _reduce_scatter_into(out, x.contiguous(), group)
     return out
 
 
 def all_reduce(x, group, size):
     if size > 1:
-        dist.all_reduce(x, group=group)
+        pg = _process_group(group)
+        if pg is None:
+            dist.all_reduce(x, group=group)
+        else:
+            pg.allreduce([x]).wait()  # the default options: SUM
     return x
 
 
