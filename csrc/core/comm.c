@@ -138,17 +138,25 @@ static tec_status seq_run(tec_comm *c, flag_seq *q, void *stream)
     return TEC_OK;
 }
 
-/* The end of an operation over more than one rank, on `stream` after the
- * comm stream joined it: where epochs live on the device, they move on
- * there (transport.h "Where the epoch comes from"). */
-static tec_status finish_op(tec_comm *c, int published, void *stream)
+/* The end of an operation over more than one rank, where epochs live on
+ * the device (transport.h "Where the epoch comes from"): an ADVANCE step
+ * appended to q. It must come after every step of the operation in stream
+ * order: in the comm stream's last sequence where all of the operation's
+ * steps run there (all-gathers, bulk reduce-scatter), else on the caller's
+ * stream after the comm stream joined it (finish_op). */
+static void seq_advance(tec_comm *c, flag_seq *q, int published)
 {
     if (!(c->ops->caps & TEC_TRANSPORT_DEVICE_EPOCHS))
-        return TEC_OK;
-    flag_seq q = {.n = 1};
+        return;
     tec_flag_step st = {flag(c, c->rank, TEC_FLAG_EPOCH, 0), (uint64_t)(published != 0), TEC_STEP_ADVANCE,
                         TEC_EPOCH_OP, {0}};
-    q.s[0] = st;
+    q->s[q->n++] = st;
+}
+
+static tec_status finish_op(tec_comm *c, int published, void *stream)
+{
+    flag_seq q = {.n = 0};
+    seq_advance(c, &q, published);
     return seq_run(c, &q, stream);
 }
 
@@ -492,7 +500,8 @@ static tec_status follow(tec_comm *c, int recorded, void *stream)
  * pull every peer's chunk into its slot, own chunk order (rank - i).
  * Records EV_CHUNK + i after chunk i arrived (when ev_chunks). On M: the
  * READY signals and the first wait are one flag sequence, each CONSUMED
- * signal goes with the next chunk's wait. */
+ * signal goes with the next chunk's wait, the last with the operation's end
+ * (nothing of the operation reads the epoch on `stream` after the fork). */
 static tec_status gather(tec_comm *c, const char *op, const void *src, size_t chunk, uint64_t v, int ev_chunks,
                          int recorded, void *stream)
 {
@@ -520,6 +529,7 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
             TRY(c->ops->event_record(c->t, EV_CHUNK + i, M));
         seq_signal(&q, flag(c, p, TEC_FLAG_CONSUMED, r), tec_flag_value(tec_flag_epoch(v), 0));
     }
+    seq_advance(c, &q, 1);
     return seq_run(c, &q, M);
 }
 
@@ -601,7 +611,6 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
     void *M = c->ops->comm_stream(c->t);
     TRY(c->ops->event_record(c->t, EV_END, M));
     TRY(c->ops->event_wait(c->t, EV_END, stream));
-    TRY(finish_op(c, 1, stream));
     c->stats.ag_overlap++;
     return TEC_OK;
 }
@@ -645,9 +654,11 @@ static tec_status push(tec_comm *c, int p, const void *src, size_t chunk, uint64
     return TEC_OK;
 }
 
-/* On `stream`: wait for every peer's partial, sum all in rank order. */
+/* On `stream`: wait for every peer's partial, sum all in rank order; with
+ * `last`, the operation ends with the waits (every step of it ran before on
+ * `stream`). */
 static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, size_t chunk, int64_t rows, int64_t cols,
-                               tec_dtype dt, void *out, const void *bias, uint64_t v, void *stream)
+                               tec_dtype dt, void *out, const void *bias, uint64_t v, int last, void *stream)
 {
     const void *srcs[TEC_COMM_MAX_RANKS];
     flag_seq q = {.n = 0};
@@ -656,6 +667,8 @@ static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, siz
         if (p != c->rank)
             seq_wait(c, &q, TEC_FLAG_READY, p, v, site(c, op, "partial ready", p, c->size));
     }
+    if (last)
+        seq_advance(c, &q, 0);
     TRY(seq_run(c, &q, stream));
     TRY(c->ops->reduce(c->t, out, srcs, c->size, rows, cols, dt, bias, stream));
     return TEC_OK;
@@ -712,10 +725,10 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     }
     TRY(gemm(c, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
              staging(c, r, chunk), a->n, a->dtype, NULL, stream));
-    TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias, v, stream));
+    TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias, v, 0, stream));
     TRY(c->ops->event_record(c->t, EV_END, M));
     TRY(c->ops->event_wait(c->t, EV_END, stream));
-    TRY(finish_op(c, 0, stream));
+    TRY(finish_op(c, 0, stream)); /* the reduce's waits on `stream` and the pushes on M read the epoch */
     c->stats.rs_overlap++;
     return TEC_OK;
 }
@@ -753,7 +766,6 @@ static tec_status bulk_finish(tec_comm *c, int kind, const char *op, void *strea
     c->pending = PENDING_NONE;
     TRY(c->ops->event_wait(c->t, EV_BULK, stream));
     if (c->size > 1) {
-        TRY(finish_op(c, kind == PENDING_AG, stream));
         if (kind == PENDING_AG) c->stats.bulk_ag++;
         else c->stats.bulk_rs++;
     }
@@ -793,7 +805,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
             const int p = (r + i) % n;
             TRY(push(c, p, s + p * chunk, chunk, v));
         }
-        TRY(reduce_slots(c, "bulk_rs", s + r * chunk, chunk, rows, cols, dtype, out, NULL, v, M));
+        TRY(reduce_slots(c, "bulk_rs", s + r * chunk, chunk, rows, cols, dtype, out, NULL, v, 1, M));
     }
     TRY(c->ops->event_record(c->t, EV_BULK, M));
     c->pending = PENDING_RS;

@@ -753,18 +753,35 @@ static void ignoring_waits_is_caught(void)
     printf("negative check: ignored waits caught in %d of 18 runs\n", caught);
 }
 
-/* CUDA graphs, as the mock models them: a GEMM+RS, an AG+GEMM from a_local
- * and one written into the slot directly, captured once on every rank and
- * replayed with new data, twice back to back and with eager batches in
- * between. Returns the number of wrong outputs, or -1 after a failure. */
+/* Bulk RS then bulk AG (start and finish) issued on every rank. */
+static int issue_bulk(tec_comm **c, int tp, float (*src)[NRANKS * ROWS * N], float (*out)[ROWS * N],
+                      float (*bag)[ROWS * K])
+{
+    for (int r = 0; r < tp; r++)
+        TRY_RANK(r, tec_comm_bulk_rs_start(c[r], src[r], ROWS, N, TEC_F32, out[r], S_OF(c[r])));
+    for (int r = 0; r < tp; r++)
+        TRY_RANK(r, tec_comm_bulk_rs_finish(c[r], S_OF(c[r])));
+    for (int r = 0; r < tp; r++)
+        TRY_RANK(r, tec_comm_bulk_ag_start(c[r], bag[r], ROWS * K * 4, S_OF(c[r])));
+    for (int r = 0; r < tp; r++)
+        TRY_RANK(r, tec_comm_bulk_ag_finish(c[r], S_OF(c[r])));
+    return 0;
+}
+
+/* CUDA graphs, as the mock models them: a GEMM+RS, an AG+GEMM from a_local,
+ * one written into the slot directly, a bulk RS and a bulk AG, captured once
+ * on every rank and replayed with new data, twice back to back and with
+ * eager batches in between. Returns the number of wrong outputs, or -1
+ * after a failure. */
 static int replays(tec_comm **c, int tp, int transb)
 {
     static gemm_io rs, ag, agd;
+    static float bsrc[NRANKS][NRANKS * ROWS * N], bout[NRANKS][ROWS * N], bag[NRANKS][ROWS * K];
     int wrong = 0;
     g_ncap = 0;
     g_capturing = 1;
     const int issued = !issue_rs(c, tp, &rs, transb) && !issue_ag(c, tp, &ag, transb, 0) &&
-                       !issue_ag(c, tp, &agd, transb, 1);
+                       !issue_ag(c, tp, &agd, transb, 1) && !issue_bulk(c, tp, bsrc, bout, bag);
     g_capturing = 0;
     if (!issued)
         return -1;
@@ -772,11 +789,26 @@ static int replays(tec_comm **c, int tp, int transb)
         fresh(&rs, tp, (size_t)tp * ROWS * K, ROWS * N);
         fresh(&ag, tp, ROWS * K, (size_t)tp * ROWS * N);
         fresh(&agd, tp, ROWS * K, (size_t)tp * ROWS * N);
+        for (int r = 0; r < tp; r++) {
+            fill(bsrc[r], (size_t)tp * ROWS * N);
+            fill(bag[r], ROWS * K);
+        }
         if (replay() || (round % 2 && replay())) /* odd rounds: two launches, no host sync between */
             return -1;
         if (!sync_all(c, tp, "replay"))
             return -1;
-        wrong += check_rs(tp, &rs, transb) + check_ag(c, tp, &ag, transb, 0, 0) + check_ag(c, tp, &agd, transb, 1, 1);
+        wrong += check_rs(tp, &rs, transb) + check_ag(c, tp, &ag, transb, 0, 0) + check_ag(c, tp, &agd, transb, 1, 0);
+        for (int r = 0; r < tp; r++) {
+            const float *slots = tec_comm_base(c[r], r);
+            for (int i = 0; i < ROWS * N; i++) {
+                double want = 0.0;
+                for (int p = 0; p < tp; p++)
+                    want += bsrc[p][r * ROWS * N + i];
+                wrong += !close_to(bout[r][i], want);
+            }
+            for (int p = 0; p < tp; p++) /* the bulk AG, last: the buffers hold its gathered input */
+                wrong += memcmp(slots + (size_t)p * ROWS * K, bag[p], ROWS * K * 4) != 0;
+        }
         if (round % 3 == 1) { /* eager operations between launches continue the same epochs */
             const int w = steps(c, tp, transb);
             if (w < 0)
