@@ -1,10 +1,11 @@
 """CUDA graphs of userbuffers-overlapped layers on two ranks: a sequence-
 parallel MLP block (LayerNormLinear column with AG+GEMM and GEMM+RS dgrad ->
-gelu -> Linear row with GEMM+RS and AG+GEMM dgrad) and a second graph of a
-row Linear, both captured with tec.make_graphed_callables over the same three
-communicators, replayed 100 times with new data and compared bit for bit with
-twins run eagerly on the same communicators in between (the same kernels on
-the same data). The saved-tensor checker is active during the captures, and
+gelu -> Linear row with GEMM+RS and AG+GEMM dgrad), a row Linear and a
+LayerNormMLP with the bulk overlaps (bulk AG during dgrad, bulk RS during
+wgrad), each captured with tec.make_graphed_callables over the same three
+communicators, replayed (the block 100 times) with new data and compared bit
+for bit with twins run eagerly on the same communicators in between (the
+same kernels on the same data). The saved-tensor checker is active during the captures, and
 must still catch a saved buffer view inside a capture. Run:
   torchrun --nproc_per_node=2 tests/distributed/run_graph_overlap.py
 Rank r runs on cuda:(r % device_count): with one GPU both ranks share it (the
@@ -35,6 +36,14 @@ def block(seed, comms, kw):
 def row(seed, comms, kw):
     torch.manual_seed(seed)
     return tec.Linear(FFN, HID, parallel_mode="row", ub_overlap_rs=True, ub_overlap_ag=True, ub_comm=comms, **kw)
+
+
+def lnmlp(seed, comms, kw):
+    torch.manual_seed(seed)
+    names = {f"{part}_{role}": comms[role] for part, roles in (("fc1", ("fprop", "dgrad", "wgrad")),
+                                                               ("fc2", ("fprop", "dgrad"))) for role in roles}
+    return tec.LayerNormMLP(HID, FFN, set_parallel_mode=True, ub_overlap_ag=True, ub_overlap_rs=True,
+                            ub_bulk_dgrad=True, ub_bulk_wgrad=True, ub_comm=names, **kw)
 
 
 def step(fn, module, x, dy):
@@ -88,6 +97,7 @@ def main():
     kw = dict(params_dtype=dtype, device=dev, sequence_parallel=True, tp_group=dist.group.WORLD, tp_size=size)
     mlp, mlp_eager = block(1, comms, kw), block(1, comms, kw)
     lin, lin_eager = row(2, comms, kw), row(2, comms, kw)
+    mlp2, mlp2_eager = lnmlp(3, comms, kw), lnmlp(3, comms, kw)
     gen = torch.Generator(dev).manual_seed(10 + rank)
 
     def data(x_shape, dy_shape):
@@ -104,6 +114,7 @@ def main():
     with tec.debug.check_saved_tensors():  # the checker sees every tensor the captures save
         g_mlp = tec.make_graphed_callables(mlp, (data(*mlp_io)[0].requires_grad_(),))
         g_lin = tec.make_graphed_callables(lin, (data(*lin_io)[0].requires_grad_(),))
+        g_mlp2 = tec.make_graphed_callables(mlp2, (data(*mlp_io)[0].requires_grad_(),))
     for i in range(STEPS):
         x, dy = data(*mlp_io)
         same(step(g_mlp, mlp, x, dy), step(mlp_eager, mlp_eager, x, dy), f"MLP block, replay {i}")
@@ -114,6 +125,9 @@ def main():
             c = step(g_lin, lin, x, dy)  # two replays back to back
             same(a, b, f"row Linear, replay {i}")
             same(c, b, f"row Linear, second replay {i}")
+        if i % 4 == 1:
+            x, dy = data(*mlp_io)
+            same(step(g_mlp2, mlp2, x, dy), step(mlp2_eager, mlp2_eager, x, dy), f"LayerNormMLP bulk, replay {i}")
     for c in comms.values():
         c.synchronize()  # raises what a wait on a peer recorded
     after = {n: c.stats() for n, c in comms.items()}
@@ -121,14 +135,17 @@ def main():
     # Replays run the captured operations without calling them: only the eager
     # twins and the captures' warm-up and capture calls count.
     assert grew["fprop"]["ag_overlap"] > 0 and grew["dgrad"]["rs_overlap"] > 0, grew
+    bulk = {n: after[n][k] - before[n][k] for n, k in (("dgrad", "bulk_ag"), ("wgrad", "bulk_rs"))}
+    assert bulk["dgrad"] > 0 and bulk["wgrad"] > 0, bulk
     checker_catches_a_saved_buffer_view(comms["fprop"], dev)
     torch.cuda.synchronize()
     for c in comms.values():
         c.close()
     dist.barrier()
     if rank == 0:
-        print(f"graphs: {STEPS} replays of the MLP block and {2 * len(range(0, STEPS, 3))} of the row Linear "
-              f"bit-identical to eager on {size} ranks sharing {len(grew)} communicators")
+        print(f"graphs: {STEPS} replays of the MLP block, {2 * len(range(0, STEPS, 3))} of the row Linear and "
+              f"{len(range(1, STEPS, 4))} of the bulk LayerNormMLP bit-identical to eager on {size} ranks sharing "
+              f"{len(grew)} communicators")
         print("PASS run_graph_overlap")
     dist.destroy_process_group()
 
