@@ -102,6 +102,39 @@ static PyObject *py_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     return run(m, st);
 }
 
+/* linear_bwd(device, dtype, m, n, k, dy, x, w, dx, dw, db, workspace,
+ *            workspace_bytes, stream): the backward of Y[m, n] = X[m, k] W[n, k]^T
+ * (+ b) in one call, all row-major and contiguous: dx = dy W (when dx is not
+ * 0), then dw = dy^T X with db = dy's column sums (when dw is not 0; db may
+ * be 0). The layers' fast path (module/_fast.py): one binding call per step. */
+static PyObject *py_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("linear_bwd", 14);
+    int dev;
+    tec_dtype dt;
+    int64_t rows, n, k;
+    void *dy, *x, *w, *dx, *dw, *db, *ws, *stream;
+    size_t nbytes;
+    DEV(0, dev); DTYPE(1, dt, "dtype"); I64(2, rows); I64(3, n); I64(4, k);
+    PTR(5, dy); PTR(6, x); PTR(7, w); PTR(8, dx); PTR(9, dw); PTR(10, db); PTR(11, ws);
+    SIZE(12, nbytes, "workspace_bytes"); PTR(13, stream);
+    tec_gemm_args d = {.ab_dtype = dt, .c_dtype = dt, .m = rows, .n = k, .k = n, .a = dy, .lda = n,
+                       .b = w, .ldb = k, .c = dx, .ldc = k, .workspace = ws, .workspace_bytes = nbytes};
+    tec_gemm_args g = {.ab_dtype = dt, .c_dtype = dt, .transa = 1, .m = n, .n = k, .k = rows, .a = dy,
+                       .lda = n, .b = x, .ldb = k, .c = dw, .ldc = k, .bias_grad = db, .workspace = ws,
+                       .workspace_bytes = nbytes};
+    if (db && !dw)
+        return PyErr_Format(PyExc_ValueError, "linear_bwd: db needs dw (the bias gradient comes with wgrad)");
+    tec_status st = TEC_OK;
+    Py_BEGIN_ALLOW_THREADS
+    if (dx)
+        st = tec_gemm(dev, &d, stream);
+    if (st == TEC_OK && dw)
+        st = tec_gemm(dev, &g, stream);
+    Py_END_ALLOW_THREADS
+    return run(m, st);
+}
+
 /* gemm_workspace_bytes(device) -> int */
 static PyObject *py_gemm_ws(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -200,6 +233,7 @@ PyMethodDef tec_ops_methods[] = {
     {"norm_bwd", (PyCFunction)(void (*)(void))py_norm_bwd, METH_FASTCALL, "LayerNorm/RMSNorm backward."},
     {"norm_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_norm_bwd_ws, METH_FASTCALL, "Workspace of norm_bwd."},
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "Row-major GEMM (see tec.h)."},
+    {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL, "dgrad + wgrad (+ bias grad) of a linear layer."},
     {"gemm_workspace_bytes", (PyCFunction)(void (*)(void))py_gemm_ws, METH_FASTCALL, "Workspace of gemm."},
     {"act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL, "Activation forward (see activation.h)."},
     {"act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL, "Activation backward, optional dbias."},

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
+from . import _fast
 from ._common import TPConfig, UBConfig, check_same_size
 from ._weights import is_distributed_weight
 
@@ -155,6 +156,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def __init__(self, name=None):
         super().__init__()
+        self.__dict__["_plan"] = None  # the fast path's plan (module/_fast.py), made on the first call
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.name = name
@@ -229,6 +231,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 getattr(self, name).skip_backward_post_hook = True
 
     # -- per call -----------------------------------------------------------
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _fast.PLAN_ATTRS:  # what the fast path's plan was made from changed
+            self.__dict__["_plan"] = None
+
+    def _fast_plan(self):
+        """The layer's fast-path plan (module/_fast.py), or False."""
+        plan = self._plan
+        if plan is None:
+            plan = self.__dict__["_plan"] = _fast.make_plan(self)
+        return plan
 
     # Parameters are read from _parameters directly: nn.Module.__getattr__
     # costs several times a dict lookup, on every call (a parameter the user
