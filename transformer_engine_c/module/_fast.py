@@ -1,18 +1,19 @@
 """The layers' fast path: Linear and LayerNormLinear calls in the common case
 (one weight tensor, no userbuffers, no sequence parallelism, no fused or
-delayed weight gradient, no autocast, a contiguous 2-D or 3-D input of the
-parameters' dtype and device) with as little host work as the engine needs.
+delayed weight gradient, no autocast, plain parameters, a contiguous 2-D or
+3-D input of the parameters' dtype and device) with as little host work as
+the engine needs.
 
 On tiny shapes a layer call is all host work: every attribute read of a
 tensor, every allocation and every Python frame counts. Here each tensor is
 looked at once, outputs are allocated in their final shape (no views), the
 autograd Function is entered through its C entry point (torch's Python
-wrapper only unwraps functorch's dead tensors, and functorch transforms take
-the general path) and backward runs dgrad, wgrad and the bias gradient in one
-engine call. Anything off the common case (a wrong input included) returns
-None and the layer takes its general path, which raises the named errors, so
-the semantics are the general path's; the numerics are the same engine
-calls."""
+wrapper only unwraps functorch's dead tensors, and under functorch
+transforms the general path runs), and each step is one engine call
+(_C.linear_bwd, _C.norm_linear_fwd, _C.norm_linear_bwd). Anything off the
+common case, a wrong input included, returns None and the layer takes its
+general path, which raises the named errors: the semantics are the general
+path's and the numerics the same engine kernels'."""
 import torch
 
 from .. import _C, _engine
@@ -21,12 +22,12 @@ from ..distributed import all_reduce
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _DTYPE_CODES = _engine.DTYPE_CODES
-_gemm_devs = _engine._gemm_devs
 _is_grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _function_apply = torch._C._FunctionBase.__dict__["apply"]
 _F32 = torch.float32
+_empty = torch.empty
 
 # The layer attributes a plan is made from: setting one drops the layer's plan
 # (TransformerEngineBaseModule.__setattr__).
@@ -35,104 +36,152 @@ PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "f
                         "return_layernorm_output_gathered", "zero_centered_gamma", "eps", "normalization",
                         "in_local", "out_local"))
 
+# Plan fields (a tuple: one index per read).
+W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, GROUP, SIZE, GAMMA, BETA, EPS, ZCG = range(12)
+
 
 def make_plan(layer):
-    """What a fast call of `layer` needs, fixed until one of PLAN_ATTRS is set:
-    (weight name, bias name or None, weight shape, row all-reduce, column
-    all-reduce, group, size); False when the layer is off the common case."""
+    """What a fast call of `layer` needs, fixed until one of PLAN_ATTRS is set
+    (fields: the constants above), or False off the common case."""
     tp, ub = layer.tp, layer.ub
     if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or layer.fuse_wgrad_accumulation
             or layer.delay_wgrad_compute or getattr(layer, "save_original_input", False)
             or getattr(layer, "return_layernorm_output", False)):
         return False
+    n, k = layer.out_local, layer.in_local
     size = tp.size
-    return (layer.weight_names[0], layer.bias_names[0] if layer.use_bias else None,
-            (layer.out_local, layer.in_local), tp.mode == "row" and size > 1, tp.mode == "column" and size > 1,
-            tp.group, size)
+    norm = hasattr(layer, "normalization")
+    if norm and tp.mode == "column" and size > 1:
+        return False  # dgrad is all-reduced between the GEMM and the norm's backward: the general path
+    return (layer.weight_names[0], layer.bias_names[0] if layer.use_bias else None, (n, k), (n,),
+            tp.mode == "row", tp.mode == "column" and size > 1, tp.group, size,
+            "layer_norm_weight" if norm else None,
+            "layer_norm_bias" if norm and layer.normalization == "LayerNorm" else None,
+            float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0)
 
 
-def _params_ok(w, b, wshape, dtype, device):
-    """The weight (and bias) are plain parameters of the plan's shape, in
-    `dtype` on `device`, contiguous."""
-    if (type(w) is not _Parameter or w.dtype is not dtype or w.shape != wshape or w.device != device
-            or not w.is_contiguous()):
-        return False
-    return b is None or (type(b) is _Parameter and b.dtype is dtype and b.shape[0] == wshape[0]
-                         and b.device == device and b.is_contiguous())
+_cpu = torch.device("cpu")
+_cpu_dev = None  # (engine device code, workspace address, bytes) of the CPU, found on first use
 
 
-def _input(x, k):
-    """(rows, output shape prefix) of a plain contiguous [rows, k] or
-    [s, b, k] input with rows > 0, else None."""
-    if type(x) is not _Tensor:
+def _device(x, params):
+    """(torch.device, engine code, GEMM workspace address, its bytes, stream)
+    when x and every tensor of `params` (None allowed) lie on one device,
+    else None."""
+    global _cpu_dev
+    if x.is_cpu:
+        for p in params:
+            if p is not None and not p.is_cpu:
+                return None
+        if _cpu_dev is None:
+            _cpu_dev = _engine._gemm_dev(_cpu)[:3]
+        return (_cpu,) + _cpu_dev + (0,)
+    device = x.device
+    if device.type != "cuda":
+        return None
+    for p in params:
+        if p is not None and p.device != device:
+            return None
+    dev, ws, nbytes, _ = _engine._gemm_devs.get(device) or _engine._gemm_dev(device)
+    return device, dev, ws, nbytes, _engine.stream_of(device)
+
+
+def _plain(t, dtype, shape):
+    """t is a plain parameter of dtype and shape, contiguous (None passes)."""
+    return t is None or (type(t) is _Parameter and t.dtype is dtype and t.shape == shape and t.is_contiguous())
+
+
+def _rows(x, dtype, k):
+    """(rows, s, b) of a plain contiguous input [rows, k] (b None) or
+    [s, b, k] (rows = s * b > 0) of dtype, else None."""
+    if type(x) is not _Tensor or x.dtype is not dtype:
         return None
     shape = x.shape
     nd = len(shape)
     if nd == 2:
-        m = shape[0]
+        s, b = shape[0], None
+        rows = s
     elif nd == 3:
-        m = shape[0] * shape[1]
+        s, b = shape[0], shape[1]
+        rows = s * b
     else:
         return None
-    if shape[-1] != k or not m or not x.is_contiguous():
+    if shape[-1] != k or not rows or not x.is_contiguous():
         return None
-    return m, shape[:-1]
+    return rows, s, b
 
 
-def _device(device):
-    """(engine device code, workspace address, bytes, stream)."""
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _engine._gemm_dev(device)
-    return dev, ws, nbytes, (0 if dev < 0 else _engine.stream_of(device))
+def _new(x, s, b, n):
+    """A fresh [s, n] or [s, b, n] tensor like x."""
+    return x.new_empty(s, n) if b is None else x.new_empty(s, b, n)
+
+
+def _grad_output(dout, dtype):
+    """dout as backward needs it: contiguous, in the output's dtype."""
+    if dout.dtype is not dtype:
+        dout = dout.to(dtype)
+    return dout if dout.is_contiguous() else dout.contiguous()
+
+
+def _check_weight(w, n, k):
+    """The saved weight still has its forward shape and layout (a `.data`
+    swap between forward and backward would otherwise be read wrongly)."""
+    if w.shape != (n, k) or not w.is_contiguous():
+        raise RuntimeError(f"the layer's weight changed between forward and backward: now {w.dtype} "
+                           f"{tuple(w.shape)} strides {w.stride()}, was [{n}, {k}] contiguous")
+
+
+def _bias_grad_only(dy, rows, n, dtype):
+    """The bias gradient without a weight gradient: dY's column sums, no GEMM
+    (the general path's Wgrad does the same)."""
+    return dy.reshape(rows, n).sum(0, dtype=_F32).to(dtype)
 
 
 # ----------------------------------------------------------------- Linear
 
 
 def linear(layer, plan, x, return_bias):
-    """The layer's output (and its bias with return_bias), or None off the
+    """Linear's output (and its bias with return_bias), or None off the
     common case."""
-    if _any_autocast():
-        return None
     params = layer._parameters
-    w = params[plan[0]]
-    bname = plan[1]
-    b = params[bname] if bname is not None else None
+    w = params.get(plan[W])
+    bname = plan[B]
+    b = params.get(bname) if bname is not None else None
+    if w is None:
+        return None
     dtype = w.dtype
-    wshape = plan[2]
-    if type(x) is not _Tensor or x.dtype is not dtype:
+    wshape = plan[WSHAPE]
+    n, k = wshape
+    shape = _rows(x, dtype, k)
+    if shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or _any_autocast():
         return None
-    device = w.device
-    if x.device != device or not _params_ok(w, b, wshape, dtype, device):
-        return None
-    shape = _input(x, wshape[1])
-    if shape is None:
-        return None
+    dev = _device(x, (w, b))
     code = _DTYPE_CODES.get(dtype)
-    if code is None:
+    if dev is None or code is None:
         return None
+    state = (plan, shape, code, dev)
     bias = None if return_bias else b
     if _is_grad_enabled():
         if _functorch_active():
             return None
-        y = _function_apply.__get__(None, _LinearFn)(x, w, bias, (plan, shape, code))
+        y = _function_apply.__get__(None, _LinearFn)(x, w, bias, state)
     else:
-        y = _linear_fwd(x, w, bias, plan, shape, code)
+        y = _linear_fwd(x, w, bias, state)
     if return_bias:
         return y, b if b is not None else getattr(layer, layer.bias_names[0])
     return y
 
 
-def _linear_fwd(x, w, b, plan, shape, code):
+def _linear_fwd(x, w, b, state):
     """Y = X W^T + b; a row layer all-reduces X W^T over the group, then adds b."""
-    m, lead = shape
-    n, k = plan[2]
-    y = x.new_empty(lead + (n,))
-    dev, ws, nbytes, stream = _device(x.device)
-    reduce = plan[3]
-    _C.gemm(dev, code, code, 0, 1, m, n, k, x.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
+    n, k = plan[WSHAPE]
+    y = _new(x, s, bt, n)
+    reduce = plan[ROW_REDUCE]
+    _C.gemm(dev, code, code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
             0 if b is None or reduce else b.data_ptr(), 0, 0, ws, nbytes, stream)
     if reduce:
-        all_reduce(y, plan[5], plan[6])
+        all_reduce(y, plan[GROUP], plan[SIZE])
         if b is not None:
             y += b
     return y
@@ -141,7 +190,7 @@ def _linear_fwd(x, w, b, plan, shape, code):
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, state):
-        y = _linear_fwd(x, w, b, *state)
+        y = _linear_fwd(x, w, b, state)
         ctx.save_for_backward(x, w)
         ctx.state = state
         return y
@@ -149,34 +198,123 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, w = ctx.saved_tensors
-        plan, (m, _), code = ctx.state
+        plan, (rows, _, _), code, dev = ctx.state
         need = ctx.needs_input_grad
-        n, k = plan[2]
-        dx, dw, db = linear_backward(dout, x, w, m, n, k, code, need[0], need[1], need[2])
-        if dx is not None and plan[4]:
-            all_reduce(dx, plan[5], plan[6])
+        n, k = plan[WSHAPE]
+        _check_weight(w, n, k)
+        dtype = x.dtype
+        dy = _grad_output(dout, dtype)
+        dx = torch.empty_like(x) if need[0] else None
+        dw = w.new_empty(n, k) if need[1] else None
+        db = None
+        if need[2]:
+            db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
+        if dx is not None or dw is not None:
+            _, d, ws, nbytes, _ = dev
+            _C.linear_bwd(d, code, rows, n, k, dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                          0 if dx is None else dx.data_ptr(), 0 if dw is None else dw.data_ptr(),
+                          0 if db is None or dw is None else db.data_ptr(), ws, nbytes,
+                          0 if d < 0 else _engine.stream_of(dev[0]))
+        if dx is not None and plan[COL_REDUCE]:
+            all_reduce(dx, plan[GROUP], plan[SIZE])
         return dx, dw, db, None
 
 
-def linear_backward(dout, x, w, m, n, k, code, need_dx, need_w, need_b):
-    """(dx shaped as x, dw, db) of Y = X W^T + b in one engine call; dout is
-    made contiguous in x's dtype first (autograd hands over any layout)."""
-    if dout.dtype is not x.dtype:
-        dout = dout.to(x.dtype)
-    if not dout.is_contiguous():
-        dout = dout.contiguous()
-    dx = x.new_empty(x.shape) if need_dx else None
-    dw = w.new_empty((n, k)) if need_w else None
-    db = None
-    if need_b:
-        if need_w:
-            db = w.new_empty((n,))
-        else:  # only the bias gradient: dY's column sums, no GEMM (as the general path)
-            db = dout.reshape(m, n).sum(0, dtype=_F32).to(w.dtype)
-    if dx is None and dw is None:
-        return dx, dw, db
-    dev, ws, nbytes, stream = _device(x.device)
-    _C.linear_bwd(dev, code, m, n, k, dout.data_ptr(), x.data_ptr(), w.data_ptr(),
-                  0 if dx is None else dx.data_ptr(), 0 if dw is None else dw.data_ptr(),
-                  0 if db is None or not need_w else db.data_ptr(), ws, nbytes, stream)
-    return dx, dw, db
+# -------------------------------------------------------- LayerNormLinear
+
+
+def layernorm_linear(layer, plan, x, return_bias):
+    """LayerNormLinear's output (and its bias with return_bias), or None off
+    the common case."""
+    params = layer._parameters
+    w = params.get(plan[W])
+    bname, betaname = plan[B], plan[BETA]
+    b = params.get(bname) if bname is not None else None
+    gamma = params.get(plan[GAMMA])
+    beta = params.get(betaname) if betaname is not None else None
+    if w is None:
+        return None
+    dtype = w.dtype
+    wshape = plan[WSHAPE]
+    n, k = wshape
+    shape = _rows(x, dtype, k)
+    if (shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or gamma is None
+            or not _plain(gamma, dtype, (k,)) or not _plain(beta, dtype, (k,)) or _any_autocast()):
+        return None
+    dev = _device(x, (w, b, gamma, beta))
+    code = _DTYPE_CODES.get(dtype)
+    if dev is None or code is None:
+        return None
+    state = (plan, shape, code, dev)
+    bias = None if return_bias else b
+    if _is_grad_enabled():
+        if _functorch_active():
+            return None
+        y = _function_apply.__get__(None, _LayerNormLinearFn)(x, gamma, beta, w, bias, state)
+    else:
+        y = _norm_linear_fwd(x, gamma, beta, w, bias, state)[0]
+    if return_bias:
+        return y, b if b is not None else getattr(layer, layer.bias_names[0])
+    return y
+
+
+def _norm_linear_fwd(x, gamma, beta, w, b, state):
+    """(y, ln_out [rows, k], stats): the norm, then Y = ln_out W^T + b (a row
+    layer all-reduces before adding b). stats: float32 [2, rows] (mu, then
+    rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm."""
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
+    n, k = plan[WSHAPE]
+    ln_out = x.new_empty(rows, k)
+    stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
+    y = _new(x, s, bt, n)
+    reduce = plan[ROW_REDUCE]
+    sp = stats.data_ptr()
+    _C.norm_linear_fwd(dev, code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
+                       0 if beta is None else beta.data_ptr(), ln_out.data_ptr(), 0 if beta is None else sp,
+                       sp + 4 * rows if beta is not None else sp, plan[EPS], plan[ZCG], w.data_ptr(),
+                       0 if b is None or reduce else b.data_ptr(), y.data_ptr(), ws, nbytes, stream)
+    if reduce:
+        all_reduce(y, plan[GROUP], plan[SIZE])
+        if b is not None:
+            y += b
+    return y, ln_out, stats
+
+
+class _LayerNormLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, beta, w, b, state):
+        y, ln_out, stats = _norm_linear_fwd(x, gamma, beta, w, b, state)
+        ctx.save_for_backward(x, ln_out, stats, gamma, w)
+        ctx.state = state
+        ctx.rms = beta is None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, ln_out, stats, gamma, w = ctx.saved_tensors
+        plan, (rows, _, _), code, dev = ctx.state
+        need = ctx.needs_input_grad
+        n, k = plan[WSHAPE]
+        _check_weight(w, n, k)
+        dtype = x.dtype
+        dy = _grad_output(dout, dtype)
+        dx = torch.empty_like(x)
+        dgamma = gamma.new_empty(k)
+        dbeta = None if ctx.rms else gamma.new_empty(k)
+        dw = w.new_empty(n, k) if need[3] else None
+        db = None
+        if need[4]:
+            db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
+        _, d, ws, nbytes, _ = dev
+        esize = x.element_size()
+        dln_bytes = (rows * k * esize + 255) // 256 * 256
+        norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, k)
+        scratch = _empty(dln_bytes + norm_bytes, dtype=torch.uint8, device=dev[0])
+        sp, stp = scratch.data_ptr(), stats.data_ptr()
+        _C.norm_linear_bwd(d, code, rows, k, n, dy.data_ptr(), x.data_ptr(), ln_out.data_ptr(),
+                           0 if ctx.rms else stp, stp + 4 * rows if not ctx.rms else stp, gamma.data_ptr(),
+                           plan[ZCG], w.data_ptr(), sp, dx.data_ptr(), dgamma.data_ptr(),
+                           0 if dbeta is None else dbeta.data_ptr(), 0 if dw is None else dw.data_ptr(),
+                           0 if db is None or dw is None else db.data_ptr(), sp + dln_bytes, norm_bytes,
+                           ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
+        return dx, dgamma, dbeta, dw, db, None

@@ -1,0 +1,144 @@
+"""The layers' fast path (module/_fast.py): taken in the common case, it gives
+bit for bit the general path's outputs and gradients (the same engine
+kernels); everything off the common case (autocast, a layout or dtype the
+engine cannot take as is, a replaced parameter, a flag set after
+construction) takes the general path, with its errors."""
+import pytest
+import torch
+
+import transformer_engine_c as tec
+from transformer_engine_c.module import _fast
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randomise(m):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def _layer(kind, device, dtype, **kw):
+    if kind == "linear":
+        m = tec.Linear(24, 20, params_dtype=dtype, device=device, **kw)
+    else:
+        m = tec.LayerNormLinear(24, 20, params_dtype=dtype, device=device, **kw)
+    _randomise(m)
+    return m
+
+
+def _general(monkeypatch, m):
+    """Send m through the general path from now on."""
+    monkeypatch.setattr(_fast, "make_plan", lambda layer: False)
+    m.__dict__["_plan"] = None
+
+
+def _fast_fn(y):
+    """Whether y came out of one of the fast path's autograd Functions."""
+    fn = y.grad_fn
+    return fn is not None and getattr(fn, "_forward_cls", None) in (_fast._LinearFn, _fast._LayerNormLinearFn)
+
+
+def _run(m, x, dy, return_bias=False):
+    """(outputs..., x.grad, every parameter's grad) of one forward + backward."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    m.zero_grad(set_to_none=True)
+    out = m(x)
+    y = out[0] if return_bias else out
+    y.backward(dy)
+    grads = [p.grad for _, p in m.named_parameters()]
+    return [y.detach()] + ([out[1].detach()] if return_bias else []) + [x.grad] + grads, _fast_fn(y)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        if u is None or v is None:
+            assert u is None and v is None
+        else:
+            assert u.shape == v.shape and u.dtype == v.dtype and torch.equal(u, v)
+
+
+CASES = [("linear", {}), ("linear", {"bias": False}), ("linear", {"return_bias": True}),
+         ("lnl", {}), ("lnl", {"bias": False}), ("lnl", {"normalization": "RMSNorm"}),
+         ("lnl", {"zero_centered_gamma": True}), ("lnl", {"return_bias": True}),
+         ("linear", {"parallel_mode": "column"}), ("lnl", {"parallel_mode": "row"})]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(8, 24), (3, 2, 24)])
+@pytest.mark.parametrize("kind,kw", CASES)
+def test_fast_equals_general(monkeypatch, device, dtype, shape, kind, kw):
+    m = _layer(kind, device, dtype, **kw)
+    x = torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+    dy = torch.randn(*shape[:-1], 20, dtype=dtype, device=device)
+    rb = kw.get("return_bias", False)
+    fast, took = _run(m, x, dy, rb)
+    assert took, "the common case did not take the fast path"
+    with torch.no_grad():
+        y_fast = m(x)
+    _general(monkeypatch, m)
+    general, took = _run(m, x, dy, rb)
+    assert not took
+    _same(fast, general)
+    with torch.no_grad():
+        y_general = m(x)
+    _same(list(y_fast) if rb else [y_fast], list(y_general) if rb else [y_general])
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
+def test_fast_partial_grads(monkeypatch, device, kind):
+    """A frozen weight (bias gradient only), an input without grad, and a
+    grad_output that is not contiguous: still the general path's numbers."""
+    m = _layer(kind, device, torch.float32)
+    m.weight.requires_grad_(False)
+    x = torch.randn(6, 24, device=device)
+    dy = torch.randn(20, 6, device=device).t()  # not contiguous
+    fast, took = _run(m, x, dy)
+    assert took and fast[1] is None  # no input gradient
+    _general(monkeypatch, m)
+    general, _ = _run(m, x, dy)
+    _same(fast, general)
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
+def test_off_the_common_case_takes_the_general_path(device, kind):
+    m = _layer(kind, device, torch.float32)
+    x = torch.randn(6, 24, device=device, requires_grad=True)
+    assert _fast_fn(m(x))
+    assert not _fast_fn(m(torch.randn(24, 6, device=device).t().requires_grad_()))  # not contiguous
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y = m(x)
+    assert not _fast_fn(y) and y.dtype == torch.bfloat16
+    m.fuse_wgrad_accumulation = True  # set after construction: the plan is remade
+    assert m._plan is None and not _fast_fn(m(x))
+    m.fuse_wgrad_accumulation = False
+    assert _fast_fn(m(x))
+    with torch.no_grad():
+        m.weight = torch.nn.Parameter(m.weight.t().contiguous().t())  # a weight that is not contiguous
+    y = m(x)
+    assert not _fast_fn(y)
+    y.sum().backward()
+    assert m.weight.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
+def test_bad_input_same_errors(device, kind):
+    m = _layer(kind, device, torch.float32)
+    with pytest.raises(TypeError, match="inp has dtype torch.float64"):
+        m(torch.randn(4, 24, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="last dimension 23; expected 24"):
+        m(torch.randn(4, 23, device=device))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        m(torch.randn(24, device=device))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        m([[0.0] * 24])
+
+
+def test_weight_swapped_between_forward_and_backward(device):
+    m = _layer("linear", device, torch.float32)
+    y = m(torch.randn(4, 24, device=device, requires_grad=True))
+    m.weight.data = torch.randn(24, 20, device=device)  # another shape, under the saved tensor
+    with pytest.raises(RuntimeError, match="weight changed between forward and backward"):
+        y.sum().backward()
