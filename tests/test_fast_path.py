@@ -142,3 +142,22 @@ def test_weight_swapped_between_forward_and_backward(device):
     m.weight.data = torch.randn(24, 20, device=device)  # another shape, under the saved tensor
     with pytest.raises(RuntimeError, match="weight changed between forward and backward"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
+def test_dead_functorch_wrapper_input(kind):
+    """A tensor a finished functorch transform left behind is unwrapped, as
+    torch.autograd.Function.apply unwraps it (the fast path skips apply's
+    Python wrapper)."""
+    leak = []
+
+    def f(a):
+        leak.append(a)
+        return a.sum()
+
+    torch.func.grad(f)(torch.randn(4, 24))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leak[0])
+    m = _layer(kind, "cpu", torch.float32)
+    y = m(leak[0])
+    assert _fast_fn(y)
+    assert torch.equal(y, m(torch._C._functorch.unwrap_if_dead(leak[0])))

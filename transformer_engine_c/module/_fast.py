@@ -26,6 +26,7 @@ _is_grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 _function_apply = torch._C._FunctionBase.__dict__["apply"]
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _F32 = torch.float32
 _empty = torch.empty
 
@@ -37,12 +38,13 @@ PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "f
                         "in_local", "out_local"))
 
 # Plan fields (a tuple: one index per read).
-W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, GROUP, SIZE, GAMMA, BETA, EPS, ZCG = range(12)
+W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG = range(11)
 
 
 def make_plan(layer):
     """What a fast call of `layer` needs, fixed until one of PLAN_ATTRS is set
-    (fields: the constants above), or False off the common case."""
+    (fields: the constants above), or False off the common case. It holds the
+    layer's TPConfig, not its group: a deep-copied layer shares the group."""
     tp, ub = layer.tp, layer.ub
     if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or layer.fuse_wgrad_accumulation
             or layer.delay_wgrad_compute or getattr(layer, "save_original_input", False)
@@ -54,7 +56,7 @@ def make_plan(layer):
     if norm and tp.mode == "column" and size > 1:
         return False  # dgrad is all-reduced between the GEMM and the norm's backward: the general path
     return (layer.weight_names[0], layer.bias_names[0] if layer.use_bias else None, (n, k), (n,),
-            tp.mode == "row", tp.mode == "column" and size > 1, tp.group, size,
+            tp.mode == "row", tp.mode == "column" and size > 1, tp,
             "layer_norm_weight" if norm else None,
             "layer_norm_bias" if norm and layer.normalization == "LayerNorm" else None,
             float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0)
@@ -149,6 +151,12 @@ def linear(layer, plan, x, return_bias):
     b = params.get(bname) if bname is not None else None
     if w is None:
         return None
+    grad = _is_grad_enabled()
+    if grad:
+        if _functorch_active():
+            return None
+        if type(x) is _Tensor:  # as Function.apply: a tensor a finished functorch transform left
+            x = _unwrap_if_dead(x)
     dtype = w.dtype
     wshape = plan[WSHAPE]
     n, k = wshape
@@ -161,10 +169,8 @@ def linear(layer, plan, x, return_bias):
         return None
     state = (plan, shape, code, dev)
     bias = None if return_bias else b
-    if _is_grad_enabled():
-        if _functorch_active():
-            return None
-        y = _function_apply.__get__(None, _LinearFn)(x, w, bias, state)
+    if grad:
+        y = _linear_apply(x, w, bias, state)
     else:
         y = _linear_fwd(x, w, bias, state)
     if return_bias:
@@ -181,7 +187,7 @@ def _linear_fwd(x, w, b, state):
     _C.gemm(dev, code, code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
             0 if b is None or reduce else b.data_ptr(), 0, 0, ws, nbytes, stream)
     if reduce:
-        all_reduce(y, plan[GROUP], plan[SIZE])
+        all_reduce(y, plan[TP].group, plan[TP].size)
         if b is not None:
             y += b
     return y
@@ -216,8 +222,11 @@ class _LinearFn(torch.autograd.Function):
                           0 if db is None or dw is None else db.data_ptr(), ws, nbytes,
                           0 if d < 0 else _engine.stream_of(dev[0]))
         if dx is not None and plan[COL_REDUCE]:
-            all_reduce(dx, plan[GROUP], plan[SIZE])
+            all_reduce(dx, plan[TP].group, plan[TP].size)
         return dx, dw, db, None
+
+
+_linear_apply = _function_apply.__get__(None, _LinearFn)
 
 
 # -------------------------------------------------------- LayerNormLinear
@@ -234,6 +243,12 @@ def layernorm_linear(layer, plan, x, return_bias):
     beta = params.get(betaname) if betaname is not None else None
     if w is None:
         return None
+    grad = _is_grad_enabled()
+    if grad:
+        if _functorch_active():
+            return None
+        if type(x) is _Tensor:  # as Function.apply: a tensor a finished functorch transform left
+            x = _unwrap_if_dead(x)
     dtype = w.dtype
     wshape = plan[WSHAPE]
     n, k = wshape
@@ -247,10 +262,8 @@ def layernorm_linear(layer, plan, x, return_bias):
         return None
     state = (plan, shape, code, dev)
     bias = None if return_bias else b
-    if _is_grad_enabled():
-        if _functorch_active():
-            return None
-        y = _function_apply.__get__(None, _LayerNormLinearFn)(x, gamma, beta, w, bias, state)
+    if grad:
+        y = _norm_linear_apply(x, gamma, beta, w, bias, state)
     else:
         y = _norm_linear_fwd(x, gamma, beta, w, bias, state)[0]
     if return_bias:
@@ -274,7 +287,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state):
                        sp + 4 * rows if beta is not None else sp, plan[EPS], plan[ZCG], w.data_ptr(),
                        0 if b is None or reduce else b.data_ptr(), y.data_ptr(), ws, nbytes, stream)
     if reduce:
-        all_reduce(y, plan[GROUP], plan[SIZE])
+        all_reduce(y, plan[TP].group, plan[TP].size)
         if b is not None:
             y += b
     return y, ln_out, stats
@@ -318,3 +331,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
                            0 if db is None or dw is None else db.data_ptr(), sp + dln_bytes, norm_bytes,
                            ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
         return dx, dgamma, dbeta, dw, db, None
+
+
+_norm_linear_apply = _function_apply.__get__(None, _LayerNormLinearFn)
+
+# The functions that call a Function's C apply, and the Function: what
+# tec.debug names as the saver (it finds a Python apply frame otherwise).
+C_APPLY_CALLERS = {linear.__code__: _LinearFn, layernorm_linear.__code__: _LayerNormLinearFn}
