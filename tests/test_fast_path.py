@@ -136,11 +136,22 @@ def test_bad_input_same_errors(device, kind):
         m([[0.0] * 24])
 
 
-def test_weight_swapped_between_forward_and_backward(device):
-    m = _layer("linear", device, torch.float32)
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
+@pytest.mark.parametrize("swap", ["shape", "dtype", "gamma"])
+def test_parameter_swapped_between_forward_and_backward(device, kind, swap):
+    """A `.data` swap under a saved parameter is an error, never a wrong read."""
+    if swap == "gamma" and kind == "linear":
+        pytest.skip("Linear has no norm")
+    m = _layer(kind, device, torch.float32)
     y = m(torch.randn(4, 24, device=device, requires_grad=True))
-    m.weight.data = torch.randn(24, 20, device=device)  # another shape, under the saved tensor
-    with pytest.raises(RuntimeError, match="weight changed between forward and backward"):
+    if swap == "shape":
+        m.weight.data = torch.randn(24, 20, device=device)
+    elif swap == "dtype":
+        m.weight.data = m.weight.data.double()
+    else:
+        m.layer_norm_weight.data = m.layer_norm_weight.data.half()
+    what = "layer_norm_weight" if swap == "gamma" else "weight"
+    with pytest.raises(RuntimeError, match=f"{what} changed between forward and backward"):
         y.sum().backward()
 
 

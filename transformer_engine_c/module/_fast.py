@@ -125,12 +125,13 @@ def _grad_output(dout, dtype):
     return dout if dout.is_contiguous() else dout.contiguous()
 
 
-def _check_weight(w, n, k):
-    """The saved weight still has its forward shape and layout (a `.data`
-    swap between forward and backward would otherwise be read wrongly)."""
-    if w.shape != (n, k) or not w.is_contiguous():
-        raise RuntimeError(f"the layer's weight changed between forward and backward: now {w.dtype} "
-                           f"{tuple(w.shape)} strides {w.stride()}, was [{n}, {k}] contiguous")
+def _check_saved(t, dtype, shape, name):
+    """A saved parameter still has its forward dtype, shape and layout (a
+    `.data` swap between forward and backward would otherwise be read
+    wrongly)."""
+    if t.dtype is not dtype or t.shape != shape or not t.is_contiguous():
+        raise RuntimeError(f"the layer's {name} changed between forward and backward: now {t.dtype} "
+                           f"{tuple(t.shape)} strides {t.stride()}, was {dtype} {list(shape)} contiguous")
 
 
 def _bias_grad_only(dy, rows, n, dtype):
@@ -207,8 +208,8 @@ class _LinearFn(torch.autograd.Function):
         plan, (rows, _, _), code, dev = ctx.state
         need = ctx.needs_input_grad
         n, k = plan[WSHAPE]
-        _check_weight(w, n, k)
         dtype = x.dtype
+        _check_saved(w, dtype, (n, k), "weight")
         dy = _grad_output(dout, dtype)
         dx = torch.empty_like(x) if need[0] else None
         dw = w.new_empty(n, k) if need[1] else None
@@ -308,8 +309,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
         plan, (rows, _, _), code, dev = ctx.state
         need = ctx.needs_input_grad
         n, k = plan[WSHAPE]
-        _check_weight(w, n, k)
         dtype = x.dtype
+        _check_saved(w, dtype, (n, k), "weight")
+        _check_saved(gamma, dtype, (k,), "layer_norm_weight")
         dy = _grad_output(dout, dtype)
         dx = torch.empty_like(x)
         dgamma = gamma.new_empty(k)
