@@ -172,3 +172,77 @@ def test_dead_functorch_wrapper_input(kind):
     y = m(leak[0])
     assert _fast_fn(y)
     assert torch.equal(y, m(torch._C._functorch.unwrap_if_dead(leak[0])))
+
+
+# -- the fast path's engine entry points (csrc/python/ops.c) --------------------------------------
+
+def _ptrs(*ts):
+    return [t.data_ptr() for t in ts]
+
+
+def test_linear_bwd_binding_checks():
+    from transformer_engine_c import _C
+    dy, x, w = torch.randn(4, 8), torch.randn(4, 6), torch.randn(8, 6)
+    dx, dw, db = torch.empty(4, 6), torch.empty(8, 6), torch.empty(8)
+    _C.linear_bwd(-1, 0, 4, 8, 6, *_ptrs(dy, x, w, dx, dw, db), 0, 0, 0)
+    torch.testing.assert_close(dx, dy @ w)
+    torch.testing.assert_close(dw, dy.t() @ x)
+    torch.testing.assert_close(db, dy.sum(0))
+    with pytest.raises(ValueError, match="db needs dw"):
+        _C.linear_bwd(-1, 0, 4, 8, 6, *_ptrs(dy, x, w, dx), 0, db.data_ptr(), 0, 0, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        _C.linear_bwd(-1, 7, 4, 8, 6, *_ptrs(dy, x, w, dx, dw, db), 0, 0, 0)
+    with pytest.raises(ValueError, match="negative size"):
+        _C.linear_bwd(-1, 0, -4, 8, 6, *_ptrs(dy, x, w, dx, dw, db), 0, 0, 0)
+    with pytest.raises(TypeError):
+        _C.linear_bwd(-1, 0, 4, 8, 6)
+
+
+def test_norm_linear_bindings_checks():
+    from transformer_engine_c import _C
+    x, g, beta, w, b = torch.randn(4, 6), torch.rand(6) + 0.5, torch.randn(6), torch.randn(8, 6), torch.randn(8)
+    ln, mu, rs, y = torch.empty(4, 6), torch.empty(4), torch.empty(4), torch.empty(4, 8)
+    _C.norm_linear_fwd(-1, 0, 4, 6, 8, *_ptrs(x, g, beta, ln, mu, rs), 1e-5, 0, *_ptrs(w, b, y), 0, 0, 0)
+    ref = torch.nn.functional.layer_norm(x, (6,), g, beta, 1e-5)
+    torch.testing.assert_close(ln, ref)
+    torch.testing.assert_close(y, ref @ w.t() + b)
+    with pytest.raises(ValueError, match="eps"):
+        _C.norm_linear_fwd(-1, 0, 4, 6, 8, *_ptrs(x, g, beta, ln, mu, rs), -1.0, 0, *_ptrs(w, b, y), 0, 0, 0)
+    with pytest.raises(ValueError, match="beta and mu together"):
+        _C.norm_linear_fwd(-1, 0, 4, 6, 8, *_ptrs(x, g, beta, ln), 0, rs.data_ptr(), 1e-5, 0,
+                           *_ptrs(w, b, y), 0, 0, 0)
+    dy, dln, dx, dg, dbeta, dw, db = (torch.empty(4, 8).normal_(), torch.empty(4, 6), torch.empty(4, 6),
+                                      torch.empty(6), torch.empty(6), torch.empty(8, 6), torch.empty(8))
+    nws = _C.norm_bwd_workspace_bytes(-1, 4, 6)
+    ws = torch.empty(nws, dtype=torch.uint8)
+    _C.norm_linear_bwd(-1, 0, 4, 6, 8, *_ptrs(dy, x, ln, mu, rs, g), 0, *_ptrs(w, dln, dx, dg, dbeta, dw, db),
+                       ws.data_ptr(), nws, 0, 0, 0)
+    xr, gr, br = (t.clone().requires_grad_() for t in (x, g, beta))
+    lnr = torch.nn.functional.layer_norm(xr, (6,), gr, br, 1e-5)
+    lnr.backward(dy @ w)
+    torch.testing.assert_close(dx, xr.grad)
+    torch.testing.assert_close(dg, gr.grad)
+    torch.testing.assert_close(dbeta, br.grad)
+    torch.testing.assert_close(dw, dy.t() @ ref)
+    torch.testing.assert_close(db, dy.sum(0))
+    with pytest.raises(ValueError, match="db needs dw"):
+        _C.norm_linear_bwd(-1, 0, 4, 6, 8, *_ptrs(dy, x, ln, mu, rs, g), 0, *_ptrs(w, dln, dx, dg, dbeta), 0,
+                           db.data_ptr(), ws.data_ptr(), nws, 0, 0, 0)
+    with pytest.raises(ValueError, match="workspace"):
+        _C.norm_linear_bwd(-1, 0, 4, 6, 8, *_ptrs(dy, x, ln, mu, rs, g), 0,
+                           *_ptrs(w, dln, dx, dg, dbeta, dw, db), 0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("alias", ["a", "b"])
+def test_cpu_gemm_output_overlapping_an_operand(alias):
+    """The CPU GEMM reads float32 operands in place unless the output overlaps
+    them: an output written over an operand still gives the product of the
+    operands as they were (A: the output starts 4 rows into A, so the first
+    rows written are rows of A the next block reads)."""
+    from transformer_engine_c import _C
+    store, b = torch.randn(12, 8), torch.randn(8, 8)
+    a = store[:8]
+    want = a @ b
+    out = store[4:] if alias == "a" else b
+    _C.gemm(-1, 0, 0, 0, 0, 8, 8, 8, a.data_ptr(), 8, b.data_ptr(), 8, out.data_ptr(), 8, 0, 0, 0, 0, 0, 0)
+    torch.testing.assert_close(out, want)

@@ -1,7 +1,9 @@
 /* ops.c - CPython entry points for the engine's stateless operations
- * (normalisation, GEMM, backend loading). Positional METH_FASTCALL with
- * addresses as ints; friendly checks live in transformer_engine_c/_engine.py.
- * tests/test_kernels.py exercises every function here. */
+ * (normalisation, GEMM, backend loading, and the layers' fused steps:
+ * linear_bwd, norm_linear_fwd/bwd). Positional METH_FASTCALL with
+ * addresses as ints; friendly checks live in transformer_engine_c/_engine.py
+ * and module/_fast.py. tests/test_kernels.py exercises every function here,
+ * tests/test_fast_path.py the layers' fused steps. */
 #include "module.h"
 #include "../core/activation.h"
 
