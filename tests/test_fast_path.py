@@ -124,6 +124,19 @@ def test_off_the_common_case_takes_the_general_path(device, kind):
 
 
 @pytest.mark.parametrize("kind", ["linear", "lnl"])
+def test_return_bias_without_bias_after_a_dtype_change(monkeypatch, device, kind):
+    """return_bias=True without a bias returns the layer's empty bias tensor
+    (not a parameter: .to(dtype) leaves it) in the call's dtype."""
+    m = _layer(kind, device, torch.float32, bias=False, return_bias=True).to(torch.bfloat16)
+    x = torch.randn(4, 24, dtype=torch.bfloat16, device=device, requires_grad=True)
+    y, b = m(x)
+    assert _fast_fn(y) and b.dtype == torch.bfloat16 and b.numel() == 0
+    _general(monkeypatch, m)
+    y2, b2 = m(x)
+    assert not _fast_fn(y2) and b2.dtype == b.dtype and b2.shape == b.shape and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
 def test_bad_input_same_errors(device, kind):
     m = _layer(kind, device, torch.float32)
     with pytest.raises(TypeError, match="inp has dtype torch.float64"):

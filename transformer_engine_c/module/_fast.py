@@ -134,6 +134,15 @@ def _check_saved(t, dtype, shape, name):
                            f"{tuple(t.shape)} strides {t.stride()}, was {dtype} {list(shape)} contiguous")
 
 
+def _returned_bias(layer, b, dtype):
+    """What return_bias returns: the bias parameter, or without one the
+    layer's empty bias tensor, in the call's dtype (as the general path)."""
+    if b is not None:
+        return b
+    b = getattr(layer, layer.bias_names[0])
+    return b if b.dtype is dtype else b.to(dtype)
+
+
 def _bias_grad_only(dy, rows, n, dtype):
     """The bias gradient without a weight gradient: dY's column sums, no GEMM
     (the general path's Wgrad does the same)."""
@@ -174,9 +183,7 @@ def linear(layer, plan, x, return_bias):
         y = _linear_apply(x, w, bias, state)
     else:
         y = _linear_fwd(x, w, bias, state)
-    if return_bias:
-        return y, b if b is not None else getattr(layer, layer.bias_names[0])
-    return y
+    return (y, _returned_bias(layer, b, dtype)) if return_bias else y
 
 
 def _linear_fwd(x, w, b, state):
@@ -267,9 +274,7 @@ def layernorm_linear(layer, plan, x, return_bias):
         y = _norm_linear_apply(x, gamma, beta, w, bias, state)
     else:
         y = _norm_linear_fwd(x, gamma, beta, w, bias, state)[0]
-    if return_bias:
-        return y, b if b is not None else getattr(layer, layer.bias_names[0])
-    return y
+    return (y, _returned_bias(layer, b, dtype)) if return_bias else y
 
 
 def _norm_linear_fwd(x, gamma, beta, w, b, state):
