@@ -259,3 +259,22 @@ def test_cpu_gemm_output_overlapping_an_operand(alias):
     out = store[4:] if alias == "a" else b
     _C.gemm(-1, 0, 0, 0, 0, 8, 8, 8, a.data_ptr(), 8, b.data_ptr(), 8, out.data_ptr(), 8, 0, 0, 0, 0, 0, 0)
     torch.testing.assert_close(out, want)
+
+
+def test_plan_survives_copy_and_pickle():
+    """A deep copy or an unpickled layer (also one pickled before plans
+    existed: no _plan in its __dict__) runs the fast path with the same
+    results."""
+    import copy
+    import io
+    m = _layer("lnl", "cpu", torch.float32)
+    x = torch.randn(4, 24, requires_grad=True)
+    y = m(x)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    old = torch.load(buf, weights_only=False)
+    old.__dict__.pop("_plan")
+    for other in (copy.deepcopy(m), old):
+        y2 = other(x)
+        assert _fast_fn(y2) and torch.equal(y2, y)

@@ -154,9 +154,13 @@ def _set_tp_attributes(t, is_parallel, dim):
 class TransformerEngineBaseModule(torch.nn.Module):
     """Base of this package's layers (see the module docstring)."""
 
+    # The fast path's plan (module/_fast.py), made on the first call and kept
+    # in the instance; None: not made yet (a class attribute, so a layer
+    # unpickled from before it existed reads None too).
+    _plan = None
+
     def __init__(self, name=None):
         super().__init__()
-        self.__dict__["_plan"] = None  # the fast path's plan (module/_fast.py), made on the first call
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.name = name

@@ -98,7 +98,7 @@ class Linear(TransformerEngineBaseModule):
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
         plan = self._plan or self._fast_plan()
-        if plan:
+        if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
             out = _fast.linear(self, plan, inp, self.return_bias)
             if out is not None:
                 return out
