@@ -87,6 +87,46 @@ def test_fast_equals_general(monkeypatch, device, dtype, shape, kind, kw):
     _same(list(y_fast) if rb else [y_fast], list(y_general) if rb else [y_general])
 
 
+def _wgrad_run(m, x, dy, mode, first):
+    """main_grad (fuse) or the gradients backward_dw() gives (delay) after
+    one micro-batch; with grad_added_to_main_grad, the dummy gradient too."""
+    m.zero_grad(set_to_none=True)
+    if mode == "fuse":
+        m.weight.main_grad = torch.full(m.weight.shape, 0.25, device=x.device)
+        m.weight.grad_added_to_main_grad = False
+        m.weight.zero_out_wgrad = True  # the dummy gradient is zeros (else uninitialised)
+    y = m(x, is_first_microbatch=first)
+    took = _fast_fn(y)
+    y.backward(dy)
+    if mode == "fuse":
+        assert m.weight.grad_added_to_main_grad is True
+        return [m.weight.main_grad, m.weight.grad, m.bias.grad, x.grad], took
+    assert m.weight.grad is None
+    m.backward_dw()
+    return [m.weight.grad, m.bias.grad, x.grad], took
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
+@pytest.mark.parametrize("mode", ["fuse", "delay"])
+@pytest.mark.parametrize("first", [None, True, False])
+@pytest.mark.parametrize("shape", [(8, 24), (3, 2, 24)])
+def test_fused_and_delayed_wgrad_equal_general(monkeypatch, device, kind, mode, first, shape):
+    """fuse_wgrad_accumulation (main_grad, TE's grad_added_to_main_grad
+    protocol, overwritten on a first micro-batch) and delay_wgrad_compute
+    (backward_dw) through the fast path: the general path's numbers."""
+    kw = {"fuse_wgrad_accumulation": True} if mode == "fuse" else {"delay_wgrad_compute": True}
+    m = _layer(kind, device, torch.float32, **kw)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    dy = torch.randn(*shape[:-1], 20, device=device)
+    fast, took = _wgrad_run(m, x, dy, mode, first)
+    assert took
+    x.grad = None
+    _general(monkeypatch, m)
+    general, took = _wgrad_run(m, x, dy, mode, first)
+    assert not took
+    _same(fast, general)
+
+
 @pytest.mark.parametrize("kind", ["linear", "lnl"])
 def test_fast_partial_grads(monkeypatch, device, kind):
     """A frozen weight (bias gradient only), an input without grad, and a
@@ -111,9 +151,12 @@ def test_off_the_common_case_takes_the_general_path(device, kind):
     with torch.autocast(device_type=device, dtype=torch.bfloat16):
         y = m(x)
     assert not _fast_fn(y) and y.dtype == torch.bfloat16
-    m.fuse_wgrad_accumulation = True  # set after construction: the plan is remade
-    assert m._plan is None and not _fast_fn(m(x))
-    m.fuse_wgrad_accumulation = False
+    attr = "save_original_input" if kind == "linear" else "return_layernorm_output"
+    setattr(m, attr, True)  # set after construction: the plan is remade
+    assert m._plan is None
+    out = m(x)
+    assert not _fast_fn(out if kind == "linear" else out[0])
+    setattr(m, attr, False)
     assert _fast_fn(m(x))
     with torch.no_grad():
         m.weight = torch.nn.Parameter(m.weight.t().contiguous().t())  # a weight that is not contiguous

@@ -1,7 +1,8 @@
 """The layers' fast path: Linear and LayerNormLinear calls in the common case
-(one weight tensor, no userbuffers, no sequence parallelism, no fused or
-delayed weight gradient, no autocast, plain parameters, a contiguous 2-D or
-3-D input of the parameters' dtype and device) with as little host work as
+(one weight tensor, no userbuffers, no sequence parallelism, no autocast,
+plain parameters, a contiguous 2-D or 3-D input of the parameters' dtype and
+device; a fused or delayed weight gradient goes through the general path's
+Wgrad step) with as little host work as
 the engine needs.
 
 On tiny shapes a layer call is all host work: every attribute read of a
@@ -18,6 +19,7 @@ import torch
 
 from .. import _C, _engine
 from ..distributed import all_reduce
+from ._common import NO_UB, Wgrad
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -38,7 +40,7 @@ PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "f
                         "in_local", "out_local"))
 
 # Plan fields (a tuple: one index per read).
-W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG = range(11)
+W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD = range(12)
 
 
 def make_plan(layer):
@@ -46,8 +48,7 @@ def make_plan(layer):
     (fields: the constants above), or False off the common case. It holds the
     layer's TPConfig, not its group: a deep-copied layer shares the group."""
     tp, ub = layer.tp, layer.ub
-    if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or layer.fuse_wgrad_accumulation
-            or layer.delay_wgrad_compute or getattr(layer, "save_original_input", False)
+    if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or getattr(layer, "save_original_input", False)
             or getattr(layer, "return_layernorm_output", False)):
         return False
     n, k = layer.out_local, layer.in_local
@@ -59,7 +60,8 @@ def make_plan(layer):
             tp.mode == "row", tp.mode == "column" and size > 1, tp,
             "layer_norm_weight" if norm else None,
             "layer_norm_bias" if norm and layer.normalization == "LayerNorm" else None,
-            float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0)
+            float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0,
+            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute)
 
 
 _cpu = torch.device("cpu")
@@ -143,6 +145,11 @@ def _returned_bias(layer, b, dtype):
     return b if b.dtype is dtype else b.to(dtype)
 
 
+def _as_2d(t, rows, cols):
+    """A contiguous t as [rows, cols] (t itself when it is 2-D)."""
+    return t if t.dim() == 2 else t.view(rows, cols)
+
+
 def _bias_grad_only(dy, rows, n, dtype):
     """The bias gradient without a weight gradient: dY's column sums, no GEMM
     (the general path's Wgrad does the same)."""
@@ -152,7 +159,7 @@ def _bias_grad_only(dy, rows, n, dtype):
 # ----------------------------------------------------------------- Linear
 
 
-def linear(layer, plan, x, return_bias):
+def linear(layer, plan, x, return_bias, is_first_microbatch):
     """Linear's output (and its bias with return_bias), or None off the
     common case."""
     params = layer._parameters
@@ -177,7 +184,7 @@ def linear(layer, plan, x, return_bias):
     code = _DTYPE_CODES.get(dtype)
     if dev is None or code is None:
         return None
-    state = (plan, shape, code, dev)
+    state = (plan, shape, code, dev, layer, is_first_microbatch)
     bias = None if return_bias else b
     if grad:
         y = _linear_apply(x, w, bias, state)
@@ -188,7 +195,7 @@ def linear(layer, plan, x, return_bias):
 
 def _linear_fwd(x, w, b, state):
     """Y = X W^T + b; a row layer all-reduces X W^T over the group, then adds b."""
-    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
     y = _new(x, s, bt, n)
     reduce = plan[ROW_REDUCE]
@@ -212,17 +219,21 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, w = ctx.saved_tensors
-        plan, (rows, _, _), code, dev = ctx.state
+        plan, (rows, _, _), code, dev, layer, first_mb = ctx.state
         need = ctx.needs_input_grad
         n, k = plan[WSHAPE]
         dtype = x.dtype
         _check_saved(w, dtype, (n, k), "weight")
         dy = _grad_output(dout, dtype)
         dx = torch.empty_like(x) if need[0] else None
-        dw = w.new_empty(n, k) if need[1] else None
-        db = None
-        if need[2]:
-            db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
+        dw = db = wg = None
+        if plan[WGRAD]:
+            if need[1] or need[2]:
+                wg = Wgrad(layer, w, need[2], first_mb, need_w=need[1])
+        else:
+            dw = w.new_empty(n, k) if need[1] else None
+            if need[2]:
+                db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
         if dx is not None or dw is not None:
             _, d, ws, nbytes, _ = dev
             _C.linear_bwd(d, code, rows, n, k, dy.data_ptr(), x.data_ptr(), w.data_ptr(),
@@ -231,6 +242,8 @@ class _LinearFn(torch.autograd.Function):
                           0 if d < 0 else _engine.stream_of(dev[0]))
         if dx is not None and plan[COL_REDUCE]:
             all_reduce(dx, plan[TP].group, plan[TP].size)
+        if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
+            dw, db = wg(_as_2d(dy, rows, n), _as_2d(x, rows, k), NO_UB)
         return dx, dw, db, None
 
 
@@ -240,7 +253,7 @@ _linear_apply = _function_apply.__get__(None, _LinearFn)
 # -------------------------------------------------------- LayerNormLinear
 
 
-def layernorm_linear(layer, plan, x, return_bias):
+def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
     """LayerNormLinear's output (and its bias with return_bias), or None off
     the common case."""
     params = layer._parameters
@@ -268,7 +281,7 @@ def layernorm_linear(layer, plan, x, return_bias):
     code = _DTYPE_CODES.get(dtype)
     if dev is None or code is None:
         return None
-    state = (plan, shape, code, dev)
+    state = (plan, shape, code, dev, layer, is_first_microbatch)
     bias = None if return_bias else b
     if grad:
         y = _norm_linear_apply(x, gamma, beta, w, bias, state)
@@ -281,7 +294,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state):
     """(y, ln_out [rows, k], stats): the norm, then Y = ln_out W^T + b (a row
     layer all-reduces before adding b). stats: float32 [2, rows] (mu, then
     rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm."""
-    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
     ln_out = x.new_empty(rows, k)
     stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
@@ -311,7 +324,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, ln_out, stats, gamma, w = ctx.saved_tensors
-        plan, (rows, _, _), code, dev = ctx.state
+        plan, (rows, _, _), code, dev, layer, first_mb = ctx.state
         need = ctx.needs_input_grad
         n, k = plan[WSHAPE]
         dtype = x.dtype
@@ -321,10 +334,14 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dx = torch.empty_like(x)
         dgamma = gamma.new_empty(k)
         dbeta = None if ctx.rms else gamma.new_empty(k)
-        dw = w.new_empty(n, k) if need[3] else None
-        db = None
-        if need[4]:
-            db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
+        dw = db = wg = None
+        if plan[WGRAD]:
+            if need[3] or need[4]:
+                wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3])
+        else:
+            dw = w.new_empty(n, k) if need[3] else None
+            if need[4]:
+                db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
         _, d, ws, nbytes, _ = dev
         esize = x.element_size()
         dln_bytes = (rows * k * esize + 255) // 256 * 256
@@ -337,6 +354,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
                            0 if dbeta is None else dbeta.data_ptr(), 0 if dw is None else dw.data_ptr(),
                            0 if db is None or dw is None else db.data_ptr(), sp + dln_bytes, norm_bytes,
                            ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
+        if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
+            dw, db = wg(_as_2d(dy, rows, n), ln_out, NO_UB)
         return dx, dgamma, dbeta, dw, db, None
 
 

@@ -153,7 +153,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
         plan = self._plan or self._fast_plan()
         if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
-            out = _fast.layernorm_linear(self, plan, inp, self.return_bias)
+            out = _fast.layernorm_linear(self, plan, inp, self.return_bias, is_first_microbatch)
             if out is not None:
                 return out
         weight = self._weight_tensor()

@@ -99,7 +99,7 @@ class Linear(TransformerEngineBaseModule):
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
         plan = self._plan or self._fast_plan()
         if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
-            out = _fast.linear(self, plan, inp, self.return_bias)
+            out = _fast.linear(self, plan, inp, self.return_bias, is_first_microbatch)
             if out is not None:
                 return out
         weight = self._weight_tensor()
