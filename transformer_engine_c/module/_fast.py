@@ -1,9 +1,8 @@
 """The layers' fast path: Linear and LayerNormLinear calls in the common case
 (one weight tensor, no userbuffers, no sequence parallelism, no autocast,
 plain parameters, a contiguous 2-D or 3-D input of the parameters' dtype and
-device; a fused or delayed weight gradient goes through the general path's
-Wgrad step) with as little host work as
-the engine needs.
+device) with as little host work as the engine needs. A fused or delayed
+weight gradient runs the general path's Wgrad step.
 
 On tiny shapes a layer call is all host work: every attribute read of a
 tensor, every allocation and every Python frame counts. Here each tensor is
