@@ -22,6 +22,8 @@ def _randomise(m):
 def _layer(kind, device, dtype, **kw):
     if kind == "linear":
         m = tec.Linear(24, 20, params_dtype=dtype, device=device, **kw)
+    elif kind == "mlp":
+        m = tec.LayerNormMLP(24, 32, params_dtype=dtype, device=device, **kw)
     else:
         m = tec.LayerNormLinear(24, 20, params_dtype=dtype, device=device, **kw)
     _randomise(m)
@@ -37,7 +39,8 @@ def _general(monkeypatch, m):
 def _fast_fn(y):
     """Whether y came out of one of the fast path's autograd Functions."""
     fn = y.grad_fn
-    return fn is not None and getattr(fn, "_forward_cls", None) in (_fast._LinearFn, _fast._LayerNormLinearFn)
+    return fn is not None and getattr(fn, "_forward_cls", None) in (_fast._LinearFn, _fast._LayerNormLinearFn,
+                                                                     _fast._LayerNormMLPFn)
 
 
 def _run(m, x, dy, return_bias=False):
@@ -63,7 +66,11 @@ def _same(a, b):
 CASES = [("linear", {}), ("linear", {"bias": False}), ("linear", {"return_bias": True}),
          ("lnl", {}), ("lnl", {"bias": False}), ("lnl", {"normalization": "RMSNorm"}),
          ("lnl", {"zero_centered_gamma": True}), ("lnl", {"return_bias": True}),
-         ("linear", {"parallel_mode": "column"}), ("lnl", {"parallel_mode": "row"})]
+         ("linear", {"parallel_mode": "column"}), ("lnl", {"parallel_mode": "row"}),
+         ("mlp", {}), ("mlp", {"bias": False}), ("mlp", {"return_bias": True}), ("mlp", {"normalization": "RMSNorm"}),
+         ("mlp", {"zero_centered_gamma": True}), ("mlp", {"set_parallel_mode": True}),
+         ("mlp", {"activation": "swiglu"}), ("mlp", {"activation": "relu", "bias": False}),
+         ("mlp", {"activation": "clamped_swiglu", "activation_params": {"limit": 3.0, "alpha": 1.5}})]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +79,7 @@ CASES = [("linear", {}), ("linear", {"bias": False}), ("linear", {"return_bias":
 def test_fast_equals_general(monkeypatch, device, dtype, shape, kind, kw):
     m = _layer(kind, device, dtype, **kw)
     x = torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
-    dy = torch.randn(*shape[:-1], 20, dtype=dtype, device=device)
+    dy = torch.randn(*shape[:-1], 24 if kind == "mlp" else 20, dtype=dtype, device=device)
     rb = kw.get("return_bias", False)
     fast, took = _run(m, x, dy, rb)
     assert took, "the common case did not take the fast path"
@@ -127,14 +134,15 @@ def test_fused_and_delayed_wgrad_equal_general(monkeypatch, device, kind, mode, 
     _same(fast, general)
 
 
-@pytest.mark.parametrize("kind", ["linear", "lnl"])
+@pytest.mark.parametrize("kind", ["linear", "lnl", "mlp"])
 def test_fast_partial_grads(monkeypatch, device, kind):
     """A frozen weight (bias gradient only), an input without grad, and a
     grad_output that is not contiguous: still the general path's numbers."""
     m = _layer(kind, device, torch.float32)
-    m.weight.requires_grad_(False)
+    for name in (("fc1_weight", "fc2_weight", "fc1_bias") if kind == "mlp" else ("weight",)):
+        getattr(m, name).requires_grad_(False)
     x = torch.randn(6, 24, device=device)
-    dy = torch.randn(20, 6, device=device).t()  # not contiguous
+    dy = torch.randn(24 if kind == "mlp" else 20, 6, device=device).t()  # not contiguous
     fast, took = _run(m, x, dy)
     assert took and fast[1] is None  # no input gradient
     _general(monkeypatch, m)
@@ -179,7 +187,7 @@ def test_return_bias_without_bias_after_a_dtype_change(monkeypatch, device, kind
     assert not _fast_fn(y2) and b2.dtype == b.dtype and b2.shape == b.shape and torch.equal(y, y2)
 
 
-@pytest.mark.parametrize("kind", ["linear", "lnl"])
+@pytest.mark.parametrize("kind", ["linear", "lnl", "mlp"])
 def test_bad_input_same_errors(device, kind):
     m = _layer(kind, device, torch.float32)
     with pytest.raises(TypeError, match="inp has dtype torch.float64"):
@@ -321,3 +329,22 @@ def test_plan_survives_copy_and_pickle():
     for other in (copy.deepcopy(m), old):
         y2 = other(x)
         assert _fast_fn(y2) and torch.equal(y2, y)
+
+
+def test_mlp_off_the_common_case_takes_the_general_path(device):
+    m = _layer("mlp", device, torch.float32)
+    x = torch.randn(6, 24, device=device, requires_grad=True)
+    assert _fast_fn(m(x))
+    for attr in ("checkpoint", "delay_wgrad_compute", "return_layernorm_output"):
+        setattr(m, attr, True)  # set after construction: the plan is remade
+        assert m._plan is None
+        out = m(x)
+        assert not _fast_fn(out[0] if attr == "return_layernorm_output" else out), attr
+        setattr(m, attr, False)
+        assert _fast_fn(m(x))
+    m2 = _layer("mlp", device, torch.float32, delay_wgrad_compute=True)
+    y = m2(x)
+    assert not _fast_fn(y)
+    y.sum().backward()
+    m2.backward_dw()
+    assert m2.fc1_weight.grad is not None

@@ -36,7 +36,8 @@ _empty = torch.empty
 PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "fuse_wgrad_accumulation",
                         "delay_wgrad_compute", "save_original_input", "return_layernorm_output",
                         "return_layernorm_output_gathered", "zero_centered_gamma", "eps", "normalization",
-                        "in_local", "out_local"))
+                        "in_local", "out_local", "tp2", "ub2", "checkpoint", "activation", "_act_kw",
+                        "hidden_size", "size_per_partition", "set_parallel_mode"))
 
 # Plan fields (a tuple: one index per read).
 W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD = range(12)
@@ -46,6 +47,8 @@ def make_plan(layer):
     """What a fast call of `layer` needs, fixed until one of PLAN_ATTRS is set
     (fields: the constants above), or False off the common case. It holds the
     layer's TPConfig, not its group: a deep-copied layer shares the group."""
+    if hasattr(layer, "tp2"):
+        return _mlp_plan(layer)
     tp, ub = layer.tp, layer.ub
     if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or getattr(layer, "save_original_input", False)
             or getattr(layer, "return_layernorm_output", False)):
@@ -360,6 +363,162 @@ class _LayerNormLinearFn(torch.autograd.Function):
 
 _norm_linear_apply = _function_apply.__get__(None, _LayerNormLinearFn)
 
+# ----------------------------------------------------------- LayerNormMLP
+# One process (tp = 1), no userbuffers, no checkpoint, no fused or delayed
+# weight gradient, no returned norm output. Forward: the norm and fc1 in one
+# engine call, the activation, fc2; the intermediates (ln_out, the norm's
+# statistics, fc1's output, the activation's) live in one allocation, which
+# is what is saved. Backward: fc2's dgrad + wgrad, the activation's backward
+# with fc1's bias gradient, fc1's dgrad + wgrad + the norm's backward.
+
+def _mlp_plan(layer):
+    """(hidden, fc1 rows, ffn, activation code, limit, alpha, glu offset,
+    LayerNorm, eps, zero_centered_gamma, fc2 bias added after the GEMM (a
+    row-parallel fc2, as the general path adds it), bias) or False."""
+    if (layer.tp.size != 1 or layer.ub.enabled or layer.ub2.enabled or layer.checkpoint
+            or layer.return_layernorm_output or layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute):
+        return False
+    act = _engine.activation_code(layer.activation)
+    ffn = layer.size_per_partition
+    kw = layer._act_kw
+    return (layer.hidden_size, 2 * ffn if act >= 16 else ffn, ffn, act, float(kw.get("limit", 7.0)),
+            float(kw.get("alpha", 1.702)), float(kw.get("glu_linear_offset", 1.0)),
+            layer.normalization == "LayerNorm", float(layer.eps), 1 if layer.zero_centered_gamma else 0,
+            layer.tp2.mode == "row", layer.use_bias)
+
+
+def _carve(*sizes):
+    """Byte offsets of consecutive regions of the given sizes, each 256-byte
+    aligned, and the total."""
+    offs, total = [], 0
+    for n in sizes:
+        offs.append(total)
+        total += (n + 255) // 256 * 256
+    return offs, total
+
+
+def layernorm_mlp(layer, plan, x, return_bias):
+    """LayerNormMLP's output (and fc2's bias with return_bias), or None off
+    the common case."""
+    params = layer._parameters
+    w1, w2, gamma = params.get("fc1_weight"), params.get("fc2_weight"), params.get("layer_norm_weight")
+    hidden, f1, ffn = plan[0], plan[1], plan[2]
+    beta = params.get("layer_norm_bias") if plan[7] else None
+    b1 = b2 = None
+    if plan[11]:
+        b1, b2 = params.get("fc1_bias"), params.get("fc2_bias")
+    if w1 is None or w2 is None or gamma is None or (plan[7] and beta is None) or (plan[11] and (b1 is None or b2 is None)):
+        return None
+    grad = _is_grad_enabled()
+    if grad:
+        if _functorch_active():
+            return None
+        if type(x) is _Tensor:
+            x = _unwrap_if_dead(x)
+    dtype = w1.dtype
+    shape = _rows(x, dtype, hidden)
+    if (shape is None or not _plain(w1, dtype, (f1, hidden)) or not _plain(w2, dtype, (hidden, ffn))
+            or not _plain(gamma, dtype, (hidden,)) or not _plain(beta, dtype, (hidden,))
+            or not _plain(b1, dtype, (f1,)) or not _plain(b2, dtype, (hidden,)) or _any_autocast()):
+        return None
+    dev = _device(x, (w1, w2, gamma, beta, b1, b2))
+    code = _DTYPE_CODES.get(dtype)
+    if dev is None or code is None:
+        return None
+    state = (plan, shape, code, dev)
+    fc2_bias = None if return_bias else b2
+    if grad:
+        y = _mlp_apply(x, gamma, beta, w1, b1, w2, fc2_bias, state)
+    else:
+        y = _mlp_fwd(x, gamma, beta, w1, b1, w2, fc2_bias, state)[0]
+    if not return_bias:
+        return y
+    b = b2 if b2 is not None else layer.fc2_bias
+    return y, (b if b.dtype is dtype else b.to(dtype))
+
+
+def _mlp_fwd(x, gamma, beta, w1, b1, w2, b2, state):
+    """(y, the intermediates' allocation, its offsets: ln_out, stats, fc1
+    out, activation out)."""
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
+    hidden, f1, ffn, act = plan[0], plan[1], plan[2], plan[3]
+    es = x.element_size()
+    offs, total = _carve(rows * hidden * es, (2 if beta is not None else 1) * rows * 4, rows * f1 * es,
+                         rows * ffn * es)
+    mid = _empty(total, dtype=torch.uint8, device=x.device)
+    y = _new(x, s, bt, hidden)
+    p = mid.data_ptr()
+    ln, st, h, a = p + offs[0], p + offs[1], p + offs[2], p + offs[3]
+    _C.norm_linear_fwd(dev, code, rows, hidden, f1, x.data_ptr(), gamma.data_ptr(),
+                       0 if beta is None else beta.data_ptr(), ln, 0 if beta is None else st,
+                       st + 4 * rows if beta is not None else st, plan[8], plan[9], w1.data_ptr(),
+                       0 if b1 is None else b1.data_ptr(), h, ws, nbytes, stream)
+    _C.act_fwd(dev, act, code, rows, ffn, h, 0, a, plan[4], plan[5], plan[6], stream)
+    after = plan[10]
+    _C.gemm(dev, code, code, 0, 1, rows, hidden, ffn, a, ffn, w2.data_ptr(), ffn, y.data_ptr(), hidden,
+            0 if b2 is None or after else b2.data_ptr(), 0, 0, ws, nbytes, stream)
+    if after and b2 is not None:
+        y += b2
+    return y, mid, offs
+
+
+class _LayerNormMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, beta, w1, b1, w2, b2, state):
+        y, mid, offs = _mlp_fwd(x, gamma, beta, w1, b1, w2, b2, state)
+        ctx.save_for_backward(x, mid, gamma, w1, w2)
+        ctx.state, ctx.offs, ctx.rms = state, offs, beta is None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, mid, gamma, w1, w2 = ctx.saved_tensors
+        plan, (rows, _, _), code, dev = ctx.state
+        hidden, f1, ffn, act = plan[0], plan[1], plan[2], plan[3]
+        need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
+        dtype = x.dtype
+        _check_saved(w1, dtype, (f1, hidden), "fc1_weight")
+        _check_saved(w2, dtype, (hidden, ffn), "fc2_weight")
+        _check_saved(gamma, dtype, (hidden,), "layer_norm_weight")
+        dy = _grad_output(dout, dtype)
+        device, d, ws, nbytes, _ = dev
+        stream = 0 if d < 0 else _engine.stream_of(device)
+        es = x.element_size()
+        dx = torch.empty_like(x)
+        dgamma = gamma.new_empty(hidden)
+        dbeta = None if ctx.rms else gamma.new_empty(hidden)
+        dw1 = w1.new_empty(f1, hidden) if need[3] else None
+        db1 = w1.new_empty(f1) if need[4] else None
+        dw2 = w2.new_empty(hidden, ffn) if need[5] else None
+        db2 = None
+        if need[6]:
+            db2 = w2.new_empty(hidden) if need[5] else _bias_grad_only(dy, rows, hidden, dtype)
+        act_bytes = _C.act_bwd_workspace_bytes(d, act, rows, ffn) if db1 is not None else 0
+        norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, hidden)
+        offs, total = _carve(rows * ffn * es, rows * f1 * es, rows * hidden * es, act_bytes, norm_bytes)
+        scratch = _empty(total, dtype=torch.uint8, device=device)
+        p, m = scratch.data_ptr(), mid.data_ptr()
+        dact, dh, dln, aws, nws = (p + o for o in offs)
+        ln, st, h, a = (m + o for o in ctx.offs)
+        # fc2: dgrad into dact, wgrad (+ its bias gradient)
+        _C.linear_bwd(d, code, rows, hidden, ffn, dy.data_ptr(), a, w2.data_ptr(), dact,
+                      0 if dw2 is None else dw2.data_ptr(), 0 if db2 is None or dw2 is None else db2.data_ptr(),
+                      ws, nbytes, stream)
+        # the activation's backward, fc1's bias gradient fused
+        _C.act_bwd(d, act, code, rows, ffn, dact, h, dh, 0 if db1 is None else db1.data_ptr(),
+                   aws if db1 is not None else 0, act_bytes, plan[4], plan[5], plan[6], stream)
+        # fc1: dgrad into dln, wgrad, then the norm's backward
+        _C.norm_linear_bwd(d, code, rows, hidden, f1, dh, x.data_ptr(), ln, 0 if ctx.rms else st,
+                           st + 4 * rows if not ctx.rms else st, gamma.data_ptr(), plan[9], w1.data_ptr(), dln,
+                           dx.data_ptr(), dgamma.data_ptr(), 0 if dbeta is None else dbeta.data_ptr(),
+                           0 if dw1 is None else dw1.data_ptr(), 0, nws, norm_bytes, ws, nbytes, stream)
+        return dx, dgamma, dbeta, dw1, db1, dw2, db2, None
+
+
+_mlp_apply = _function_apply.__get__(None, _LayerNormMLPFn)
+
+
 # The functions that call a Function's C apply, and the Function: what
 # tec.debug names as the saver (it finds a Python apply frame otherwise).
-C_APPLY_CALLERS = {linear.__code__: _LinearFn, layernorm_linear.__code__: _LayerNormLinearFn}
+C_APPLY_CALLERS = {linear.__code__: _LinearFn, layernorm_linear.__code__: _LayerNormLinearFn,
+                   layernorm_mlp.__code__: _LayerNormMLPFn}
