@@ -309,7 +309,7 @@ PyMethodDef tec_ops_methods[] = {
     {"norm_bwd", (PyCFunction)(void (*)(void))py_norm_bwd, METH_FASTCALL, "LayerNorm/RMSNorm backward."},
     {"norm_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_norm_bwd_ws, METH_FASTCALL, "Workspace of norm_bwd."},
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "Row-major GEMM (see tec.h)."},
-    {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL, "dgrad + wgrad (+ bias grad) of a linear layer."},
+    {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL, "A linear layer's backward."},
     {"norm_linear_fwd", (PyCFunction)(void (*)(void))py_norm_linear_fwd, METH_FASTCALL, "Norm then GEMM (+ bias)."},
     {"norm_linear_bwd", (PyCFunction)(void (*)(void))py_norm_linear_bwd, METH_FASTCALL, "Backward of norm_linear_fwd."},
     {"gemm_workspace_bytes", (PyCFunction)(void (*)(void))py_gemm_ws, METH_FASTCALL, "Workspace of gemm."},

@@ -407,7 +407,8 @@ def layernorm_mlp(layer, plan, x, return_bias):
     b1 = b2 = None
     if plan[11]:
         b1, b2 = params.get("fc1_bias"), params.get("fc2_bias")
-    if w1 is None or w2 is None or gamma is None or (plan[7] and beta is None) or (plan[11] and (b1 is None or b2 is None)):
+    if (w1 is None or w2 is None or gamma is None or (plan[7] and beta is None)
+            or (plan[11] and (b1 is None or b2 is None))):
         return None
     grad = _is_grad_enabled()
     if grad:
