@@ -6,8 +6,9 @@ what it prints is the CPU cost per call, the cost that bounds small shapes.
     python3 scripts/host_costs.py [--device cuda] [--rows 1024 --hidden 1024]
 
 It ends with the layers against the same layers built from plain PyTorch
-modules at [4, 16] (nn.Linear; nn.LayerNorm + nn.Linear), the comparison the
-host-cost target is set on.
+modules at [4, 16] (nn.Linear; nn.LayerNorm + nn.Linear; and for LayerNormMLP
+nn.LayerNorm, nn.Linear, GELU, nn.Linear), the comparison the host-cost target
+is set on.
 """
 import argparse
 import time
@@ -119,7 +120,8 @@ def main():
 def layer_comparison(device, dtype, rounds=15):
     """(case, our us, torch us) per layer call at [4, 16], where the time is
     all host work: tec.Linear against nn.Linear, tec.LayerNormLinear against
-    nn.LayerNorm + nn.Linear, no-grad forward and forward+backward. Ours and
+    nn.LayerNorm + nn.Linear, tec.LayerNormMLP (ffn 64) against nn.LayerNorm,
+    nn.Linear, GELU, nn.Linear; no-grad forward and forward+backward. Ours and
     torch's alternate round by round, so load on the machine hits both."""
     H = 16
     x = torch.randn(4, H, dtype=dtype, device=device)
@@ -129,6 +131,12 @@ def layer_comparison(device, dtype, rounds=15):
     lnl = tec.LayerNormLinear(H, H, params_dtype=dtype, device=device)
     tlin = torch.nn.Linear(H, H, dtype=dtype, device=device)
     tln = torch.nn.LayerNorm(H, dtype=dtype, device=device)
+    mlp = tec.LayerNormMLP(H, 4 * H, params_dtype=dtype, device=device)
+    tfc1 = torch.nn.Linear(H, 4 * H, dtype=dtype, device=device)
+    tfc2 = torch.nn.Linear(4 * H, H, dtype=dtype, device=device)
+
+    def tmlp(a):  # TE's LayerNormMLP default: LayerNorm, fc1, tanh GELU, fc2
+        return tfc2(F.gelu(tfc1(tln(a)), approximate="tanh"))
 
     def no_grad(fn):
         def run():
@@ -138,7 +146,9 @@ def layer_comparison(device, dtype, rounds=15):
     cases = [("Linear fwd (no_grad)", no_grad(lambda: lin(x)), no_grad(lambda: tlin(x))),
              ("LayerNormLinear fwd (no_grad)", no_grad(lambda: lnl(x)), no_grad(lambda: tlin(tln(x)))),
              ("Linear fwd+bwd", lambda: lin(xg).backward(dy), lambda: tlin(xg).backward(dy)),
-             ("LayerNormLinear fwd+bwd", lambda: lnl(xg).backward(dy), lambda: tlin(tln(xg)).backward(dy))]
+             ("LayerNormLinear fwd+bwd", lambda: lnl(xg).backward(dy), lambda: tlin(tln(xg)).backward(dy)),
+             ("LayerNormMLP fwd (no_grad)", no_grad(lambda: mlp(x)), no_grad(lambda: tmlp(x))),
+             ("LayerNormMLP fwd+bwd", lambda: mlp(xg).backward(dy), lambda: tmlp(xg).backward(dy))]
     out = []
     for name, ours, ref in cases:
         best = [float("inf"), float("inf")]

@@ -195,6 +195,11 @@ def _layer_name(entry, names):
     return f"module '{qual}' ({kind})" if qual else f"module {kind}"
 
 
+def _c_apply_callers():
+    from .module import _fast
+    return _fast.C_APPLY_CALLERS
+
+
 def _describe_saver(names):
     """Who is saving right now: the custom autograd.Function (if any), the
     innermost module / named layer, and the innermost source line outside
@@ -207,6 +212,10 @@ def _describe_saver(names):
             cls = f.f_locals.get("cls")
             if isinstance(cls, type):
                 fn = cls.__name__
+        elif fn is None and f.f_code in _c_apply_callers():
+            # The layers' fast path enters its Functions through their C
+            # apply (no Python apply frame): its calling frame names them.
+            fn = _c_apply_callers()[f.f_code].__name__
         elif user is None and not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
             user = f
         f = f.f_back

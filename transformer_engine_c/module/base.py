@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
+from . import _fast
 from ._common import TPConfig, UBConfig, check_same_size
 from ._weights import is_distributed_weight
 
@@ -153,6 +154,11 @@ def _set_tp_attributes(t, is_parallel, dim):
 class TransformerEngineBaseModule(torch.nn.Module):
     """Base of this package's layers (see the module docstring)."""
 
+    # The fast path's plan (module/_fast.py), made on the first call and kept
+    # in the instance; None: not made yet (a class attribute, so a layer
+    # unpickled from before it existed reads None too).
+    _plan = None
+
     def __init__(self, name=None):
         super().__init__()
         if name is not None and not isinstance(name, str):
@@ -229,6 +235,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 getattr(self, name).skip_backward_post_hook = True
 
     # -- per call -----------------------------------------------------------
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _fast.PLAN_ATTRS:  # what the fast path's plan was made from changed
+            self.__dict__["_plan"] = None
+
+    def _fast_plan(self):
+        """The layer's fast-path plan (module/_fast.py), or False."""
+        plan = self._plan
+        if plan is None:
+            plan = self.__dict__["_plan"] = _fast.make_plan(self)
+        return plan
 
     # Parameters are read from _parameters directly: nn.Module.__getattr__
     # costs several times a dict lookup, on every call (a parameter the user

@@ -8,6 +8,7 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _common as C
+from . import _fast
 from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -150,6 +151,13 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns out, (out, bias), (out, ln_out) or (out, bias, ln_out), as TE."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        plan = self._plan
+        if plan is None:
+            plan = self._fast_plan()
+        if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
+            out = _fast.layernorm_linear(self, plan, inp, self.return_bias, is_first_microbatch)
+            if out is not None:
+                return out
         weight = self._weight_tensor()
         bias = self._bias_tensor()
         dtype, cast = C.compute_dtype(weight)

@@ -9,6 +9,7 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _common as C
+from . import _fast
 from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -287,6 +288,13 @@ class LayerNormMLP(TransformerEngineBaseModule):
         with return_layernorm_output (TE's order). is_first_microbatch as
         TE's: main_grad overwritten on the first micro-batch with
         fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
+        plan = self._plan
+        if plan is None:
+            plan = self._fast_plan()
+        if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
+            out = _fast.layernorm_mlp(self, plan, inp, self.return_bias)
+            if out is not None:
+                return out
         dtype, cast = C.compute_dtype(self.fc1_weight)
         fc1_bias = self.fc1_bias if self.use_bias else None
         fc2_bias = self.fc2_bias if self.use_bias and not self.return_bias else None

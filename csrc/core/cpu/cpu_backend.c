@@ -127,46 +127,72 @@ static float *to_f32(const void *x, int64_t rows, int64_t cols, int64_t ld, int 
 
 enum { MR = 4, NB = 256 };
 
+/* Whether the bytes [p, p + pn) and [q, q + qn) overlap. */
+static int overlap(const void *p, size_t pn, const void *q, size_t qn)
+{
+    const char *a = p, *b = q;
+    return a < b + qn && b < a + pn;
+}
+
+/* op(X) as float32 rows of length `cols`, `*ld` apart: X itself when it is
+ * float32, not transposed and not overlapping the output (no copy: on small
+ * products the copies and their allocations are most of the time), else a
+ * dense copy (*owned set to it, for the caller to free). NULL: no memory. */
+static const float *operand(const void *x, int64_t rows, int64_t cols, int64_t ld, int trans, tec_dtype dt,
+                            const void *c, size_t c_bytes, int64_t *ld_out, float **owned)
+{
+    *owned = NULL;
+    if (dt == TEC_F32 && !trans && !overlap(x, (size_t)((rows - 1) * ld + cols) * 4, c, c_bytes)) {
+        *ld_out = ld;
+        return x;
+    }
+    *ld_out = cols;
+    return *owned = to_f32(x, rows, cols, ld, trans, dt);
+}
+
 static tec_status cpu_gemm(int device, const tec_gemm_args *g, void *stream)
 {
     (void)device; (void)stream;
     const int64_t M = g->m, N = g->n, K = g->k;
-    float *A = to_f32(g->a, M, K, g->lda, g->transa, g->ab_dtype);
-    float *B = to_f32(g->b, K, N, g->ldb, g->transb, g->ab_dtype);
+    const size_t ces = tec_dtype_size(g->c_dtype);
+    const size_t c_bytes = (size_t)((M - 1) * g->ldc + N) * ces;
+    int64_t lda, ldb;
+    float *a_copy, *b_copy;
+    const float *A = operand(g->a, M, K, g->lda, g->transa, g->ab_dtype, g->c, c_bytes, &lda, &a_copy);
+    const float *B = operand(g->b, K, N, g->ldb, g->transb, g->ab_dtype, g->c, c_bytes, &ldb, &b_copy);
     /* Accumulated in double: products and partial sums of float inputs
      * never overflow there, so a result is inf only when the exact one
      * rounds to inf in float (a float accumulator could reach inf, then
      * inf - inf = NaN, where the true sum is finite or an infinity). */
-    double *acc = malloc((size_t)MR * NB * sizeof(double));
-    float *crow = malloc((size_t)N * sizeof(float));
-    float *bias = g->bias ? malloc((size_t)N * sizeof(float)) : NULL;
+    double acc[MR * NB];
+    float crow[NB], bias[NB];
     tec_status st = TEC_OK;
-    if (!A || !B || !acc || !crow || (g->bias && !bias)) {
+    if (!A || !B) {
         st = tec_set_error(TEC_ERR_NO_MEMORY, "gemm: no memory for a %lldx%lldx%lld product",
                            (long long)M, (long long)N, (long long)K);
         goto done;
     }
-    if (bias)
-        tec_load_row(bias, g->bias, N, g->ab_dtype);
-    const size_t ces = tec_dtype_size(g->c_dtype);
     for (int64_t i0 = 0; i0 < M; i0 += MR) {
         const int mr = (int)(M - i0 < MR ? M - i0 : MR);
         for (int64_t j0 = 0; j0 < N; j0 += NB) {
             const int nb = (int)(N - j0 < NB ? N - j0 : NB);
-            memset(acc, 0, (size_t)MR * NB * sizeof(double));
+            for (int r = 0; r < mr; r++)
+                memset(acc + r * NB, 0, (size_t)nb * sizeof(double));
             for (int64_t p = 0; p < K; p++) {
-                const float *b = B + p * N + j0;
+                const float *b = B + p * ldb + j0;
                 for (int r = 0; r < mr; r++) {
-                    const double av = A[(i0 + r) * K + p];
+                    const double av = A[(i0 + r) * lda + p];
                     double *c = acc + r * NB;
                     for (int j = 0; j < nb; j++) c[j] += av * (double)b[j];
                 }
             }
+            if (g->bias)
+                tec_load_row(bias, (const char *)g->bias + j0 * tec_dtype_size(g->ab_dtype), nb, g->ab_dtype);
             for (int r = 0; r < mr; r++) {
                 char *cdst = (char *)g->c + ((i0 + r) * g->ldc + j0) * ces;
                 double *c = acc + r * NB;
-                if (bias)
-                    for (int j = 0; j < nb; j++) c[j] += bias[j0 + j];
+                if (g->bias)
+                    for (int j = 0; j < nb; j++) c[j] += bias[j];
                 if (g->accumulate) {
                     tec_load_row(crow, cdst, nb, g->c_dtype);
                     for (int j = 0; j < nb; j++) c[j] += crow[j];
@@ -179,11 +205,11 @@ static tec_status cpu_gemm(int device, const tec_gemm_args *g, void *stream)
     if (g->bias_grad)
         for (int64_t i = 0; i < M; i++) {
             float s = 0.0f;
-            for (int64_t p = 0; p < K; p++) s += A[i * K + p];
+            for (int64_t p = 0; p < K; p++) s += A[i * lda + p];
             tec_store(g->bias_grad, i, g->ab_dtype, s);
         }
 done:
-    free(A); free(B); free(acc); free(crow); free(bias);
+    free(a_copy); free(b_copy);
     return st;
 }
 

@@ -1,0 +1,525 @@
+"""The layers' fast path: Linear and LayerNormLinear calls in the common case
+(one weight tensor, no userbuffers, no sequence parallelism, no autocast,
+plain parameters, a contiguous 2-D or 3-D input of the parameters' dtype and
+device) with as little host work as the engine needs. A fused or delayed
+weight gradient runs the general path's Wgrad step.
+
+On tiny shapes a layer call is all host work: every attribute read of a
+tensor, every allocation and every Python frame counts. Here each tensor is
+looked at once, outputs are allocated in their final shape (no views), the
+autograd Function is entered through its C entry point (torch's Python
+wrapper only unwraps functorch's dead tensors, and under functorch
+transforms the general path runs), and each step is one engine call
+(_C.linear_bwd, _C.norm_linear_fwd, _C.norm_linear_bwd). Anything off the
+common case, a wrong input included, returns None and the layer takes its
+general path, which raises the named errors: the semantics are the general
+path's and the numerics the same engine kernels'."""
+import torch
+
+from .. import _C, _engine
+from ..distributed import all_reduce
+from ._common import NO_UB, Wgrad
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_DTYPE_CODES = _engine.DTYPE_CODES
+_is_grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_function_apply = torch._C._FunctionBase.__dict__["apply"]
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_F32 = torch.float32
+_empty = torch.empty
+
+# The layer attributes a plan is made from: setting one drops the layer's plan
+# (TransformerEngineBaseModule.__setattr__).
+PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "fuse_wgrad_accumulation",
+                        "delay_wgrad_compute", "save_original_input", "return_layernorm_output",
+                        "return_layernorm_output_gathered", "zero_centered_gamma", "eps", "normalization",
+                        "in_local", "out_local", "tp2", "ub2", "checkpoint", "activation", "_act_kw",
+                        "hidden_size", "size_per_partition", "set_parallel_mode"))
+
+# Plan fields (a tuple: one index per read).
+W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD = range(12)
+
+
+def make_plan(layer):
+    """What a fast call of `layer` needs, fixed until one of PLAN_ATTRS is set
+    (fields: the constants above), or False off the common case. It holds the
+    layer's TPConfig, not its group: a deep-copied layer shares the group."""
+    if hasattr(layer, "tp2"):
+        return _mlp_plan(layer)
+    tp, ub = layer.tp, layer.ub
+    if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or getattr(layer, "save_original_input", False)
+            or getattr(layer, "return_layernorm_output", False)):
+        return False
+    n, k = layer.out_local, layer.in_local
+    size = tp.size
+    norm = hasattr(layer, "normalization")
+    if norm and tp.mode == "column" and size > 1:
+        return False  # dgrad is all-reduced between the GEMM and the norm's backward: the general path
+    return (layer.weight_names[0], layer.bias_names[0] if layer.use_bias else None, (n, k), (n,),
+            tp.mode == "row", tp.mode == "column" and size > 1, tp,
+            "layer_norm_weight" if norm else None,
+            "layer_norm_bias" if norm and layer.normalization == "LayerNorm" else None,
+            float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0,
+            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute)
+
+
+_cpu = torch.device("cpu")
+_cpu_dev = None  # (engine device code, workspace address, bytes) of the CPU, found on first use
+
+
+def _device(x, params):
+    """(torch.device, engine code, GEMM workspace address, its bytes, stream)
+    when x and every tensor of `params` (None allowed) lie on one device,
+    else None."""
+    global _cpu_dev
+    if x.is_cpu:
+        for p in params:
+            if p is not None and not p.is_cpu:
+                return None
+        if _cpu_dev is None:
+            _cpu_dev = _engine._gemm_dev(_cpu)[:3]
+        return (_cpu,) + _cpu_dev + (0,)
+    device = x.device
+    if device.type != "cuda":
+        return None
+    for p in params:
+        if p is not None and p.device != device:
+            return None
+    dev, ws, nbytes, _ = _engine._gemm_devs.get(device) or _engine._gemm_dev(device)
+    return device, dev, ws, nbytes, _engine.stream_of(device)
+
+
+def _plain(t, dtype, shape):
+    """t is a plain parameter of dtype and shape, contiguous (None passes)."""
+    return t is None or (type(t) is _Parameter and t.dtype is dtype and t.shape == shape and t.is_contiguous())
+
+
+def _rows(x, dtype, k):
+    """(rows, s, b) of a plain contiguous input [rows, k] (b None) or
+    [s, b, k] (rows = s * b > 0) of dtype, else None."""
+    if type(x) is not _Tensor or x.dtype is not dtype:
+        return None
+    shape = x.shape
+    nd = len(shape)
+    if nd == 2:
+        s, b = shape[0], None
+        rows = s
+    elif nd == 3:
+        s, b = shape[0], shape[1]
+        rows = s * b
+    else:
+        return None
+    if shape[-1] != k or not rows or not x.is_contiguous():
+        return None
+    return rows, s, b
+
+
+def _new(x, s, b, n):
+    """A fresh [s, n] or [s, b, n] tensor like x."""
+    return x.new_empty(s, n) if b is None else x.new_empty(s, b, n)
+
+
+def _grad_output(dout, dtype):
+    """dout as backward needs it: contiguous, in the output's dtype."""
+    if dout.dtype is not dtype:
+        dout = dout.to(dtype)
+    return dout if dout.is_contiguous() else dout.contiguous()
+
+
+def _check_saved(t, dtype, shape, name):
+    """A saved parameter still has its forward dtype, shape and layout (a
+    `.data` swap between forward and backward would otherwise be read
+    wrongly)."""
+    if t.dtype is not dtype or t.shape != shape or not t.is_contiguous():
+        raise RuntimeError(f"the layer's {name} changed between forward and backward: now {t.dtype} "
+                           f"{tuple(t.shape)} strides {t.stride()}, was {dtype} {list(shape)} contiguous")
+
+
+def _returned_bias(layer, b, dtype):
+    """What return_bias returns: the bias parameter, or without one the
+    layer's empty bias tensor, in the call's dtype (as the general path)."""
+    if b is not None:
+        return b
+    b = getattr(layer, layer.bias_names[0])
+    return b if b.dtype is dtype else b.to(dtype)
+
+
+def _as_2d(t, rows, cols):
+    """A contiguous t as [rows, cols] (t itself when it is 2-D)."""
+    return t if t.dim() == 2 else t.view(rows, cols)
+
+
+def _bias_grad_only(dy, rows, n, dtype):
+    """The bias gradient without a weight gradient: dY's column sums, no GEMM
+    (the general path's Wgrad does the same)."""
+    return dy.reshape(rows, n).sum(0, dtype=_F32).to(dtype)
+
+
+# ----------------------------------------------------------------- Linear
+
+
+def linear(layer, plan, x, return_bias, is_first_microbatch):
+    """Linear's output (and its bias with return_bias), or None off the
+    common case."""
+    params = layer._parameters
+    w = params.get(plan[W])
+    bname = plan[B]
+    b = params.get(bname) if bname is not None else None
+    if w is None:
+        return None
+    grad = _is_grad_enabled()
+    if grad:
+        if _functorch_active():
+            return None
+        if type(x) is _Tensor:  # as Function.apply: a tensor a finished functorch transform left
+            x = _unwrap_if_dead(x)
+    dtype = w.dtype
+    wshape = plan[WSHAPE]
+    n, k = wshape
+    shape = _rows(x, dtype, k)
+    if shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or _any_autocast():
+        return None
+    dev = _device(x, (w, b))
+    code = _DTYPE_CODES.get(dtype)
+    if dev is None or code is None:
+        return None
+    state = (plan, shape, code, dev, layer, is_first_microbatch)
+    bias = None if return_bias else b
+    if grad:
+        y = _linear_apply(x, w, bias, state)
+    else:
+        y = _linear_fwd(x, w, bias, state)
+    return (y, _returned_bias(layer, b, dtype)) if return_bias else y
+
+
+def _linear_fwd(x, w, b, state):
+    """Y = X W^T + b; a row layer all-reduces X W^T over the group, then adds b."""
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
+    n, k = plan[WSHAPE]
+    y = _new(x, s, bt, n)
+    reduce = plan[ROW_REDUCE]
+    _C.gemm(dev, code, code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
+            0 if b is None or reduce else b.data_ptr(), 0, 0, ws, nbytes, stream)
+    if reduce:
+        all_reduce(y, plan[TP].group, plan[TP].size)
+        if b is not None:
+            y += b
+    return y
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, state):
+        y = _linear_fwd(x, w, b, state)
+        ctx.save_for_backward(x, w)
+        ctx.state = state
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w = ctx.saved_tensors
+        plan, (rows, _, _), code, dev, layer, first_mb = ctx.state
+        need = ctx.needs_input_grad
+        n, k = plan[WSHAPE]
+        dtype = x.dtype
+        _check_saved(w, dtype, (n, k), "weight")
+        dy = _grad_output(dout, dtype)
+        dx = torch.empty_like(x) if need[0] else None
+        dw = db = wg = None
+        if plan[WGRAD]:
+            if need[1] or need[2]:
+                wg = Wgrad(layer, w, need[2], first_mb, need_w=need[1])
+        else:
+            dw = w.new_empty(n, k) if need[1] else None
+            if need[2]:
+                db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
+        if dx is not None or dw is not None:
+            _, d, ws, nbytes, _ = dev
+            _C.linear_bwd(d, code, rows, n, k, dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                          0 if dx is None else dx.data_ptr(), 0 if dw is None else dw.data_ptr(),
+                          0 if db is None or dw is None else db.data_ptr(), ws, nbytes,
+                          0 if d < 0 else _engine.stream_of(dev[0]))
+        if dx is not None and plan[COL_REDUCE]:
+            all_reduce(dx, plan[TP].group, plan[TP].size)
+        if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
+            dw, db = wg(_as_2d(dy, rows, n), _as_2d(x, rows, k), NO_UB)
+        return dx, dw, db, None
+
+
+_linear_apply = _function_apply.__get__(None, _LinearFn)
+
+
+# -------------------------------------------------------- LayerNormLinear
+
+
+def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
+    """LayerNormLinear's output (and its bias with return_bias), or None off
+    the common case."""
+    params = layer._parameters
+    w = params.get(plan[W])
+    bname, betaname = plan[B], plan[BETA]
+    b = params.get(bname) if bname is not None else None
+    gamma = params.get(plan[GAMMA])
+    beta = params.get(betaname) if betaname is not None else None
+    if w is None:
+        return None
+    grad = _is_grad_enabled()
+    if grad:
+        if _functorch_active():
+            return None
+        if type(x) is _Tensor:  # as Function.apply: a tensor a finished functorch transform left
+            x = _unwrap_if_dead(x)
+    dtype = w.dtype
+    wshape = plan[WSHAPE]
+    n, k = wshape
+    shape = _rows(x, dtype, k)
+    if (shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or gamma is None
+            or not _plain(gamma, dtype, (k,)) or not _plain(beta, dtype, (k,)) or _any_autocast()):
+        return None
+    dev = _device(x, (w, b, gamma, beta))
+    code = _DTYPE_CODES.get(dtype)
+    if dev is None or code is None:
+        return None
+    state = (plan, shape, code, dev, layer, is_first_microbatch)
+    bias = None if return_bias else b
+    if grad:
+        y = _norm_linear_apply(x, gamma, beta, w, bias, state)
+    else:
+        y = _norm_linear_fwd(x, gamma, beta, w, bias, state)[0]
+    return (y, _returned_bias(layer, b, dtype)) if return_bias else y
+
+
+def _norm_linear_fwd(x, gamma, beta, w, b, state):
+    """(y, ln_out [rows, k], stats): the norm, then Y = ln_out W^T + b (a row
+    layer all-reduces before adding b). stats: float32 [2, rows] (mu, then
+    rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm."""
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
+    n, k = plan[WSHAPE]
+    ln_out = x.new_empty(rows, k)
+    stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
+    y = _new(x, s, bt, n)
+    reduce = plan[ROW_REDUCE]
+    sp = stats.data_ptr()
+    _C.norm_linear_fwd(dev, code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
+                       0 if beta is None else beta.data_ptr(), ln_out.data_ptr(), 0 if beta is None else sp,
+                       sp + 4 * rows if beta is not None else sp, plan[EPS], plan[ZCG], w.data_ptr(),
+                       0 if b is None or reduce else b.data_ptr(), y.data_ptr(), ws, nbytes, stream)
+    if reduce:
+        all_reduce(y, plan[TP].group, plan[TP].size)
+        if b is not None:
+            y += b
+    return y, ln_out, stats
+
+
+class _LayerNormLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, beta, w, b, state):
+        y, ln_out, stats = _norm_linear_fwd(x, gamma, beta, w, b, state)
+        ctx.save_for_backward(x, ln_out, stats, gamma, w)
+        ctx.state = state
+        ctx.rms = beta is None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, ln_out, stats, gamma, w = ctx.saved_tensors
+        plan, (rows, _, _), code, dev, layer, first_mb = ctx.state
+        need = ctx.needs_input_grad
+        n, k = plan[WSHAPE]
+        dtype = x.dtype
+        _check_saved(w, dtype, (n, k), "weight")
+        _check_saved(gamma, dtype, (k,), "layer_norm_weight")
+        dy = _grad_output(dout, dtype)
+        dx = torch.empty_like(x)
+        dgamma = gamma.new_empty(k)
+        dbeta = None if ctx.rms else gamma.new_empty(k)
+        dw = db = wg = None
+        if plan[WGRAD]:
+            if need[3] or need[4]:
+                wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3])
+        else:
+            dw = w.new_empty(n, k) if need[3] else None
+            if need[4]:
+                db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
+        _, d, ws, nbytes, _ = dev
+        esize = x.element_size()
+        dln_bytes = (rows * k * esize + 255) // 256 * 256
+        norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, k)
+        scratch = _empty(dln_bytes + norm_bytes, dtype=torch.uint8, device=dev[0])
+        sp, stp = scratch.data_ptr(), stats.data_ptr()
+        _C.norm_linear_bwd(d, code, rows, k, n, dy.data_ptr(), x.data_ptr(), ln_out.data_ptr(),
+                           0 if ctx.rms else stp, stp + 4 * rows if not ctx.rms else stp, gamma.data_ptr(),
+                           plan[ZCG], w.data_ptr(), sp, dx.data_ptr(), dgamma.data_ptr(),
+                           0 if dbeta is None else dbeta.data_ptr(), 0 if dw is None else dw.data_ptr(),
+                           0 if db is None or dw is None else db.data_ptr(), sp + dln_bytes, norm_bytes,
+                           ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
+        if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
+            dw, db = wg(_as_2d(dy, rows, n), ln_out, NO_UB)
+        return dx, dgamma, dbeta, dw, db, None
+
+
+_norm_linear_apply = _function_apply.__get__(None, _LayerNormLinearFn)
+
+# ----------------------------------------------------------- LayerNormMLP
+# One process (tp = 1), no userbuffers, no checkpoint, no fused or delayed
+# weight gradient, no returned norm output. Forward: the norm and fc1 in one
+# engine call, the activation, fc2; the intermediates (ln_out, the norm's
+# statistics, fc1's output, the activation's) live in one allocation, which
+# is what is saved. Backward: fc2's dgrad + wgrad, the activation's backward
+# with fc1's bias gradient, fc1's dgrad + wgrad + the norm's backward.
+
+def _mlp_plan(layer):
+    """(hidden, fc1 rows, ffn, activation code, limit, alpha, glu offset,
+    LayerNorm, eps, zero_centered_gamma, fc2 bias added after the GEMM (a
+    row-parallel fc2, as the general path adds it), bias) or False."""
+    if (layer.tp.size != 1 or layer.ub.enabled or layer.ub2.enabled or layer.checkpoint
+            or layer.return_layernorm_output or layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute):
+        return False
+    act = _engine.activation_code(layer.activation)
+    ffn = layer.size_per_partition
+    kw = layer._act_kw
+    return (layer.hidden_size, 2 * ffn if act >= 16 else ffn, ffn, act, float(kw.get("limit", 7.0)),
+            float(kw.get("alpha", 1.702)), float(kw.get("glu_linear_offset", 1.0)),
+            layer.normalization == "LayerNorm", float(layer.eps), 1 if layer.zero_centered_gamma else 0,
+            layer.tp2.mode == "row", layer.use_bias)
+
+
+def _carve(*sizes):
+    """Byte offsets of consecutive regions of the given sizes, each 256-byte
+    aligned, and the total."""
+    offs, total = [], 0
+    for n in sizes:
+        offs.append(total)
+        total += (n + 255) // 256 * 256
+    return offs, total
+
+
+def layernorm_mlp(layer, plan, x, return_bias):
+    """LayerNormMLP's output (and fc2's bias with return_bias), or None off
+    the common case."""
+    params = layer._parameters
+    w1, w2, gamma = params.get("fc1_weight"), params.get("fc2_weight"), params.get("layer_norm_weight")
+    hidden, f1, ffn = plan[0], plan[1], plan[2]
+    beta = params.get("layer_norm_bias") if plan[7] else None
+    b1 = b2 = None
+    if plan[11]:
+        b1, b2 = params.get("fc1_bias"), params.get("fc2_bias")
+    if (w1 is None or w2 is None or gamma is None or (plan[7] and beta is None)
+            or (plan[11] and (b1 is None or b2 is None))):
+        return None
+    grad = _is_grad_enabled()
+    if grad:
+        if _functorch_active():
+            return None
+        if type(x) is _Tensor:
+            x = _unwrap_if_dead(x)
+    dtype = w1.dtype
+    shape = _rows(x, dtype, hidden)
+    if (shape is None or not _plain(w1, dtype, (f1, hidden)) or not _plain(w2, dtype, (hidden, ffn))
+            or not _plain(gamma, dtype, (hidden,)) or not _plain(beta, dtype, (hidden,))
+            or not _plain(b1, dtype, (f1,)) or not _plain(b2, dtype, (hidden,)) or _any_autocast()):
+        return None
+    dev = _device(x, (w1, w2, gamma, beta, b1, b2))
+    code = _DTYPE_CODES.get(dtype)
+    if dev is None or code is None:
+        return None
+    state = (plan, shape, code, dev)
+    fc2_bias = None if return_bias else b2
+    if grad:
+        y = _mlp_apply(x, gamma, beta, w1, b1, w2, fc2_bias, state)
+    else:
+        y = _mlp_fwd(x, gamma, beta, w1, b1, w2, fc2_bias, state)[0]
+    if not return_bias:
+        return y
+    b = b2 if b2 is not None else layer.fc2_bias
+    return y, (b if b.dtype is dtype else b.to(dtype))
+
+
+def _mlp_fwd(x, gamma, beta, w1, b1, w2, b2, state):
+    """(y, the intermediates' allocation, its offsets: ln_out, stats, fc1
+    out, activation out)."""
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
+    hidden, f1, ffn, act = plan[0], plan[1], plan[2], plan[3]
+    es = x.element_size()
+    offs, total = _carve(rows * hidden * es, (2 if beta is not None else 1) * rows * 4, rows * f1 * es,
+                         rows * ffn * es)
+    mid = _empty(total, dtype=torch.uint8, device=x.device)
+    y = _new(x, s, bt, hidden)
+    p = mid.data_ptr()
+    ln, st, h, a = p + offs[0], p + offs[1], p + offs[2], p + offs[3]
+    _C.norm_linear_fwd(dev, code, rows, hidden, f1, x.data_ptr(), gamma.data_ptr(),
+                       0 if beta is None else beta.data_ptr(), ln, 0 if beta is None else st,
+                       st + 4 * rows if beta is not None else st, plan[8], plan[9], w1.data_ptr(),
+                       0 if b1 is None else b1.data_ptr(), h, ws, nbytes, stream)
+    _C.act_fwd(dev, act, code, rows, ffn, h, 0, a, plan[4], plan[5], plan[6], stream)
+    after = plan[10]
+    _C.gemm(dev, code, code, 0, 1, rows, hidden, ffn, a, ffn, w2.data_ptr(), ffn, y.data_ptr(), hidden,
+            0 if b2 is None or after else b2.data_ptr(), 0, 0, ws, nbytes, stream)
+    if after and b2 is not None:
+        y += b2
+    return y, mid, offs
+
+
+class _LayerNormMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, beta, w1, b1, w2, b2, state):
+        y, mid, offs = _mlp_fwd(x, gamma, beta, w1, b1, w2, b2, state)
+        ctx.save_for_backward(x, mid, gamma, w1, w2)
+        ctx.state, ctx.offs, ctx.rms = state, offs, beta is None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, mid, gamma, w1, w2 = ctx.saved_tensors
+        plan, (rows, _, _), code, dev = ctx.state
+        hidden, f1, ffn, act = plan[0], plan[1], plan[2], plan[3]
+        need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
+        dtype = x.dtype
+        _check_saved(w1, dtype, (f1, hidden), "fc1_weight")
+        _check_saved(w2, dtype, (hidden, ffn), "fc2_weight")
+        _check_saved(gamma, dtype, (hidden,), "layer_norm_weight")
+        dy = _grad_output(dout, dtype)
+        device, d, ws, nbytes, _ = dev
+        stream = 0 if d < 0 else _engine.stream_of(device)
+        es = x.element_size()
+        dx = torch.empty_like(x)
+        dgamma = gamma.new_empty(hidden)
+        dbeta = None if ctx.rms else gamma.new_empty(hidden)
+        dw1 = w1.new_empty(f1, hidden) if need[3] else None
+        db1 = w1.new_empty(f1) if need[4] else None
+        dw2 = w2.new_empty(hidden, ffn) if need[5] else None
+        db2 = None
+        if need[6]:
+            db2 = w2.new_empty(hidden) if need[5] else _bias_grad_only(dy, rows, hidden, dtype)
+        act_bytes = _C.act_bwd_workspace_bytes(d, act, rows, ffn) if db1 is not None else 0
+        norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, hidden)
+        offs, total = _carve(rows * ffn * es, rows * f1 * es, rows * hidden * es, act_bytes, norm_bytes)
+        scratch = _empty(total, dtype=torch.uint8, device=device)
+        p, m = scratch.data_ptr(), mid.data_ptr()
+        dact, dh, dln, aws, nws = (p + o for o in offs)
+        ln, st, h, a = (m + o for o in ctx.offs)
+        # fc2: dgrad into dact, wgrad (+ its bias gradient)
+        _C.linear_bwd(d, code, rows, hidden, ffn, dy.data_ptr(), a, w2.data_ptr(), dact,
+                      0 if dw2 is None else dw2.data_ptr(), 0 if db2 is None or dw2 is None else db2.data_ptr(),
+                      ws, nbytes, stream)
+        # the activation's backward, fc1's bias gradient fused
+        _C.act_bwd(d, act, code, rows, ffn, dact, h, dh, 0 if db1 is None else db1.data_ptr(),
+                   aws if db1 is not None else 0, act_bytes, plan[4], plan[5], plan[6], stream)
+        # fc1: dgrad into dln, wgrad, then the norm's backward
+        _C.norm_linear_bwd(d, code, rows, hidden, f1, dh, x.data_ptr(), ln, 0 if ctx.rms else st,
+                           st + 4 * rows if not ctx.rms else st, gamma.data_ptr(), plan[9], w1.data_ptr(), dln,
+                           dx.data_ptr(), dgamma.data_ptr(), 0 if dbeta is None else dbeta.data_ptr(),
+                           0 if dw1 is None else dw1.data_ptr(), 0, nws, norm_bytes, ws, nbytes, stream)
+        return dx, dgamma, dbeta, dw1, db1, dw2, db2, None
+
+
+_mlp_apply = _function_apply.__get__(None, _LayerNormMLPFn)
+
+
+# The functions that call a Function's C apply, and the Function: what
+# tec.debug names as the saver (it finds a Python apply frame otherwise).
+C_APPLY_CALLERS = {linear.__code__: _LinearFn, layernorm_linear.__code__: _LayerNormLinearFn,
+                   layernorm_mlp.__code__: _LayerNormMLPFn}
