@@ -348,3 +348,23 @@ def test_mlp_off_the_common_case_takes_the_general_path(device):
     y.sum().backward()
     m2.backward_dw()
     assert m2.fc1_weight.grad is not None
+
+
+def test_without_torch_private_entry_points_the_general_path_runs(monkeypatch):
+    """A torch release lacking the private entry points the fast path uses
+    (_fast.AVAILABLE False): every layer plans no fast path and computes the
+    same results through the general path."""
+    torch.manual_seed(0)
+    fast = tec.Linear(16, 8, device="cpu")
+    x = torch.randn(4, 16, requires_grad=True)
+    y = fast(x)
+    y.sum().backward()
+    assert fast._fast_plan() is not False
+    monkeypatch.setattr(_fast, "AVAILABLE", False)
+    general = tec.Linear(16, 8, device="cpu")
+    general.load_state_dict(fast.state_dict())
+    assert general._fast_plan() is False
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = general(x2)
+    y2.sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(fast.weight.grad, general.weight.grad)

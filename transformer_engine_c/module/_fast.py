@@ -24,10 +24,16 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _DTYPE_CODES = _engine.DTYPE_CODES
 _is_grad_enabled = torch.is_grad_enabled
-_any_autocast = torch._C._is_any_autocast_enabled
-_functorch_active = torch._C._are_functorch_transforms_active
-_function_apply = torch._C._FunctionBase.__dict__["apply"]
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# Private entry points of torch's (present from 2.1 to 2.13): where a release
+# lacks one, every call takes the general path.
+try:
+    _any_autocast = torch._C._is_any_autocast_enabled
+    _functorch_active = torch._C._are_functorch_transforms_active
+    _function_apply = torch._C._FunctionBase.__dict__["apply"]
+    _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    AVAILABLE = True
+except (AttributeError, KeyError):
+    AVAILABLE = False
 _F32 = torch.float32
 _empty = torch.empty
 
@@ -47,6 +53,8 @@ def make_plan(layer):
     """What a fast call of `layer` needs, fixed until one of PLAN_ATTRS is set
     (fields: the constants above), or False off the common case. It holds the
     layer's TPConfig, not its group: a deep-copied layer shares the group."""
+    if not AVAILABLE:
+        return False
     if hasattr(layer, "tp2"):
         return _mlp_plan(layer)
     tp, ub = layer.tp, layer.ub
