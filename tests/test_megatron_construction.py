@@ -476,10 +476,10 @@ def main():
         if got != want:
             problems.append(f"{what} is {got}, TE's is {want}")
     g = torch.Generator().manual_seed(5)
-    full = {"fc1.layer_norm_weight": 1 + 0.2 * torch.randn(IN, generator=g),
-            "fc1.layer_norm_bias": 0.2 * torch.randn(IN, generator=g),
-            "fc1.weight": 0.1 * torch.randn(FFN, IN, generator=g), "fc1.bias": 0.2 * torch.randn(FFN, generator=g),
-            "fc2.weight": 0.1 * torch.randn(IN, FFN, generator=g), "fc2.bias": 0.2 * torch.randn(IN, generator=g)}
+    full = {"fc1.layer_norm_weight": 1 + 0.2 * torch.randn(IN, generator=g, device="cpu"),
+            "fc1.layer_norm_bias": 0.2 * torch.randn(IN, generator=g, device="cpu"),
+            "fc1.weight": 0.1 * torch.randn(FFN, IN, generator=g, device="cpu"), "fc1.bias": 0.2 * torch.randn(FFN, generator=g, device="cpu"),
+            "fc2.weight": 0.1 * torch.randn(IN, FFN, generator=g, device="cpu"), "fc2.bias": 0.2 * torch.randn(IN, generator=g, device="cpu")}
     split = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
     model = torch.nn.ModuleDict({"fc1": fc1, "fc2": fc2})
     with torch.no_grad():
@@ -493,8 +493,8 @@ def main():
     before = {n: dict(te.module.base.get_ub(n).stats()) for n in names}
     ref = {n: v.bfloat16().double().requires_grad_() for n, v in full.items()}
     for mb in range(2):
-        x = torch.randn(S, B, IN, generator=g)
-        dy = torch.randn(S, B, IN, generator=g)
+        x = torch.randn(S, B, IN, generator=g, device="cpu")
+        dy = torch.randn(S, B, IN, generator=g, device="cpu")
         xl, dyl = x.chunk(tp)[rank].to(dev, torch.bfloat16), dy.chunk(tp)[rank].to(dev, torch.bfloat16)
         h, _ = fc1(xl)
         out, bias = fc2(F.gelu(h))

@@ -119,16 +119,16 @@ def check_case(activation, normalization, flags, mode, tp, rank, dev, dtype=torc
             shared = torch.Generator().manual_seed(i)
             own = torch.Generator().manual_seed(i + 17 * (rank + 1))
             gen = own if n in ("fc1_weight", "fc1_bias", "fc2_weight") else shared
-            v = torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3
+            v = torch.randn(p.shape, generator=gen, dtype=torch.float64, device="cpu") * 0.3
             p.copy_((v + (1.0 if n == "layer_norm_weight" else 0.0)).to(dtype))
     plain.load_state_dict(m.state_dict())
     gated = activation in tec._engine.GATED_ACTIVATIONS
     p64 = gather_params(m, tp, rank, gated)
 
     g = torch.Generator().manual_seed(1000)
-    x_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64)
-    dy_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64)
-    dln_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64)
+    x_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64, device="cpu")
+    dy_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64, device="cpu")
+    dln_full = torch.randn(SEQ * tp, B, H, generator=g, dtype=torch.float64, device="cpu")
     x_loc = x_full.chunk(tp, 0)[rank].to(dtype).to(dev)
     dy_loc = dy_full.chunk(tp, 0)[rank].to(dtype).to(dev)
     x64 = x_full.clone().requires_grad_()
@@ -200,8 +200,8 @@ def check_distributed_weight(dev, world, rank):
             rows = full.shape[0] // world
             setattr(m, n, tec.DistributedWeight(full[rank * rows:(rank + 1) * rows].clone(), full.shape,
                                                 group=dist.group.WORLD))
-        x = torch.randn(SEQ, B, H, generator=torch.Generator().manual_seed(50 + rank)).to(dev)
-        dy = torch.randn(SEQ, B, H, generator=torch.Generator().manual_seed(60 + rank)).to(dev)
+        x = torch.randn(SEQ, B, H, generator=torch.Generator().manual_seed(50 + rank), device="cpu").to(dev)
+        dy = torch.randn(SEQ, B, H, generator=torch.Generator().manual_seed(60 + rank), device="cpu").to(dev)
         xr = x.clone().requires_grad_()
         ref(xr).backward(dy)
         xi = x.clone().requires_grad_()
