@@ -1,5 +1,5 @@
 """The layers' fast path: Linear and LayerNormLinear calls in the common case
-(one weight tensor, no userbuffers, no sequence parallelism, no autocast,
+(one weight tensor, no userbuffers, no autocast,
 plain parameters, a contiguous 2-D or 3-D input of the parameters' dtype and
 device) with as little host work as the engine needs. A fused or delayed
 weight gradient runs the general path's Wgrad step.
@@ -10,14 +10,20 @@ looked at once, outputs are allocated in their final shape (no views), the
 autograd Function is entered through its C entry point (torch's Python
 wrapper only unwraps functorch's dead tensors, and under functorch
 transforms the general path runs), and each step is one engine call
-(_C.linear_bwd, _C.norm_linear_fwd, _C.norm_linear_bwd). Anything off the
+(_C.linear_bwd, _C.norm_linear_fwd, _C.norm_linear_bwd). Under sequence
+parallelism the collectives are the general path's, in its order: a column
+layer gathers its (normalised) input rows before the GEMM and, in backward,
+re-gathers them for wgrad while dgrad runs, then reduce-scatters dgrad (the
+norm's backward follows on the local rows); a row layer reduce-scatters its
+output before adding the bias and all-gathers grad_output in backward, its
+bias gradient summed over the local rows. Anything off the
 common case, a wrong input included, returns None and the layer takes its
 general path, which raises the named errors: the semantics are the general
 path's and the numerics the same engine kernels'."""
 import torch
 
 from .. import _C, _engine
-from ..distributed import all_reduce
+from ..distributed import _all_gather_into, _reduce_scatter_into, all_reduce
 from ._common import NO_UB, Wgrad
 
 _Tensor = torch.Tensor
@@ -46,7 +52,7 @@ PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "f
                         "hidden_size", "size_per_partition", "set_parallel_mode"))
 
 # Plan fields (a tuple: one index per read).
-W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD = range(12)
+W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD, SP, SIZE = range(14)
 
 
 def make_plan(layer):
@@ -58,20 +64,22 @@ def make_plan(layer):
     if hasattr(layer, "tp2"):
         return _mlp_plan(layer)
     tp, ub = layer.tp, layer.ub
-    if (len(layer.weight_names) != 1 or ub.enabled or tp.sp or getattr(layer, "save_original_input", False)
+    if (len(layer.weight_names) != 1 or ub.enabled or getattr(layer, "save_original_input", False)
             or getattr(layer, "return_layernorm_output", False)):
         return False
     n, k = layer.out_local, layer.in_local
     size = tp.size
     norm = hasattr(layer, "normalization")
-    if norm and tp.mode == "column" and size > 1:
+    # tp.sp: sequence parallel with a parallel mode (without one it only marks the norm's parameters)
+    sp = tp.sp and tp.mode is not None
+    if norm and tp.mode == "column" and size > 1 and not sp:
         return False  # dgrad is all-reduced between the GEMM and the norm's backward: the general path
     return (layer.weight_names[0], layer.bias_names[0] if layer.use_bias else None, (n, k), (n,),
-            tp.mode == "row", tp.mode == "column" and size > 1, tp,
+            tp.mode == "row", tp.mode == "column" and size > 1 and not sp, tp,
             "layer_norm_weight" if norm else None,
             "layer_norm_bias" if norm and layer.normalization == "LayerNorm" else None,
             float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0,
-            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute)
+            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute, sp, size)
 
 
 _cpu = torch.device("cpu")
@@ -166,6 +174,55 @@ def _bias_grad_only(dy, rows, n, dtype):
     return dy.reshape(rows, n).sum(0, dtype=_F32).to(dtype)
 
 
+def _grown(t, size):
+    """A fresh tensor like t with `size` times its first dimension (gloo
+    wants a collective's tensors of matching shapes)."""
+    sh = t.shape
+    return t.new_empty(sh[0] * size, sh[1]) if len(sh) == 2 else t.new_empty(sh[0] * size, sh[1], sh[2])
+
+
+def _gather(x, plan, async_op=False):
+    """Sequence parallel: the group's rows of x (along its first dimension)
+    gathered, rank-major (with async_op: (them, the work to wait for))."""
+    out = _grown(x, plan[SIZE])
+    work = _all_gather_into(out, x, plan[TP].group, async_op)
+    return (out, work) if async_op else out
+
+
+def _bwd_stream(dev):
+    return 0 if dev[1] < 0 else _engine.stream_of(dev[0])
+
+
+def _dgrad_scatter(dy, w, total, n, k, code, dev, out, plan):
+    """Column + sequence parallel: dX = dY W over the gathered rows, then
+    reduce-scattered into `out` (this rank's rows): the general path's dgrad."""
+    _, d, ws, nbytes, _ = dev
+    dxt = _grown(out, plan[SIZE])
+    _C.gemm(d, code, code, 0, 0, total, k, n, dy.data_ptr(), n, w.data_ptr(), k, dxt.data_ptr(), k, 0, 0, 0, ws,
+            nbytes, _bwd_stream(dev))
+    _reduce_scatter_into(out, dxt, plan[TP].group)
+    return out
+
+
+def _wgrad_gemm(dy, xt, total, n, k, code, dev, need_w, need_b, dtype):
+    """dW = dY^T X over the gathered rows (and the bias gradient): the general
+    path's wgrad, or the bias gradient alone without a weight gradient."""
+    if not need_w:
+        return None, (_bias_grad_only(dy, total, n, dtype) if need_b else None)
+    _, d, ws, nbytes, _ = dev
+    dw = xt.new_empty(n, k)
+    db = xt.new_empty(n) if need_b else None
+    _C.gemm(d, code, code, 1, 0, n, k, total, dy.data_ptr(), n, xt.data_ptr(), k, dw.data_ptr(), k, 0,
+            0 if db is None else db.data_ptr(), 0, ws, nbytes, _bwd_stream(dev))
+    return dw, db
+
+
+def _sp_rows_ok(plan, s):
+    """A row layer under sequence parallelism reduce-scatters along the
+    sequence: its length must divide (else the general path's error)."""
+    return not (plan[SP] and plan[ROW_REDUCE] and s % plan[SIZE])
+
+
 # ----------------------------------------------------------------- Linear
 
 
@@ -188,7 +245,8 @@ def linear(layer, plan, x, return_bias, is_first_microbatch):
     wshape = plan[WSHAPE]
     n, k = wshape
     shape = _rows(x, dtype, k)
-    if shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or _any_autocast():
+    if (shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or _any_autocast()
+            or not _sp_rows_ok(plan, shape[1])):
         return None
     dev = _device(x, (w, b))
     code = _DTYPE_CODES.get(dtype)
@@ -204,15 +262,29 @@ def linear(layer, plan, x, return_bias, is_first_microbatch):
 
 
 def _linear_fwd(x, w, b, state):
-    """Y = X W^T + b; a row layer all-reduces X W^T over the group, then adds b."""
+    """Y = X W^T + b; a row layer all-reduces X W^T over the group (under
+    sequence parallelism reduce-scatters it), then adds b; a column layer
+    under sequence parallelism first gathers X's rows."""
     plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
-    y = _new(x, s, bt, n)
     reduce = plan[ROW_REDUCE]
-    _C.gemm(dev, code, code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
+    if plan[SP]:
+        size = plan[SIZE]
+        if reduce:
+            y, out = _new(x, s // size, bt, n), _new(x, s, bt, n)
+        else:
+            x = _gather(x, plan)
+            rows *= size
+            y = out = _new(x, s * size, bt, n)
+    else:
+        y = out = _new(x, s, bt, n)
+    _C.gemm(dev, code, code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
             0 if b is None or reduce else b.data_ptr(), 0, 0, ws, nbytes, stream)
     if reduce:
-        all_reduce(y, plan[TP].group, plan[TP].size)
+        if plan[SP]:
+            _reduce_scatter_into(y, out, plan[TP].group)
+        else:
+            all_reduce(y, plan[TP].group, plan[TP].size)
         if b is not None:
             y += b
     return y
@@ -235,26 +307,58 @@ class _LinearFn(torch.autograd.Function):
         dtype = x.dtype
         _check_saved(w, dtype, (n, k), "weight")
         dy = _grad_output(dout, dtype)
+        sp = plan[SP]
+        if sp and not plan[ROW_REDUCE]:
+            return _column_sp_linear_bwd(x, w, dy, ctx.state, need) + (None,)
+        dy_local = None
+        if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
+            dy_local = dy
+            dy = _gather(dy, plan)
         dx = torch.empty_like(x) if need[0] else None
         dw = db = wg = None
         if plan[WGRAD]:
             if need[1] or need[2]:
-                wg = Wgrad(layer, w, need[2], first_mb, need_w=need[1])
+                wg = Wgrad(layer, w, need[2], first_mb, bias_from_local=sp, need_w=need[1])
         else:
             dw = w.new_empty(n, k) if need[1] else None
             if need[2]:
-                db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
+                if sp:
+                    db = _bias_grad_only(dy_local, rows // plan[SIZE], n, dtype)
+                else:
+                    db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
         if dx is not None or dw is not None:
             _, d, ws, nbytes, _ = dev
             _C.linear_bwd(d, code, rows, n, k, dy.data_ptr(), x.data_ptr(), w.data_ptr(),
                           0 if dx is None else dx.data_ptr(), 0 if dw is None else dw.data_ptr(),
-                          0 if db is None or dw is None else db.data_ptr(), ws, nbytes,
+                          0 if db is None or dw is None or sp else db.data_ptr(), ws, nbytes,
                           0 if d < 0 else _engine.stream_of(dev[0]))
         if dx is not None and plan[COL_REDUCE]:
             all_reduce(dx, plan[TP].group, plan[TP].size)
         if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
-            dw, db = wg(_as_2d(dy, rows, n), _as_2d(x, rows, k), NO_UB)
+            dw, db = wg(_as_2d(dy, rows, n), _as_2d(x, rows, k), NO_UB,
+                        None if dy_local is None else _as_2d(dy_local, rows // plan[SIZE], n))
         return dx, dw, db, None
+
+
+def _column_sp_linear_bwd(x, w, dy, state, need):
+    """Column + sequence parallel Linear backward, the general path's steps:
+    the input's rows re-gathered for wgrad while dgrad runs, dgrad
+    reduce-scattered, then wgrad (or the fused/delayed Wgrad step)."""
+    plan, (rows, _, _), code, dev, layer, first_mb = state
+    n, k = plan[WSHAPE]
+    total = rows * plan[SIZE]
+    wg = Wgrad(layer, w, need[2], first_mb, need_w=need[1]) if plan[WGRAD] and (need[1] or need[2]) else None
+    xt = work = None
+    if need[1] or wg is not None:
+        xt, work = _gather(x, plan, async_op=True) if need[0] else (_gather(x, plan), None)
+    dx = _dgrad_scatter(dy, w, total, n, k, code, dev, torch.empty_like(x), plan) if need[0] else None
+    if work is not None:
+        work.wait()
+    if wg is not None:
+        dw, db = wg(_as_2d(dy, total, n), _as_2d(xt, total, k), NO_UB)
+    else:
+        dw, db = _wgrad_gemm(dy, xt, total, n, k, code, dev, need[1], need[2], x.dtype)
+    return dx, dw, db
 
 
 _linear_apply = _function_apply.__get__(None, _LinearFn)
@@ -285,7 +389,8 @@ def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
     n, k = wshape
     shape = _rows(x, dtype, k)
     if (shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or gamma is None
-            or not _plain(gamma, dtype, (k,)) or not _plain(beta, dtype, (k,)) or _any_autocast()):
+            or not _plain(gamma, dtype, (k,)) or not _plain(beta, dtype, (k,)) or _any_autocast()
+            or not _sp_rows_ok(plan, shape[1])):
         return None
     dev = _device(x, (w, b, gamma, beta))
     code = _DTYPE_CODES.get(dtype)
@@ -302,21 +407,38 @@ def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
 
 def _norm_linear_fwd(x, gamma, beta, w, b, state):
     """(y, ln_out [rows, k], stats): the norm, then Y = ln_out W^T + b (a row
-    layer all-reduces before adding b). stats: float32 [2, rows] (mu, then
-    rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm."""
+    layer all-reduces, or under sequence parallelism reduce-scatters, before
+    adding b; a column layer under sequence parallelism normalises its rows,
+    then gathers the normalised rows for the GEMM). stats: float32 [2, rows]
+    (mu, then rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm."""
     plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
     ln_out = x.new_empty(rows, k)
     stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
-    y = _new(x, s, bt, n)
     reduce = plan[ROW_REDUCE]
     sp = stats.data_ptr()
+    mu, rsigma = 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp
+    if plan[SP] and not reduce:  # column: the norm, the gather, the GEMM (as the general path)
+        size = plan[SIZE]
+        _C.norm_fwd(dev, code, rows, k, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
+                    ln_out.data_ptr(), mu, rsigma, plan[EPS], plan[ZCG], stream)
+        ln_total = _gather(ln_out, plan)
+        y = _new(x, s * size, bt, n)
+        _C.gemm(dev, code, code, 0, 1, rows * size, n, k, ln_total.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
+                0 if b is None else b.data_ptr(), 0, 0, ws, nbytes, stream)
+        return y, ln_out, stats
+    if plan[SP]:
+        y, out = _new(x, s // plan[SIZE], bt, n), _new(x, s, bt, n)
+    else:
+        y = out = _new(x, s, bt, n)
     _C.norm_linear_fwd(dev, code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
-                       0 if beta is None else beta.data_ptr(), ln_out.data_ptr(), 0 if beta is None else sp,
-                       sp + 4 * rows if beta is not None else sp, plan[EPS], plan[ZCG], w.data_ptr(),
-                       0 if b is None or reduce else b.data_ptr(), y.data_ptr(), ws, nbytes, stream)
+                       0 if beta is None else beta.data_ptr(), ln_out.data_ptr(), mu, rsigma, plan[EPS], plan[ZCG],
+                       w.data_ptr(), 0 if b is None or reduce else b.data_ptr(), out.data_ptr(), ws, nbytes, stream)
     if reduce:
-        all_reduce(y, plan[TP].group, plan[TP].size)
+        if plan[SP]:
+            _reduce_scatter_into(y, out, plan[TP].group)
+        else:
+            all_reduce(y, plan[TP].group, plan[TP].size)
         if b is not None:
             y += b
     return y, ln_out, stats
@@ -344,29 +466,71 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dx = torch.empty_like(x)
         dgamma = gamma.new_empty(k)
         dbeta = None if ctx.rms else gamma.new_empty(k)
+        sp = plan[SP]
+        if sp and not plan[ROW_REDUCE]:
+            return _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta, ctx.state, need)
+        dy_local = None
+        if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
+            dy_local = dy
+            dy = _gather(dy, plan)
         dw = db = wg = None
         if plan[WGRAD]:
             if need[3] or need[4]:
-                wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3])
+                wg = Wgrad(layer, w, need[4], first_mb, bias_from_local=sp, need_w=need[3])
         else:
             dw = w.new_empty(n, k) if need[3] else None
             if need[4]:
-                db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
+                if sp:
+                    db = _bias_grad_only(dy_local, rows // plan[SIZE], n, dtype)
+                else:
+                    db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
         _, d, ws, nbytes, _ = dev
         esize = x.element_size()
         dln_bytes = (rows * k * esize + 255) // 256 * 256
         norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, k)
         scratch = _empty(dln_bytes + norm_bytes, dtype=torch.uint8, device=dev[0])
-        sp, stp = scratch.data_ptr(), stats.data_ptr()
+        scr, stp = scratch.data_ptr(), stats.data_ptr()
         _C.norm_linear_bwd(d, code, rows, k, n, dy.data_ptr(), x.data_ptr(), ln_out.data_ptr(),
                            0 if ctx.rms else stp, stp + 4 * rows if not ctx.rms else stp, gamma.data_ptr(),
-                           plan[ZCG], w.data_ptr(), sp, dx.data_ptr(), dgamma.data_ptr(),
+                           plan[ZCG], w.data_ptr(), scr, dx.data_ptr(), dgamma.data_ptr(),
                            0 if dbeta is None else dbeta.data_ptr(), 0 if dw is None else dw.data_ptr(),
-                           0 if db is None or dw is None else db.data_ptr(), sp + dln_bytes, norm_bytes,
-                           ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
+                           0 if db is None or dw is None or sp else db.data_ptr(), scr + dln_bytes,
+                           norm_bytes, ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
         if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
-            dw, db = wg(_as_2d(dy, rows, n), ln_out, NO_UB)
+            dw, db = wg(_as_2d(dy, rows, n), ln_out, NO_UB,
+                        None if dy_local is None else _as_2d(dy_local, rows // plan[SIZE], n))
         return dx, dgamma, dbeta, dw, db, None
+
+
+def _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta, state, need):
+    """Column + sequence parallel LayerNormLinear backward, the general
+    path's steps: the normalised rows re-gathered for wgrad while dgrad
+    runs, dgrad reduce-scattered to this rank's rows, wgrad (or the
+    fused/delayed Wgrad step), then the norm's backward on the local rows
+    (its parameter gradients this rank's partial sums, as the general path)."""
+    plan, (rows, _, _), code, dev, layer, first_mb = state
+    n, k = plan[WSHAPE]
+    total = rows * plan[SIZE]
+    wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3]) if plan[WGRAD] and (need[3] or need[4]) else None
+    lt = work = None
+    if need[3] or wg is not None:
+        lt, work = _gather(ln_out, plan, async_op=True)
+    dln = _dgrad_scatter(dy, w, total, n, k, code, dev, ln_out.new_empty(rows, k), plan)
+    if work is not None:
+        work.wait()
+    if wg is not None:
+        dw, db = wg(_as_2d(dy, total, n), lt, NO_UB)
+    else:
+        dw, db = _wgrad_gemm(dy, lt, total, n, k, code, dev, need[3], need[4], x.dtype)
+    _, d, _, _, _ = dev
+    nbytes = _C.norm_bwd_workspace_bytes(d, rows, k)
+    ws = _empty(nbytes, dtype=torch.uint8, device=dev[0])
+    stp = stats.data_ptr()
+    rms = dbeta is None
+    _C.norm_bwd(d, code, rows, k, dln.data_ptr(), x.data_ptr(), 0 if rms else stp,
+                stp if rms else stp + 4 * rows, gamma.data_ptr(), dx.data_ptr(), dgamma.data_ptr(),
+                0 if rms else dbeta.data_ptr(), plan[ZCG], ws.data_ptr(), nbytes, _bwd_stream(dev))
+    return dx, dgamma, dbeta, dw, db, None
 
 
 _norm_linear_apply = _function_apply.__get__(None, _LayerNormLinearFn)

@@ -1,0 +1,154 @@
+"""torchrun runner: the layers' fast path (module/_fast.py) under sequence
+parallelism without userbuffers equals the general path bit for bit:
+column and row Linear, LayerNormLinear (LayerNorm and RMSNorm, column and
+row), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
+fused (main_grad) and delayed (backward_dw) weight gradients, return_bias,
+a frozen weight, an input without grad and zero_centered_gamma; the fast path must be taken.
+Prints "PASS run_fast_sp" on success.
+
+    torchrun --nproc_per_node=2 tests/distributed/run_fast_sp.py
+"""
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import transformer_engine_c as tec  # noqa: E402
+from transformer_engine_c.module import _fast  # noqa: E402
+from common import setup  # noqa: E402
+
+IN, OUT = 24, 20
+
+
+def make(kind, mode, dtype, rank, size, **kw):
+    torch.manual_seed(7 + rank)
+    if kind == "linear":
+        m = tec.Linear(IN, OUT, params_dtype=dtype, parallel_mode=mode, sequence_parallel=True, tp_size=size, **kw)
+    else:
+        m = tec.LayerNormLinear(IN, OUT, params_dtype=dtype, parallel_mode=mode, sequence_parallel=True,
+                                tp_size=size, **kw)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+    return m
+
+
+def general(m, on):
+    """Send m through the general path (on) or back to the fast one."""
+    _fast.make_plan = (lambda layer: False) if on else MAKE_PLAN
+    m.__dict__["_plan"] = None
+
+
+def took_fast(y):
+    fn = y.grad_fn
+    return fn is not None and getattr(fn, "_forward_cls", None) in (_fast._LinearFn, _fast._LayerNormLinearFn)
+
+
+def run(m, x, dy, wgrad, first, rb):
+    """Outputs, x.grad and every gradient one forward + backward leaves
+    (main_grad with fuse, backward_dw's with delay), and whether the fast
+    path ran."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    m.zero_grad(set_to_none=True)
+    if wgrad == "fuse":
+        m.weight.main_grad = torch.full(m.weight.shape, 0.25)
+        m.weight.grad_added_to_main_grad = False
+        m.weight.zero_out_wgrad = True
+    out = m(x, is_first_microbatch=first)
+    y = out[0] if rb else out
+    took = took_fast(y)
+    y.backward(dy)
+    res = [y.detach()] + ([out[1].detach()] if rb else []) + [x.grad]
+    if wgrad == "fuse":
+        assert m.weight.grad_added_to_main_grad is True
+        res.append(m.weight.main_grad.clone())
+    if wgrad == "delay":
+        m.backward_dw()
+    res += [p.grad for _, p in m.named_parameters()]
+    with torch.no_grad():
+        o = m(x, is_first_microbatch=first)
+    res.append((o[0] if rb else o).detach())
+    return res, took
+
+
+def same(a, b, what):
+    assert len(a) == len(b), what
+    for i, (u, v) in enumerate(zip(a, b)):
+        if u is None or v is None:
+            assert u is None and v is None, f"{what}: item {i} is None on one path only"
+        else:
+            assert u.shape == v.shape and u.dtype == v.dtype, f"{what}: item {i} {u.shape}/{u.dtype} vs {v.shape}/{v.dtype}"
+            assert torch.equal(u, v), f"{what}: item {i} differs (max {(u.float() - v.float()).abs().max().item()})"
+
+
+def case(kind, mode, norm, bias, dtype, shape3, wgrad, first, extra, rank, size):
+    kw = {"bias": bias}
+    if kind == "lnl":
+        kw["normalization"] = norm
+    if wgrad == "fuse":
+        kw["fuse_wgrad_accumulation"] = True
+    elif wgrad == "delay":
+        kw["delay_wgrad_compute"] = True
+    if extra == "zero_centered_gamma":
+        kw["zero_centered_gamma"] = True
+    rb = extra == "return_bias"
+    kw["return_bias"] = rb
+    m = make(kind, mode, dtype, rank, size, **kw)
+    if extra == "frozen":
+        m.weight.requires_grad_(False)
+    k = IN if mode == "column" else IN // size
+    lead = (4, 2) if shape3 else (6,)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(*lead, k, dtype=dtype, requires_grad=extra != "no_input_grad")
+    n = OUT // size if mode == "column" else OUT
+    rows = lead[0] * size if mode == "column" else lead[0] // size
+    dy = torch.randn(rows, *lead[1:], n, dtype=dtype)
+    what = f"{kind} {mode} {norm} bias={bias} {dtype} 3d={shape3} {wgrad} first={first} {extra}"
+    fast, took = run(m, x, dy, wgrad, first, rb)
+    assert took, f"{what}: the fast path was not taken"
+    general(m, True)
+    try:
+        ref, took = run(m, x, dy, wgrad, first, rb)
+    finally:
+        general(m, False)
+    assert not took, what
+    same(fast, ref, what)
+
+
+def main():
+    rank, size, _ = setup("cpu")
+    n = 0
+    layers = [("linear", "column", None), ("linear", "row", None), ("lnl", "column", "LayerNorm"),
+              ("lnl", "column", "RMSNorm"), ("lnl", "row", "LayerNorm"), ("lnl", "row", "RMSNorm")]
+    for (kind, mode, norm), bias, dtype, shape3 in itertools.product(
+            layers, (True, False), (torch.float32, torch.bfloat16), (False, True)):
+        case(kind, mode, norm, bias, dtype, shape3, None, None, None, rank, size)
+        n += 1
+    for (kind, mode, norm), wgrad, first in itertools.product(layers, ("fuse", "delay"), (None, True, False)):
+        case(kind, mode, norm, True, torch.float32, True, wgrad, first, None, rank, size)
+        n += 1
+    for (kind, mode, norm), extra in itertools.product(layers, ("return_bias", "frozen", "no_input_grad",
+                                                                "zero_centered_gamma")):
+        if extra == "zero_centered_gamma" and kind == "linear":
+            continue
+        case(kind, mode, norm, True, torch.bfloat16, False, None, None, extra, rank, size)
+        n += 1
+    # a sequence the row layer cannot split takes the general path, with its error
+    m = make("linear", "row", torch.float32, rank, size)
+    try:
+        m(torch.randn(size + 1, IN // size))
+    except ValueError as e:
+        assert "not divisible by the tensor-parallel size" in str(e), e
+    else:
+        raise AssertionError("an indivisible sequence was accepted")
+    print(f"rank {rank}: {n} cases equal", flush=True)
+    if rank == 0:
+        print("PASS run_fast_sp", flush=True)
+
+
+MAKE_PLAN = _fast.make_plan
+
+if __name__ == "__main__":
+    main()
