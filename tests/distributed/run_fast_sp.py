@@ -1,7 +1,7 @@
 """torchrun runner: the layers' fast path (module/_fast.py) under sequence
 parallelism without userbuffers equals the general path bit for bit:
 column and row Linear, LayerNormLinear (LayerNorm and RMSNorm, column and
-row), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
+row; without a parallel mode), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
 fused (main_grad) and delayed (backward_dw) weight gradients, return_bias,
 a frozen weight, an input without grad and zero_centered_gamma; the fast path must be taken.
 Prints "PASS run_fast_sp" on success.
@@ -98,12 +98,12 @@ def case(kind, mode, norm, bias, dtype, shape3, wgrad, first, extra, rank, size)
     m = make(kind, mode, dtype, rank, size, **kw)
     if extra == "frozen":
         m.weight.requires_grad_(False)
-    k = IN if mode == "column" else IN // size
+    k = IN // size if mode == "row" else IN
     lead = (4, 2) if shape3 else (6,)
     torch.manual_seed(100 + rank)
     x = torch.randn(*lead, k, dtype=dtype, requires_grad=extra != "no_input_grad")
     n = OUT // size if mode == "column" else OUT
-    rows = lead[0] * size if mode == "column" else lead[0] // size
+    rows = lead[0] * size if mode == "column" else lead[0] // size if mode == "row" else lead[0]
     dy = torch.randn(rows, *lead[1:], n, dtype=dtype)
     what = f"{kind} {mode} {norm} bias={bias} {dtype} 3d={shape3} {wgrad} first={first} {extra}"
     fast, took = run(m, x, dy, wgrad, first, rb)
@@ -121,7 +121,9 @@ def main():
     rank, size, _ = setup("cpu")
     n = 0
     layers = [("linear", "column", None), ("linear", "row", None), ("lnl", "column", "LayerNorm"),
-              ("lnl", "column", "RMSNorm"), ("lnl", "row", "LayerNorm"), ("lnl", "row", "RMSNorm")]
+              ("lnl", "column", "RMSNorm"), ("lnl", "row", "LayerNorm"), ("lnl", "row", "RMSNorm"),
+              # sequence_parallel without a parallel mode only marks the norm's parameters
+              ("linear", None, None), ("lnl", None, "LayerNorm")]
     for (kind, mode, norm), bias, dtype, shape3 in itertools.product(
             layers, (True, False), (torch.float32, torch.bfloat16), (False, True)):
         case(kind, mode, norm, bias, dtype, shape3, None, None, None, rank, size)
