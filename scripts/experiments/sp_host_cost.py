@@ -1,0 +1,116 @@
+"""Host cost of the sequence-parallel layers without userbuffers, fast path
+(module/_fast.py) against the general path, on CPU ranks (gloo) at shapes so
+small that the host is the bound: each layer alone (forward + backward) and
+the MLP step (LayerNormLinear column -> gelu -> Linear row, as
+bench_mlp's tec step) next to PyTorch's eager TP MLP (bench_mlp.TorchTPMLP).
+Variants are interleaved, repetition by repetition; the median over
+repetitions of the µs per step is printed by rank 0. With --ub a layer
+built with ub_* flags whose communicator falls back at this shape (a huge
+min_chunk_flops) is timed too.
+
+    torchrun --nproc_per_node=2 scripts/experiments/sp_host_cost.py [--dtype bf16] [--ub]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import transformer_engine_c as tec  # noqa: E402
+from transformer_engine_c.bench_mlp import TorchTPMLP  # noqa: E402
+from transformer_engine_c.module import _fast  # noqa: E402
+
+MAKE_PLAN = _fast.make_plan
+
+
+def use_fast(layers, on):
+    _fast.make_plan = MAKE_PLAN if on else (lambda layer: False)
+    for m in layers:
+        m.__dict__["_plan"] = None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--tokens", type=int, default=16, help="rows per rank")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--ub", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1 + rank)
+    dt = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    h, f, t = args.hidden, args.ffn, args.tokens
+    kw = dict(params_dtype=dt, device="cpu", sequence_parallel=True, tp_size=size)
+    fc1 = tec.LayerNormLinear(h, f, parallel_mode="column", **kw)
+    fc2 = tec.Linear(f, h, parallel_mode="row", **kw)
+    col = tec.Linear(h, f, parallel_mode="column", **kw)
+    layers = [fc1, fc2, col]
+    x = torch.randn(t, h, dtype=dt, requires_grad=True)
+    xr = torch.randn(t * size, f // size, dtype=dt, requires_grad=True)
+    dy_mlp = torch.randn(t, h, dtype=dt)
+    dy_col = torch.randn(t * size, f // size, dtype=dt)
+    torch_mlp = TorchTPMLP(h, f, None, dt, "cpu")
+
+    def mlp():
+        fc2(F.gelu(fc1(x), approximate="tanh")).backward(dy_mlp)
+
+    steps = {"mlp": mlp, "lnl_column": lambda: fc1(x).backward(dy_col),
+             "linear_column": lambda: col(x).backward(dy_col), "linear_row": lambda: fc2(xr).backward(dy_mlp)}
+    if args.ub:
+        comm = tec.CommOverlap((t * size, max(h, f)), dt, tp_size=size, device="cpu", min_chunk_flops=1 << 60)
+        ub1 = tec.LayerNormLinear(h, f, parallel_mode="column", ub_overlap_ag=True, ub_comm=comm, **kw)
+        ub2 = tec.Linear(f, h, parallel_mode="row", ub_overlap_rs=True, ub_comm=comm, **kw)
+        layers += [ub1, ub2]
+        steps["mlp_ub_fallback"] = lambda: ub2(F.gelu(ub1(x), approximate="tanh")).backward(dy_mlp)
+    variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
+    times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
+    for rep in range(args.reps + 1):
+        for v in variants:
+            name, fast = v
+            fn = torch_mlp_step = None
+            if fast is None:
+                def torch_mlp_step():
+                    torch_mlp(x).backward(dy_mlp)
+                fn = torch_mlp_step
+            else:
+                use_fast(layers, fast)
+                fn = steps[name]
+            for _ in range(5):
+                fn()
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(args.iters):
+                fn()
+            c1 = time.thread_time()
+            el = (time.perf_counter() - t0) / args.iters * 1e6
+            if rep:  # the first repetition warms up
+                times[v].append(el)
+                cpu[v].append((c1 - c0) / args.iters * 1e6)
+    use_fast(layers, True)
+    if rank == 0:
+        print(f"gloo, {size} ranks, {args.dtype}, {t} rows/rank, hidden {h}, ffn {f}: median µs per fwd+bwd step "
+              f"over {args.reps} interleaved repetitions of {args.iters}; main-thread CPU µs (the host work; "
+              "gloo's collectives run on its own threads) and wall µs")
+        for what, tab in (("main-thread CPU", cpu), ("wall", times)):
+            print(f" {what}:")
+            for name in steps:
+                fa, ge = statistics.median(tab[(name, True)]), statistics.median(tab[(name, False)])
+                print(f"  {name:16s} fast {fa:8.1f}  general {ge:8.1f}  general/fast {ge / fa:5.2f}x")
+            tm = statistics.median(tab[("mlp_torch", None)])
+            fa = statistics.median(tab[("mlp", True)])
+            print(f"  mlp_torch        {tm:8.1f}  (torch / tec fast {tm / fa:5.2f}x)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
