@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformer_engine_c as tec  # noqa: E402
 from transformer_engine_c.module import _fast  # noqa: E402
+import common  # noqa: E402
 from common import setup  # noqa: E402
 
 IN, OUT = 24, 20
@@ -117,6 +118,57 @@ def case(kind, mode, norm, bias, dtype, shape3, wgrad, first, extra, rank, size)
     same(fast, ref, what)
 
 
+def stats(comms):
+    """Each communicator's path counters ("waits" depends on timing)."""
+    return {r: {k: v for k, v in c.stats().items() if k != "waits"} for r, c in comms.items()}
+
+
+def ub_case(kind, mode, norm, flags, threshold, switch, dtype, rank, size):
+    """A layer with ub_* flags on communicators of min_chunk_flops
+    `threshold` (switched to 0 between forward and backward with `switch`):
+    the fast path runs it when every overlap falls back, with the general
+    path's numbers and fallback counts; where one overlaps, the general path
+    (in backward: its steps)."""
+    comms = {r: common.comm((64, 64), dtype, name=f"fsp_{r}", min_chunk_flops=threshold) for r in ("fprop", "dgrad")}
+    kw = dict(flags, ub_comm=comms)
+    if kind == "lnl":
+        kw["normalization"] = norm
+    m = make(kind, mode, dtype, rank, size, **kw)
+    lead = (4, 2)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(*lead, IN // size if mode == "row" else IN, dtype=dtype, requires_grad=True)
+    dy = torch.randn(lead[0] * size if mode == "column" else lead[0] // size, 2,
+                     OUT // size if mode == "column" else OUT, dtype=dtype)
+    what = f"ub {kind} {mode} {norm} {flags} threshold={threshold} switch={switch} {dtype}"
+    res = []
+    for use_general in (False, True):
+        general(m, use_general)
+        for c in comms.values():
+            c.min_chunk_flops = threshold
+        s0 = stats(comms)
+        xx = x.detach().clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xx)
+        took = took_fast(y)
+        if switch:
+            for c in comms.values():
+                c.min_chunk_flops = 0.0
+        y.backward(dy)
+        s1 = stats(comms)
+        delta = {r: {k: s1[r][k] - s0[r][k] for k in s1[r]} for r in s1}
+        res.append(([y.detach(), xx.grad] + [p.grad for _, p in m.named_parameters()], delta, took))
+    general(m, False)
+    (fast, dfast, took_f), (gen, dgen, took_g) = res
+    assert took_f == (threshold > 1e30), f"{what}: fast path taken {took_f}"
+    assert not took_g, what
+    same(fast, gen, what)
+    assert dfast == dgen, f"{what}: communicator counts {dfast} vs the general path's {dgen}"
+    if threshold > 1e30 and not switch:
+        assert sum(v for d in dfast.values() for k, v in d.items() if k.endswith("_fallback")) > 0, dfast
+    for c in comms.values():
+        c.close()
+
+
 def main():
     rank, size, _ = setup("cpu")
     n = 0
@@ -136,6 +188,17 @@ def main():
         if extra == "zero_centered_gamma" and kind == "linear":
             continue
         case(kind, mode, norm, True, torch.bfloat16, False, None, None, extra, rank, size)
+        n += 1
+    ub_layers = [("linear", "column", None, {"ub_overlap_ag": True, "ub_overlap_rs_dgrad": True}),
+                 ("linear", "column", None, {"ub_overlap_ag": True}),
+                 ("linear", "row", None, {"ub_overlap_rs": True, "ub_overlap_ag": True}),
+                 ("lnl", "column", "LayerNorm", {"ub_overlap_ag": True, "ub_overlap_rs_dgrad": True}),
+                 ("lnl", "column", "RMSNorm", {"ub_overlap_ag": True}),
+                 ("lnl", "row", "LayerNorm", {"ub_overlap_rs": True})]
+    for (kind, mode, norm, flags), (threshold, switch), dtype in itertools.product(
+            ub_layers, ((float("inf"), False), (0.0, False), (float("inf"), True)),
+            (torch.float32, torch.bfloat16)):
+        ub_case(kind, mode, norm, flags, threshold, switch, dtype, rank, size)
         n += 1
     # a sequence the row layer cannot split takes the general path, with its error
     m = make("linear", "row", torch.float32, rank, size)

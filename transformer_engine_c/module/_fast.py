@@ -24,6 +24,7 @@ import torch
 
 from .. import _C, _engine
 from ..distributed import _all_gather_into, _reduce_scatter_into, all_reduce
+from . import _common
 from ._common import NO_UB, Wgrad
 
 _Tensor = torch.Tensor
@@ -52,7 +53,7 @@ PLAN_ATTRS = frozenset(("weight_names", "bias_names", "use_bias", "tp", "ub", "f
                         "hidden_size", "size_per_partition", "set_parallel_mode"))
 
 # Plan fields (a tuple: one index per read).
-W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD, SP, SIZE = range(14)
+W, B, WSHAPE, BSHAPE, ROW_REDUCE, COL_REDUCE, TP, GAMMA, BETA, EPS, ZCG, WGRAD, SP, SIZE, UB = range(15)
 
 
 def make_plan(layer):
@@ -64,7 +65,8 @@ def make_plan(layer):
     if hasattr(layer, "tp2"):
         return _mlp_plan(layer)
     tp, ub = layer.tp, layer.ub
-    if (len(layer.weight_names) != 1 or ub.enabled or getattr(layer, "save_original_input", False)
+    ubp = _ub_plan(tp, ub) if ub.enabled else None
+    if (len(layer.weight_names) != 1 or ub.enabled and ubp is None or getattr(layer, "save_original_input", False)
             or getattr(layer, "return_layernorm_output", False)):
         return False
     n, k = layer.out_local, layer.in_local
@@ -79,7 +81,88 @@ def make_plan(layer):
             "layer_norm_weight" if norm else None,
             "layer_norm_bias" if norm and layer.normalization == "LayerNorm" else None,
             float(layer.eps) if norm else 0.0, 1 if norm and layer.zero_centered_gamma else 0,
-            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute, sp, size)
+            layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute, sp, size, ubp)
+
+
+# ------------------------------------------------- userbuffers that fall back
+# A layer with ub_* flags whose communicators fall back at a call's shape
+# (CommOverlap.take_overlap below min_chunk_flops) runs the non-overlapped
+# collectives: the fast path runs it, counting the fallbacks as the general
+# path does. Only the fprop / dgrad overlaps that can fall back qualify (the
+# bulk ones always run); where one would overlap, the general path runs (in
+# backward: its backward steps, with the layer's communicators).
+
+def _ub_plan(tp, ub):
+    """(the fprop overlap's op or None, the dgrad overlap's op or None), or
+    None where the layer's flags are off the fast path."""
+    f = ub.flags
+    if not tp.sp or tp.mode is None or f["ub_bulk_dgrad"] or f["ub_bulk_wgrad"]:
+        return None
+    if tp.mode == "column":
+        return ("ag" if f["ub_overlap_ag"] else None, "rs" if f["ub_overlap_rs_dgrad"] else None)
+    return ("rs" if f["ub_overlap_rs"] else None, "ag" if f["ub_overlap_ag"] else None)
+
+
+def _ub_forward_falls_back(layer, plan, x, rows):
+    """Whether this call runs without overlap: x lies in no communicator's
+    buffer (the general path copies it out) and the fprop overlap, if the
+    flags ask for one, falls back (counted here, as take_overlap counts it)."""
+    comms = layer.ub.comms
+    for c in comms.values():
+        if c.overlaps(x):
+            return False
+    op = plan[UB][0]
+    if op is None:
+        return True
+    n, k = plan[WSHAPE]
+    r = rows // plan[SIZE] if plan[ROW_REDUCE] else rows
+    c = comms["fprop"]
+    if c.pays(op, r, k, n):
+        return False
+    return not c.take_overlap(op, r, k, n)
+
+
+def _ub_backward_falls_back(layer, plan, x2d, w, rows, need_dx, need_wgrad):
+    """Whether this backward runs without overlap (the fallbacks counted as
+    the general path counts them), else False: the general path's backward
+    steps run (a threshold lowered since the forward)."""
+    comms, (fop, bop) = layer.ub.comms, plan[UB]
+    n, k = plan[WSHAPE]
+    column = not plan[ROW_REDUCE]
+    if column and fop is not None and need_wgrad and _common.wgrad_gather_comm(
+            x2d, w, plan[TP], layer.ub) is not None:
+        return False  # the wgrad input would be gathered by the fprop communicator
+    if bop is None or not need_dx:
+        return True
+    r = rows if column else rows // plan[SIZE]
+    c = comms["dgrad"]
+    if c.pays(bop, r, n, k):
+        return False
+    return not c.take_overlap(bop, r, n, k)
+
+
+def _general_backward(x2d, w, dy, state, need, iw, need_dx):
+    """The general path's linear backward steps with the layer's
+    communicators: (dx 2-D, dw, db); the weight and bias gradients are
+    wanted as need[iw] and need[iw + 1] say."""
+    plan, (rows, _, _), _, _, layer, first_mb = state
+    wg = None
+    if need[iw] or need[iw + 1]:
+        wg = Wgrad(layer, w, need[iw + 1], first_mb, bias_from_local=plan[ROW_REDUCE], need_w=need[iw])
+    steps = _common.row_backward if plan[ROW_REDUCE] else _common.column_backward
+    return steps(dy.view(-1, dy.shape[-1]), x2d, w, plan[TP], layer.ub, need_dx, wg)
+
+
+def _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code, dev):
+    """The norm's backward on this rank's rows (one engine call)."""
+    d = dev[1]
+    nbytes = _C.norm_bwd_workspace_bytes(d, rows, k)
+    ws = _empty(nbytes, dtype=torch.uint8, device=dev[0])
+    stp = stats.data_ptr()
+    rms = dbeta is None
+    _C.norm_bwd(d, code, rows, k, dln.data_ptr(), x.data_ptr(), 0 if rms else stp,
+                stp if rms else stp + 4 * rows, gamma.data_ptr(), dx.data_ptr(), dgamma.data_ptr(),
+                0 if rms else dbeta.data_ptr(), plan[ZCG], ws.data_ptr(), nbytes, _bwd_stream(dev))
 
 
 _cpu = torch.device("cpu")
@@ -252,6 +335,8 @@ def linear(layer, plan, x, return_bias, is_first_microbatch):
     code = _DTYPE_CODES.get(dtype)
     if dev is None or code is None:
         return None
+    if plan[UB] is not None and not _ub_forward_falls_back(layer, plan, x, shape[0]):
+        return None
     state = (plan, shape, code, dev, layer, is_first_microbatch)
     bias = None if return_bias else b
     if grad:
@@ -307,6 +392,10 @@ class _LinearFn(torch.autograd.Function):
         dtype = x.dtype
         _check_saved(w, dtype, (n, k), "weight")
         dy = _grad_output(dout, dtype)
+        if plan[UB] is not None and not _ub_backward_falls_back(layer, plan, _as_2d(x, rows, k), w, rows, need[0],
+                                                                need[1] or need[2]):
+            dx, dw, db = _general_backward(_as_2d(x, rows, k), w, dy, ctx.state, need, 1, need[0])
+            return (None if dx is None else dx.view(x.shape)), dw, db, None
         sp = plan[SP]
         if sp and not plan[ROW_REDUCE]:
             return _column_sp_linear_bwd(x, w, dy, ctx.state, need) + (None,)
@@ -396,6 +485,8 @@ def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
     code = _DTYPE_CODES.get(dtype)
     if dev is None or code is None:
         return None
+    if plan[UB] is not None and not _ub_forward_falls_back(layer, plan, x, shape[0]):
+        return None
     state = (plan, shape, code, dev, layer, is_first_microbatch)
     bias = None if return_bias else b
     if grad:
@@ -466,6 +557,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dx = torch.empty_like(x)
         dgamma = gamma.new_empty(k)
         dbeta = None if ctx.rms else gamma.new_empty(k)
+        if plan[UB] is not None and not _ub_backward_falls_back(layer, plan, ln_out, w, rows, True, need[3] or need[4]):
+            dln, dw, db = _general_backward(ln_out, w, dy, ctx.state, need, 3, True)
+            _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code, dev)
+            return dx, dgamma, dbeta, dw, db, None
         sp = plan[SP]
         if sp and not plan[ROW_REDUCE]:
             return _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta, ctx.state, need)
@@ -522,14 +617,7 @@ def _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta
         dw, db = wg(_as_2d(dy, total, n), lt, NO_UB)
     else:
         dw, db = _wgrad_gemm(dy, lt, total, n, k, code, dev, need[3], need[4], x.dtype)
-    _, d, _, _, _ = dev
-    nbytes = _C.norm_bwd_workspace_bytes(d, rows, k)
-    ws = _empty(nbytes, dtype=torch.uint8, device=dev[0])
-    stp = stats.data_ptr()
-    rms = dbeta is None
-    _C.norm_bwd(d, code, rows, k, dln.data_ptr(), x.data_ptr(), 0 if rms else stp,
-                stp if rms else stp + 4 * rows, gamma.data_ptr(), dx.data_ptr(), dgamma.data_ptr(),
-                0 if rms else dbeta.data_ptr(), plan[ZCG], ws.data_ptr(), nbytes, _bwd_stream(dev))
+    _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code, dev)
     return dx, dgamma, dbeta, dw, db, None
 
 
