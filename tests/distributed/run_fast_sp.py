@@ -6,8 +6,9 @@ fused (main_grad) and delayed (backward_dw) weight gradients, return_bias,
 a frozen weight, an input without grad and zero_centered_gamma; the fast path must be taken.
 Prints "PASS run_fast_sp" on success.
 
-    torchrun --nproc_per_node=2 tests/distributed/run_fast_sp.py
+    torchrun --nproc_per_node=2 tests/distributed/run_fast_sp.py [--device cuda]
 """
+import argparse
 import itertools
 import os
 import sys
@@ -170,7 +171,9 @@ def ub_case(kind, mode, norm, flags, threshold, switch, dtype, rank, size):
 
 
 def main():
-    rank, size, _ = setup("cpu")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    rank, size, _ = setup(ap.parse_args().device)
     n = 0
     layers = [("linear", "column", None), ("linear", "row", None), ("lnl", "column", "LayerNorm"),
               ("lnl", "column", "RMSNorm"), ("lnl", "row", "LayerNorm"), ("lnl", "row", "RMSNorm"),
