@@ -3,7 +3,7 @@
 small that the host is the bound: each layer alone (forward + backward) and
 the MLP step (LayerNormLinear column -> gelu -> Linear row, as
 bench_mlp's tec step) next to PyTorch's eager TP MLP (bench_mlp.TorchTPMLP).
-Variants are interleaved, repetition by repetition; the median over
+Variants are interleaved, repetition by repetition, in alternating order; the median over
 repetitions of the µs per step is printed by rank 0. With --ub a layer
 built with ub_* flags whose communicator falls back at this shape (a huge
 min_chunk_flops) is timed too.
@@ -75,7 +75,7 @@ def main():
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     for rep in range(args.reps + 1):
-        for v in variants:
+        for v in (variants if rep % 2 else variants[::-1]):  # the order alternates (the wall time drifts)
             name, fast = v
             fn = torch_mlp_step = None
             if fast is None:
