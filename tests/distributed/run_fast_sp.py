@@ -81,7 +81,8 @@ def same(a, b, what):
         if u is None or v is None:
             assert u is None and v is None, f"{what}: item {i} is None on one path only"
         else:
-            assert u.shape == v.shape and u.dtype == v.dtype, f"{what}: item {i} {u.shape}/{u.dtype} vs {v.shape}/{v.dtype}"
+            assert u.shape == v.shape and u.dtype == v.dtype, \
+                f"{what}: item {i} {u.shape}/{u.dtype} vs {v.shape}/{v.dtype}"
             assert torch.equal(u, v), f"{what}: item {i} differs (max {(u.float() - v.float()).abs().max().item()})"
 
 

@@ -1,7 +1,8 @@
 """The layers' fast path: Linear and LayerNormLinear calls in the common case
 (one weight tensor, no userbuffers or only communicators that fall back at
-the call's shape, no autocast, plain parameters, a contiguous 2-D or 3-D input of the parameters' dtype and
-device) with as little host work as the engine needs. A fused or delayed
+the call's shape, no autocast, plain parameters, a contiguous 2-D or 3-D
+input of the parameters' dtype and device) with as little host work as the
+engine needs. A fused or delayed
 weight gradient runs the general path's Wgrad step.
 
 On tiny shapes a layer call is all host work: every attribute read of a
