@@ -192,6 +192,25 @@ def _device(x, params):
     return device, dev, ws, nbytes, _engine.stream_of(device)
 
 
+def _admit(x, grad):
+    """x as torch's Function.apply would take it when grad is on (a tensor a
+    finished functorch transform left, unwrapped), or None under an active
+    functorch transform (the general path runs then)."""
+    if not grad:
+        return x
+    if _functorch_active():
+        return None
+    return _unwrap_if_dead(x) if type(x) is _Tensor else x
+
+
+def _placed(x, dtype, params):
+    """(device, dtype code) of a call whose tensors share one device and
+    whose dtype the engine takes, else None."""
+    dev = _device(x, params)
+    code = _DTYPE_CODES.get(dtype)
+    return None if dev is None or code is None else (dev, code)
+
+
 def _plain(t, dtype, shape):
     """t is a plain parameter of dtype and shape, contiguous (None passes)."""
     return t is None or (type(t) is _Parameter and t.dtype is dtype and t.shape == shape and t.is_contiguous())
@@ -320,11 +339,9 @@ def linear(layer, plan, x, return_bias, is_first_microbatch):
     if w is None:
         return None
     grad = _is_grad_enabled()
-    if grad:
-        if _functorch_active():
-            return None
-        if type(x) is _Tensor:  # as Function.apply: a tensor a finished functorch transform left
-            x = _unwrap_if_dead(x)
+    x = _admit(x, grad)
+    if x is None:
+        return None
     dtype = w.dtype
     wshape = plan[WSHAPE]
     n, k = wshape
@@ -332,10 +349,10 @@ def linear(layer, plan, x, return_bias, is_first_microbatch):
     if (shape is None or not _plain(w, dtype, wshape) or not _plain(b, dtype, plan[BSHAPE]) or _any_autocast()
             or not _sp_rows_ok(plan, shape[1])):
         return None
-    dev = _device(x, (w, b))
-    code = _DTYPE_CODES.get(dtype)
-    if dev is None or code is None:
+    placed = _placed(x, dtype, (w, b))
+    if placed is None:
         return None
+    dev, code = placed
     if plan[UB] is not None and not _ub_forward_falls_back(layer, plan, x, shape[0]):
         return None
     state = (plan, shape, code, dev, layer, is_first_microbatch)
@@ -469,11 +486,9 @@ def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
     if w is None:
         return None
     grad = _is_grad_enabled()
-    if grad:
-        if _functorch_active():
-            return None
-        if type(x) is _Tensor:  # as Function.apply: a tensor a finished functorch transform left
-            x = _unwrap_if_dead(x)
+    x = _admit(x, grad)
+    if x is None:
+        return None
     dtype = w.dtype
     wshape = plan[WSHAPE]
     n, k = wshape
@@ -482,10 +497,10 @@ def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
             or not _plain(gamma, dtype, (k,)) or not _plain(beta, dtype, (k,)) or _any_autocast()
             or not _sp_rows_ok(plan, shape[1])):
         return None
-    dev = _device(x, (w, b, gamma, beta))
-    code = _DTYPE_CODES.get(dtype)
-    if dev is None or code is None:
+    placed = _placed(x, dtype, (w, b, gamma, beta))
+    if placed is None:
         return None
+    dev, code = placed
     if plan[UB] is not None and not _ub_forward_falls_back(layer, plan, x, shape[0]):
         return None
     state = (plan, shape, code, dev, layer, is_first_microbatch)
@@ -672,21 +687,19 @@ def layernorm_mlp(layer, plan, x, return_bias):
             or (plan[11] and (b1 is None or b2 is None))):
         return None
     grad = _is_grad_enabled()
-    if grad:
-        if _functorch_active():
-            return None
-        if type(x) is _Tensor:
-            x = _unwrap_if_dead(x)
+    x = _admit(x, grad)
+    if x is None:
+        return None
     dtype = w1.dtype
     shape = _rows(x, dtype, hidden)
     if (shape is None or not _plain(w1, dtype, (f1, hidden)) or not _plain(w2, dtype, (hidden, ffn))
             or not _plain(gamma, dtype, (hidden,)) or not _plain(beta, dtype, (hidden,))
             or not _plain(b1, dtype, (f1,)) or not _plain(b2, dtype, (hidden,)) or _any_autocast()):
         return None
-    dev = _device(x, (w1, w2, gamma, beta, b1, b2))
-    code = _DTYPE_CODES.get(dtype)
-    if dev is None or code is None:
+    placed = _placed(x, dtype, (w1, w2, gamma, beta, b1, b2))
+    if placed is None:
         return None
+    dev, code = placed
     state = (plan, shape, code, dev)
     fc2_bias = None if return_bias else b2
     if grad:
