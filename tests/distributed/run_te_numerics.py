@@ -8,7 +8,9 @@ per-dtype tolerances and TE's worst-element comparison.
 Stronger than TE's file: every rank gets different data; biases and norm
 parameters are made non-trivial; the input grad and every parameter grad are
 checked in every case (sequence-parallel ones after
-te.allreduce_sequence_parallel_grads, as Megatron's finalize_model_grads does);
+te.allreduce_sequence_parallel_grads, as Megatron's finalize_model_grads does),
+both layers' backward fed the same upstream gradient (TE feeds each the
+gradient of a loss on its own output, which in fp16 fails by chance);
 plus bf16, torch.autocast, save_original_input, RMSNorm, zero-centred gamma,
 the gathered norm output and row-parallel LayerNormLinear (against a reference
 that normalises each rank's feature slice, as TE's row LayerNormLinear does).
@@ -45,12 +47,6 @@ def tolerances(dtype):
 def local(t, dim):
     """This rank's chunk of a full tensor along dim (None: the whole tensor)."""
     return t if dim is None else t.chunk(WORLD, dim)[RANK]
-
-
-def gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(WORLD)]
-    dist.all_gather(parts, t.contiguous(), group=GROUP)
-    return torch.cat(parts, dim)
 
 
 def shard_dim(dist_shape, full_shape):
@@ -165,13 +161,17 @@ def run_case(kind, mode, sp, kwargs, autocast_dtype=None):
         check("returned bias", bias_d, local(bias_s, 0 if mode == "column" else None))
     check("output", out_d, local(out_s, y_dim))
 
-    # MSE loss on the full output; the TP layer gets its part of that gradient.
+    # MSE loss on the single-node output; the TP layer gets its part of that
+    # gradient. (TE's file takes each model's loss on its own output: in fp16
+    # the outputs' last-bit differences, through the loss's (out - target),
+    # then reach the weight gradients amplified where out is close to target,
+    # and a few draws in a hundred fail rtol 1e-3 whatever the layers do
+    # (scripts/experiments/fp16_loss_rounding.py). With one
+    # upstream gradient the gradient checks measure the backward alone.)
     target = torch.randn(out_s.shape, generator=g).to(out_s.dtype)
+    out_s.retain_grad()
     LOSS_FN(out_s, target).backward()
-    out_full = out_d.detach() if y_dim is None else gather(out_d.detach(), y_dim)
-    out_full.requires_grad_()
-    LOSS_FN(out_full, target).backward()
-    out_d.backward(local(out_full.grad, y_dim))
+    out_d.backward(local(out_s.grad, y_dim))
     if kwargs.get("delay_wgrad_compute"):
         for m, what in ((single, "single-node"), (distributed, "distributed")):
             if m.weight.grad is not None:
