@@ -9,9 +9,18 @@ built with ub_* flags whose communicator falls back at this shape (a huge
 min_chunk_flops) is timed too.
 
     torchrun --nproc_per_node=2 scripts/experiments/sp_host_cost.py [--dtype bf16] [--ub]
+        [--device cuda] [--profile FILE]
+
+With --device cuda (one GPU per rank, NCCL) the same comparison runs where
+the benchmark's small shapes are host-bound; the GPU is synchronised before
+each timed stretch, not inside it. --profile writes rank 0's cProfile of the
+fast MLP step and of PyTorch's (sorted by own time) to FILE.
 """
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -23,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
 from transformer_engine_c.bench_mlp import TorchTPMLP  # noqa: E402
+from transformer_engine_c._launch import init_rank  # noqa: E402
 from transformer_engine_c.module import _fast  # noqa: E402
 
 MAKE_PLAN = _fast.make_plan
@@ -43,22 +53,24 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--ub", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--profile", default=None)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank, size, device = init_rank(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(1 + rank)
     dt = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     h, f, t = args.hidden, args.ffn, args.tokens
-    kw = dict(params_dtype=dt, device="cpu", sequence_parallel=True, tp_size=size)
+    kw = dict(params_dtype=dt, device=device, sequence_parallel=True, tp_size=size)
     fc1 = tec.LayerNormLinear(h, f, parallel_mode="column", **kw)
     fc2 = tec.Linear(f, h, parallel_mode="row", **kw)
     col = tec.Linear(h, f, parallel_mode="column", **kw)
     layers = [fc1, fc2, col]
-    x = torch.randn(t, h, dtype=dt, requires_grad=True)
-    xr = torch.randn(t * size, f // size, dtype=dt, requires_grad=True)
-    dy_mlp = torch.randn(t, h, dtype=dt)
-    dy_col = torch.randn(t * size, f // size, dtype=dt)
-    torch_mlp = TorchTPMLP(h, f, None, dt, "cpu")
+    x = torch.randn(t, h, dtype=dt, device=device, requires_grad=True)
+    xr = torch.randn(t * size, f // size, dtype=dt, device=device, requires_grad=True)
+    dy_mlp = torch.randn(t, h, dtype=dt, device=device)
+    dy_col = torch.randn(t * size, f // size, dtype=dt, device=device)
+    torch_mlp = TorchTPMLP(h, f, None, dt, device)
 
     def mlp():
         fc2(F.gelu(fc1(x), approximate="tanh")).backward(dy_mlp)
@@ -66,7 +78,7 @@ def main():
     steps = {"mlp": mlp, "lnl_column": lambda: fc1(x).backward(dy_col),
              "linear_column": lambda: col(x).backward(dy_col), "linear_row": lambda: fc2(xr).backward(dy_mlp)}
     if args.ub:
-        comm = tec.CommOverlap((t * size, max(h, f)), dt, tp_size=size, device="cpu", min_chunk_flops=1 << 60)
+        comm = tec.CommOverlap((t * size, max(h, f)), dt, tp_size=size, device=device, min_chunk_flops=1 << 60)
         ub1 = tec.LayerNormLinear(h, f, parallel_mode="column", ub_overlap_ag=True, ub_comm=comm, **kw)
         ub2 = tec.Linear(f, h, parallel_mode="row", ub_overlap_rs=True, ub_comm=comm, **kw)
         layers += [ub1, ub2]
@@ -87,20 +99,37 @@ def main():
                 fn = steps[name]
             for _ in range(5):
                 fn()
+            sync()
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.iters):
                 fn()
             c1 = time.thread_time()
+            sync()
             el = (time.perf_counter() - t0) / args.iters * 1e6
             if rep:  # the first repetition warms up
                 times[v].append(el)
                 cpu[v].append((c1 - c0) / args.iters * 1e6)
     use_fast(layers, True)
+    if args.profile:
+        profiles = []
+        for name, fn in (("tec fast mlp", mlp), ("PyTorch TP MLP", lambda: torch_mlp(x).backward(dy_mlp))):
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.iters):
+                fn()
+            pr.disable()
+            sync()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+            profiles.append(f"== {name}, {args.iters} steps\n{buf.getvalue()}")
+        if rank == 0:
+            with open(args.profile, "w") as fh:
+                fh.write("\n".join(profiles))
     if rank == 0:
-        print(f"gloo, {size} ranks, {args.dtype}, {t} rows/rank, hidden {h}, ffn {f}: median µs per fwd+bwd step "
+        print(f"{dist.get_backend()}, {size} ranks, {args.dtype}, {t} rows/rank, hidden {h}, ffn {f}: median µs per fwd+bwd step "
               f"over {args.reps} interleaved repetitions of {args.iters}; main-thread CPU µs (the host work; "
-              "gloo's collectives run on its own threads) and wall µs")
+              "gloo's collectives run on its own threads) and wall µs (GPU: issue time)")
         for what, tab in (("main-thread CPU", cpu), ("wall", times)):
             print(f" {what}:")
             for name in steps:
