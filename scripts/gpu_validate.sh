@@ -9,6 +9,10 @@
 #     (also runs scripts/profile_overlap.py on every GPU: host/GPU times, cProfile, a trace)
 #   SWEEP=1 BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh ...
 #     (also runs scripts/gemm_sweep_check.py, and the benchmark again with TEC_GEMM_TUNE=1)
+#   HOSTCOST=1 bash scripts/gpu_validate.sh ...
+#     (with 2 or more GPUs, first: scripts/experiments/sp_host_cost.py on NCCL at the
+#      benchmark's 2048x2048x6144 MLP step, fast path / general path / PyTorch's block,
+#      with a cProfile of ours and PyTorch's; MAINJOB=0 skips the main job)
 #   SANITIZE=1 bash scripts/gpu_validate.sh ...
 #     (also runs compute-sanitizer memcheck, racecheck and synccheck over the CUDA
 #      transport test, the single-GPU CUDA kernel/layer tests ($SANITIZE_TESTS) and,
@@ -59,13 +63,21 @@ if [ -n "${SANITIZE:-}" ]; then
   log "compute-sanitizer: $([ $rc_sanitize -eq 0 ] && echo clean || echo ERRORS)"
 fi
 rm -f "$OUT/transport_test"
+if [ -n "${HOSTCOST:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 240 python3 -m torch.distributed.run --nproc_per_node=2 scripts/experiments/sp_host_cost.py --device cuda \
+      --dtype bf16 --ub --tokens 1024 --hidden 2048 --ffn 6144 --iters 50 --reps 5 \
+      --profile "$OUT/hostcost_profile.txt" > "$OUT/hostcost.log" 2>&1
+  log "host cost (sp_host_cost.py, NCCL): exit $?"; grep -A16 "^nccl" "$OUT/hostcost.log" | tee -a "$OUT/summary.txt"
+fi
 sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
 python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 rc=$?
 log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
-timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
-log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"
+if [ "${MAINJOB:-1}" != 0 ]; then
+  timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
+  log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"
+fi
 if [ -n "${PROFILE:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 300 python3 -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
       scripts/profile_overlap.py --shapes "$PROFILE" --out "$OUT/profile" > "$OUT/profile.log" 2>&1
