@@ -407,19 +407,42 @@ template <typename T> void fwd_dispatch(const fwd_params &p, bool vec, cudaStrea
  * workspace. */
 int64_t bwd_max_groups(int sms) { return (int64_t)sms * 8; }
 
+/* The backward's first kernel with `groups` row groups (at most p.rows). */
 template <typename T, int VEC, int NV, int TPR>
-void launch_bwd(bwd_params &p, int sms, cudaStream_t st)
+void launch_bwd_groups(bwd_params &p, int64_t groups, cudaStream_t st)
 {
     using G = rowgroup<TPR>;
-    int64_t groups = (int64_t)sms * (1024 / TPR);
-    if (groups > bwd_max_groups(sms))
-        groups = bwd_max_groups(sms);
     if (groups > p.rows)
         groups = p.rows;
     p.groups = groups;
     if (groups == 0)
         return;
     norm_bwd_kernel<T, VEC, NV, TPR><<<(unsigned)((groups + G::groups - 1) / G::groups), G::threads, 0, st>>>(p);
+}
+
+/* How many row groups share the rows. A group writes one fp32 partial row of
+ * dgamma (and dbeta), which the second kernel sums: more groups, more rows in
+ * flight but more partial traffic and a longer sum. A block-wide group (TPR
+ * >= 64) does best with about 16 rows, and between one and two groups per SM
+ * (bf16, 1024-4096 columns, 1024-8192 rows on an H200: 1.3-2.7x faster than
+ * sms * 1024 / TPR groups at up to 4096 rows; scripts/experiments/
+ * norm_bwd_variants.cu). A warp-wide group (four to a block) keeps sms * 8. */
+template <int TPR> int64_t bwd_groups(int64_t rows, int sms)
+{
+    if (TPR == 32)
+        return bwd_max_groups(sms);
+    int64_t g = rows / 16;
+    if (g < sms)
+        g = sms;
+    if (g > 2 * (int64_t)sms)
+        g = 2 * (int64_t)sms;
+    return g;
+}
+
+template <typename T, int VEC, int NV, int TPR>
+void launch_bwd(bwd_params &p, int sms, cudaStream_t st)
+{
+    launch_bwd_groups<T, VEC, NV, TPR>(p, bwd_groups<TPR>(p.rows, sms), st);
 }
 
 template <typename T> void bwd_dispatch(bwd_params &p, bool vec, int sms, cudaStream_t st)
@@ -431,7 +454,7 @@ template <typename T> void bwd_dispatch(bwd_params &p, bool vec, int sms, cudaSt
         if (nvec <= 32) launch_bwd<T, V, 1, 32>(p, sms, st);
         else if (nvec <= 64) launch_bwd<T, V, 2, 32>(p, sms, st);
         else if (nvec <= 128) launch_bwd<T, V, 1, 128>(p, sms, st);
-        else if (nvec <= 256) launch_bwd<T, V, 2, 128>(p, sms, st);
+        else if (nvec <= 256) launch_bwd<T, V, 1, 256>(p, sms, st);
         else if (nvec <= 512) launch_bwd<T, V, 2, 256>(p, sms, st);
         else if (nvec <= 1024) launch_bwd<T, V, 2, 512>(p, sms, st);
         else if (nvec <= 2048) launch_bwd<T, V, 4, 512>(p, sms, st);
