@@ -154,7 +154,7 @@ def _general_backward(x2d, w, dy, state, need, iw, need_dx):
     return steps(dy.view(-1, dy.shape[-1]), x2d, w, plan[TP], layer.ub, need_dx, wg)
 
 
-def _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code, dev):
+def _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, zcg, rows, k, code, dev):
     """The norm's backward on this rank's rows (one engine call)."""
     d = dev[1]
     nbytes = _C.norm_bwd_workspace_bytes(d, rows, k)
@@ -163,7 +163,7 @@ def _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code,
     rms = dbeta is None
     _C.norm_bwd(d, code, rows, k, dln.data_ptr(), x.data_ptr(), 0 if rms else stp,
                 stp if rms else stp + 4 * rows, gamma.data_ptr(), dx.data_ptr(), dgamma.data_ptr(),
-                0 if rms else dbeta.data_ptr(), plan[ZCG], ws.data_ptr(), nbytes, _bwd_stream(dev))
+                0 if rms else dbeta.data_ptr(), zcg, ws.data_ptr(), nbytes, _bwd_stream(dev))
 
 
 _cpu = torch.device("cpu")
@@ -284,11 +284,12 @@ def _grown(t, size):
     return t.new_empty(sh[0] * size, sh[1]) if len(sh) == 2 else t.new_empty(sh[0] * size, sh[1], sh[2])
 
 
-def _gather(x, plan, async_op=False):
-    """Sequence parallel: the group's rows of x (along its first dimension)
-    gathered, rank-major (with async_op: (them, the work to wait for))."""
-    out = _grown(x, plan[SIZE])
-    work = _all_gather_into(out, x, plan[TP].group, async_op)
+def _gather(x, tp, async_op=False):
+    """Sequence parallel: the rows of x (along its first dimension) of every
+    rank of tp's group gathered, rank-major (with async_op: (them, the work
+    to wait for))."""
+    out = _grown(x, tp.size)
+    work = _all_gather_into(out, x, tp.group, async_op)
     return (out, work) if async_op else out
 
 
@@ -296,14 +297,15 @@ def _bwd_stream(dev):
     return 0 if dev[1] < 0 else _engine.stream_of(dev[0])
 
 
-def _dgrad_scatter(dy, w, total, n, k, code, dev, out, plan):
+def _dgrad_scatter(dy, w, total, n, k, code, dev, out, tp):
     """Column + sequence parallel: dX = dY W over the gathered rows, then
-    reduce-scattered into `out` (this rank's rows): the general path's dgrad."""
+    reduce-scattered over tp's group into `out` (this rank's rows): the
+    general path's dgrad."""
     _, d, ws, nbytes, _ = dev
-    dxt = _grown(out, plan[SIZE])
+    dxt = _grown(out, tp.size)
     _C.gemm(d, code, code, 0, 0, total, k, n, dy.data_ptr(), n, w.data_ptr(), k, dxt.data_ptr(), k, 0, 0, 0, ws,
             nbytes, _bwd_stream(dev))
-    _reduce_scatter_into(out, dxt, plan[TP].group)
+    _reduce_scatter_into(out, dxt, tp.group)
     return out
 
 
@@ -376,7 +378,7 @@ def _linear_fwd(x, w, b, state):
         if reduce:
             y, out = _new(x, s // size, bt, n), _new(x, s, bt, n)
         else:
-            x = _gather(x, plan)
+            x = _gather(x, plan[TP])
             rows *= size
             y = out = _new(x, s * size, bt, n)
     else:
@@ -420,7 +422,7 @@ class _LinearFn(torch.autograd.Function):
         dy_local = None
         if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
             dy_local = dy
-            dy = _gather(dy, plan)
+            dy = _gather(dy, plan[TP])
         dx = torch.empty_like(x) if need[0] else None
         dw = db = wg = None
         if plan[WGRAD]:
@@ -457,8 +459,8 @@ def _column_sp_linear_bwd(x, w, dy, state, need):
     wg = Wgrad(layer, w, need[2], first_mb, need_w=need[1]) if plan[WGRAD] and (need[1] or need[2]) else None
     xt = work = None
     if need[1] or wg is not None:
-        xt, work = _gather(x, plan, async_op=True) if need[0] else (_gather(x, plan), None)
-    dx = _dgrad_scatter(dy, w, total, n, k, code, dev, torch.empty_like(x), plan) if need[0] else None
+        xt, work = _gather(x, plan[TP], async_op=True) if need[0] else (_gather(x, plan[TP]), None)
+    dx = _dgrad_scatter(dy, w, total, n, k, code, dev, torch.empty_like(x), plan[TP]) if need[0] else None
     if work is not None:
         work.wait()
     if wg is not None:
@@ -529,7 +531,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state):
         size = plan[SIZE]
         _C.norm_fwd(dev, code, rows, k, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                     ln_out.data_ptr(), mu, rsigma, plan[EPS], plan[ZCG], stream)
-        ln_total = _gather(ln_out, plan)
+        ln_total = _gather(ln_out, plan[TP])
         y = _new(x, s * size, bt, n)
         _C.gemm(dev, code, code, 0, 1, rows * size, n, k, ln_total.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
                 0 if b is None else b.data_ptr(), 0, 0, ws, nbytes, stream)
@@ -575,7 +577,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dbeta = None if ctx.rms else gamma.new_empty(k)
         if plan[UB] is not None and not _ub_backward_falls_back(layer, plan, ln_out, w, rows, True, need[3] or need[4]):
             dln, dw, db = _general_backward(ln_out, w, dy, ctx.state, need, 3, True)
-            _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code, dev)
+            _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[ZCG], rows, k, code, dev)
             return dx, dgamma, dbeta, dw, db, None
         sp = plan[SP]
         if sp and not plan[ROW_REDUCE]:
@@ -583,7 +585,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dy_local = None
         if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
             dy_local = dy
-            dy = _gather(dy, plan)
+            dy = _gather(dy, plan[TP])
         dw = db = wg = None
         if plan[WGRAD]:
             if need[3] or need[4]:
@@ -625,15 +627,15 @@ def _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta
     wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3]) if plan[WGRAD] and (need[3] or need[4]) else None
     lt = work = None
     if need[3] or wg is not None:
-        lt, work = _gather(ln_out, plan, async_op=True)
-    dln = _dgrad_scatter(dy, w, total, n, k, code, dev, ln_out.new_empty(rows, k), plan)
+        lt, work = _gather(ln_out, plan[TP], async_op=True)
+    dln = _dgrad_scatter(dy, w, total, n, k, code, dev, ln_out.new_empty(rows, k), plan[TP])
     if work is not None:
         work.wait()
     if wg is not None:
         dw, db = wg(_as_2d(dy, total, n), lt, NO_UB)
     else:
         dw, db = _wgrad_gemm(dy, lt, total, n, k, code, dev, need[3], need[4], x.dtype)
-    _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan, rows, k, code, dev)
+    _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[ZCG], rows, k, code, dev)
     return dx, dgamma, dbeta, dw, db, None
 
 
