@@ -2,7 +2,8 @@
 (module/_fast.py) against the general path, on CPU ranks (gloo) at shapes so
 small that the host is the bound: each layer alone (forward + backward) and
 the MLP step (LayerNormLinear column -> gelu -> Linear row, as
-bench_mlp's tec step) next to PyTorch's eager TP MLP (bench_mlp.TorchTPMLP).
+bench_mlp's tec step; and tec.LayerNormMLP) next to PyTorch's eager TP MLP
+(bench_mlp.TorchTPMLP).
 Variants are interleaved, repetition by repetition, in alternating order; the median over
 repetitions of the µs per step is printed by rank 0. With --ub a layer
 built with ub_* flags whose communicator falls back at this shape (a huge
@@ -65,7 +66,8 @@ def main():
     fc1 = tec.LayerNormLinear(h, f, parallel_mode="column", **kw)
     fc2 = tec.Linear(f, h, parallel_mode="row", **kw)
     col = tec.Linear(h, f, parallel_mode="column", **kw)
-    layers = [fc1, fc2, col]
+    lnmlp = tec.LayerNormMLP(h, f, activation="gelu", set_parallel_mode=True, **kw)
+    layers = [fc1, fc2, col, lnmlp]
     x = torch.randn(t, h, dtype=dt, device=device, requires_grad=True)
     xr = torch.randn(t * size, f // size, dtype=dt, device=device, requires_grad=True)
     dy_mlp = torch.randn(t, h, dtype=dt, device=device)
@@ -76,13 +78,17 @@ def main():
         fc2(F.gelu(fc1(x), approximate="tanh")).backward(dy_mlp)
 
     steps = {"mlp": mlp, "lnl_column": lambda: fc1(x).backward(dy_col),
-             "linear_column": lambda: col(x).backward(dy_col), "linear_row": lambda: fc2(xr).backward(dy_mlp)}
+             "linear_column": lambda: col(x).backward(dy_col), "linear_row": lambda: fc2(xr).backward(dy_mlp),
+             "lnmlp": lambda: lnmlp(x).backward(dy_mlp)}
     if args.ub:
         comm = tec.CommOverlap((t * size, max(h, f)), dt, tp_size=size, device=device, min_chunk_flops=1 << 60)
         ub1 = tec.LayerNormLinear(h, f, parallel_mode="column", ub_overlap_ag=True, ub_comm=comm, **kw)
         ub2 = tec.Linear(f, h, parallel_mode="row", ub_overlap_rs=True, ub_comm=comm, **kw)
-        layers += [ub1, ub2]
+        ub3 = tec.LayerNormMLP(h, f, activation="gelu", set_parallel_mode=True, ub_overlap_ag=True, ub_overlap_rs=True,
+                               ub_overlap_rs_dgrad=True, ub_comm=comm, **kw)
+        layers += [ub1, ub2, ub3]
         steps["mlp_ub_fallback"] = lambda: ub2(F.gelu(ub1(x), approximate="tanh")).backward(dy_mlp)
+        steps["lnmlp_ub_fallback"] = lambda: ub3(x).backward(dy_mlp)
     variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
@@ -137,7 +143,9 @@ def main():
                 print(f"  {name:16s} fast {fa:8.1f}  general {ge:8.1f}  general/fast {ge / fa:5.2f}x")
             tm = statistics.median(tab[("mlp_torch", None)])
             fa = statistics.median(tab[("mlp", True)])
-            print(f"  mlp_torch        {tm:8.1f}  (torch / tec fast {tm / fa:5.2f}x)")
+            ln = statistics.median(tab[("lnmlp", True)])
+            print(f"  mlp_torch        {tm:8.1f}  (torch / tec fast {tm / fa:5.2f}x, torch / LayerNormMLP fast "
+                  f"{tm / ln:5.2f}x)")
     dist.destroy_process_group()
 
 

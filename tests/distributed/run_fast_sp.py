@@ -1,7 +1,8 @@
 """torchrun runner: the layers' fast path (module/_fast.py) under sequence
 parallelism without userbuffers equals the general path bit for bit:
 column and row Linear, LayerNormLinear (LayerNorm and RMSNorm, column and
-row; without a parallel mode), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
+row; without a parallel mode) and LayerNormMLP (set_parallel_mode; gelu and
+swiglu), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
 fused (main_grad) and delayed (backward_dw) weight gradients, return_bias,
 a frozen weight, an input without grad and zero_centered_gamma; the fast path must be taken.
 Prints "PASS run_fast_sp" on success.
@@ -22,11 +23,15 @@ import common  # noqa: E402
 from common import setup  # noqa: E402
 
 IN, OUT = 24, 20
+FFN = 40  # LayerNormMLP's
 
 
 def make(kind, mode, dtype, rank, size, **kw):
     torch.manual_seed(7 + rank)
-    if kind == "linear":
+    if kind == "mlp":
+        m = tec.LayerNormMLP(IN, FFN, params_dtype=dtype, set_parallel_mode=True, sequence_parallel=True,
+                             tp_size=size, **kw)
+    elif kind == "linear":
         m = tec.Linear(IN, OUT, params_dtype=dtype, parallel_mode=mode, sequence_parallel=True, tp_size=size, **kw)
     else:
         m = tec.LayerNormLinear(IN, OUT, params_dtype=dtype, parallel_mode=mode, sequence_parallel=True,
@@ -45,7 +50,8 @@ def general(m, on):
 
 def took_fast(y):
     fn = y.grad_fn
-    return fn is not None and getattr(fn, "_forward_cls", None) in (_fast._LinearFn, _fast._LayerNormLinearFn)
+    return fn is not None and getattr(fn, "_forward_cls", None) in (_fast._LinearFn, _fast._LayerNormLinearFn,
+                                                                    _fast._LayerNormMLPSPFn)
 
 
 def run(m, x, dy, wgrad, first, rb):
@@ -118,6 +124,78 @@ def case(kind, mode, norm, bias, dtype, shape3, wgrad, first, extra, rank, size)
         general(m, False)
     assert not took, what
     same(fast, ref, what)
+
+
+def mlp_case(norm, act, bias, dtype, shape3, extra, rank, size):
+    """LayerNormMLP (set_parallel_mode, sequence parallel) without userbuffers."""
+    kw = dict(normalization=norm, activation=act, bias=bias, return_bias=extra == "return_bias",
+              zero_centered_gamma=extra == "zero_centered_gamma")
+    m = make("mlp", None, dtype, rank, size, **kw)
+    if extra == "frozen":
+        m.fc1_weight.requires_grad_(False)
+        m.fc2_weight.requires_grad_(False)
+    lead = (4, 2) if shape3 else (6,)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(*lead, IN, dtype=dtype, requires_grad=extra != "no_input_grad")
+    dy = torch.randn(*lead, IN, dtype=dtype)
+    what = f"mlp {norm} {act} bias={bias} {dtype} 3d={shape3} {extra}"
+    fast, took = run(m, x, dy, None, None, kw["return_bias"])
+    assert took, f"{what}: the fast path was not taken"
+    general(m, True)
+    try:
+        ref, took = run(m, x, dy, None, None, kw["return_bias"])
+    finally:
+        general(m, False)
+    assert not took, what
+    same(fast, ref, what)
+
+
+MLP_UB_FLAGS = ({"ub_overlap_ag": True, "ub_overlap_rs": True, "ub_overlap_rs_dgrad": True},
+                {"ub_overlap_ag": True}, {"ub_overlap_rs": True})
+
+
+def mlp_ub_case(flags, threshold, switch, dtype, rank, size):
+    """LayerNormMLP with ub_* flags, as ub_case: the fast path where every
+    overlap falls back (the general path's counts), else the general path."""
+    comms = {r: common.comm((64, 64), dtype, name=f"fsp_mlp_{r}", min_chunk_flops=threshold)
+             for r in ("fc1_fprop", "fc1_dgrad", "fc2_fprop", "fc2_dgrad")}
+    m = make("mlp", None, dtype, rank, size, ub_comm=comms, **flags)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(4, 2, IN, dtype=dtype, requires_grad=True)
+    dy = torch.randn(4, 2, IN, dtype=dtype)
+    what = f"ub mlp {flags} threshold={threshold} switch={switch} {dtype}"
+    res = []
+    for use_general in (False, True):
+        general(m, use_general)
+        for c in comms.values():
+            c.min_chunk_flops = threshold
+        s0 = stats(comms)
+        xx = x.detach().clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xx)
+        took = took_fast(y)
+        if switch:
+            for c in comms.values():
+                c.min_chunk_flops = 0.0
+        y.backward(dy)
+        s1 = stats(comms)
+        delta = {r: {k: s1[r][k] - s0[r][k] for k in s1[r]} for r in s1}
+        res.append(([y.detach(), xx.grad] + [p.grad for _, p in m.named_parameters()], delta, took))
+    general(m, False)
+    (fast, dfast, took_f), (gen, dgen, took_g) = res
+    assert took_f == (threshold > 1e30), f"{what}: fast path taken {took_f}"
+    assert not took_g, what
+    same(fast, gen, what)
+    assert dfast == dgen, f"{what}: communicator counts {dfast} vs the general path's {dgen}"
+    overlapped = sum(d[k] for d in dfast.values() for k in ("ag_overlap", "rs_overlap"))
+    fallbacks = sum(v for d in dfast.values() for k, v in d.items() if k.endswith("_fallback"))
+    backward_overlaps = flags.get("ub_overlap_ag") or flags.get("ub_overlap_rs_dgrad")
+    if threshold > 1e30 and not switch:
+        assert fallbacks > 0 and overlapped == 0, dfast
+    elif threshold == 0 or backward_overlaps:  # the general path overlapped where it pays (switch: in backward)
+        assert overlapped > 0, dfast
+    for c in comms.values():
+        c.close()
 
 
 def stats(comms):
@@ -203,6 +281,19 @@ def main():
             ub_layers, ((float("inf"), False), (0.0, False), (float("inf"), True)),
             (torch.float32, torch.bfloat16)):
         ub_case(kind, mode, norm, flags, threshold, switch, dtype, rank, size)
+        n += 1
+    for norm, act, bias, dtype, shape3 in itertools.product(("LayerNorm", "RMSNorm"), ("gelu", "swiglu"),
+                                                            (True, False), (torch.float32, torch.bfloat16),
+                                                            (False, True)):
+        mlp_case(norm, act, bias, dtype, shape3, None, rank, size)
+        n += 1
+    for extra in ("return_bias", "frozen", "no_input_grad", "zero_centered_gamma"):
+        mlp_case("LayerNorm", "gelu", True, torch.bfloat16, True, extra, rank, size)
+        n += 1
+    for flags, (threshold, switch), dtype in itertools.product(
+            MLP_UB_FLAGS, ((float("inf"), False), (0.0, False), (float("inf"), True)),
+            (torch.float32, torch.bfloat16)):
+        mlp_ub_case(flags, threshold, switch, dtype, rank, size)
         n += 1
     # a sequence the row layer cannot split takes the general path, with its error
     m = make("linear", "row", torch.float32, rank, size)

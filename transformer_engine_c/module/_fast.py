@@ -1,4 +1,4 @@
-"""The layers' fast path: Linear and LayerNormLinear calls in the common case
+"""The layers' fast path: Linear, LayerNormLinear and LayerNormMLP calls in the common case
 (one weight tensor, no userbuffers or only communicators that fall back at
 the call's shape, no autocast, plain parameters, a contiguous 2-D or 3-D
 input of the parameters' dtype and device) with as little host work as the
@@ -652,17 +652,25 @@ _norm_linear_apply = _function_apply.__get__(None, _LayerNormLinearFn)
 def _mlp_plan(layer):
     """(hidden, fc1 rows, ffn, activation code, limit, alpha, glu offset,
     LayerNorm, eps, zero_centered_gamma, fc2 bias added after the GEMM (a
-    row-parallel fc2, as the general path adds it), bias) or False."""
-    if (layer.tp.size != 1 or layer.ub.enabled or layer.ub2.enabled or layer.checkpoint
-            or layer.return_layernorm_output or layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute):
+    row-parallel fc2, as the general path adds it), bias, sequence parallel,
+    its TPConfig, its userbuffers plan (_mlp_ub_plan) or None) or False."""
+    tp = layer.tp
+    sp = tp.size > 1 and layer.set_parallel_mode and tp.sp
+    if ((tp.size != 1 and not sp) or layer.checkpoint or layer.return_layernorm_output
+            or layer.fuse_wgrad_accumulation or layer.delay_wgrad_compute):
         return False
+    ubp = None
+    if layer.ub.enabled or layer.ub2.enabled:
+        ubp = _mlp_ub_plan(layer) if sp else None
+        if ubp is None:
+            return False
     act = _engine.activation_code(layer.activation)
     ffn = layer.size_per_partition
     kw = layer._act_kw
     return (layer.hidden_size, 2 * ffn if act >= 16 else ffn, ffn, act, float(kw.get("limit", 7.0)),
             float(kw.get("alpha", 1.702)), float(kw.get("glu_linear_offset", 1.0)),
             layer.normalization == "LayerNorm", float(layer.eps), 1 if layer.zero_centered_gamma else 0,
-            layer.tp2.mode == "row", layer.use_bias)
+            layer.tp2.mode == "row", layer.use_bias, sp, tp, ubp)
 
 
 def _carve(*sizes):
@@ -702,12 +710,15 @@ def layernorm_mlp(layer, plan, x, return_bias):
     if placed is None:
         return None
     dev, code = placed
-    state = (plan, shape, code, dev)
     fc2_bias = None if return_bias else b2
-    if grad:
-        y = _mlp_apply(x, gamma, beta, w1, b1, w2, fc2_bias, state)
+    if plan[12]:
+        y = _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, fc2_bias, shape, code, dev, grad)
+        if y is None:
+            return None
+    elif grad:
+        y = _mlp_apply(x, gamma, beta, w1, b1, w2, fc2_bias, (plan, shape, code, dev))
     else:
-        y = _mlp_fwd(x, gamma, beta, w1, b1, w2, fc2_bias, state)[0]
+        y = _mlp_fwd(x, gamma, beta, w1, b1, w2, fc2_bias, (plan, shape, code, dev))[0]
     if not return_bias:
         return y
     b = b2 if b2 is not None else layer.fc2_bias
@@ -795,7 +806,194 @@ class _LayerNormMLPFn(torch.autograd.Function):
 _mlp_apply = _function_apply.__get__(None, _LayerNormMLPFn)
 
 
+# ------------------------------------------- LayerNormMLP, sequence parallel
+# set_parallel_mode with sequence parallelism (fc1 column-, fc2 row-parallel),
+# no userbuffers or only communicators that fall back at the call's shape;
+# otherwise as above. The general path's steps and collectives, in its order:
+# the norm on this rank's rows, their all-gather, fc1 (+ bias), the
+# activation, fc2, the reduce-scatter, fc2's bias. Saved: x, the local
+# normalised rows and statistics, fc1's and the activation's outputs over the
+# group's rows (as the general path). Backward: grad_output all-gathered,
+# fc2's dgrad + wgrad (its bias gradient over this rank's rows), the
+# activation's backward with fc1's bias gradient, the normalised rows
+# re-gathered while fc1's dgrad runs and is reduce-scattered, fc1's wgrad,
+# the norm's backward on this rank's rows.
+
+def _mlp_ub_plan(layer):
+    """(fc1 fprop AG, fc2 fprop RS, fc2 dgrad AG, fc1 dgrad RS): which
+    overlaps the flags ask for, or None where a flag is off the fast path
+    (the bulk ones always run)."""
+    f1 = layer.ub.flags if layer.ub.enabled else None
+    f2 = layer.ub2.flags if layer.ub2.enabled else None
+    if f1 is not None and (f1["ub_bulk_dgrad"] or f1["ub_bulk_wgrad"]):
+        return None
+    return (bool(f1 and f1["ub_overlap_ag"]), bool(f2 and f2["ub_overlap_rs"]), bool(f2 and f2["ub_overlap_ag"]),
+            bool(f1 and f1["ub_overlap_rs_dgrad"]))
+
+
+def _mlp_overlaps(ops):
+    """ops: (communicator, op, rows, k, n) of the overlaps the flags ask for at
+    this step. False when all fall back (then counted, as take_overlap counts
+    them on the general path), True when one would overlap (nothing counted:
+    the general path runs and counts)."""
+    for c, op, r, k, n in ops:
+        if c.pays(op, r, k, n):
+            return True
+    for c, op, r, k, n in ops:
+        c.take_overlap(op, r, k, n)
+    return False
+
+
+def _mlp_forward_ops(layer, ubp, rows, hidden, f1, ffn):
+    ops = []
+    if ubp[0]:
+        ops.append((layer.ub.comms["fprop"], "ag", rows, hidden, f1))
+    if ubp[1]:
+        ops.append((layer.ub2.comms["fprop"], "rs", rows, ffn, hidden))
+    return ops
+
+
+def _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, b2, shape, code, dev, grad):
+    """The sequence-parallel call's output, or None where the general path
+    must run it (x in a communicator's buffer, or an overlap that pays)."""
+    ubp = plan[14]
+    if ubp is not None:
+        for ub in (layer.ub, layer.ub2):
+            for c in ub.comms.values():
+                if c.overlaps(x):
+                    return None
+        if _mlp_overlaps(_mlp_forward_ops(layer, ubp, shape[0], plan[0], plan[1], plan[2])):
+            return None
+    state = (plan, shape, code, dev, layer)
+    if grad:
+        return _mlp_sp_apply(x, gamma, beta, w1, b1, w2, b2, state)
+    return _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state)[0]
+
+
+def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state):
+    """(y, ln_out, stats, fc1's output, the activation's output)."""
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
+    hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
+    total = rows * tp.size
+    ln_out = x.new_empty(rows, hidden)
+    stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
+    sp = stats.data_ptr()
+    _C.norm_fwd(dev, code, rows, hidden, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
+                ln_out.data_ptr(), 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp, plan[8],
+                plan[9], stream)
+    ln_total = _gather(ln_out, tp)
+    h = x.new_empty(total, f1)
+    _C.gemm(dev, code, code, 0, 1, total, f1, hidden, ln_total.data_ptr(), hidden, w1.data_ptr(), hidden,
+            h.data_ptr(), f1, 0 if b1 is None else b1.data_ptr(), 0, 0, ws, nbytes, stream)
+    del ln_total
+    a = x.new_empty(total, ffn)
+    _C.act_fwd(dev, act, code, total, ffn, h.data_ptr(), 0, a.data_ptr(), plan[4], plan[5], plan[6], stream)
+    out = _new(x, s * tp.size, bt, hidden)  # the shape of y's rows of every rank (gloo wants the same dims)
+    _C.gemm(dev, code, code, 0, 1, total, hidden, ffn, a.data_ptr(), ffn, w2.data_ptr(), ffn, out.data_ptr(), hidden,
+            0, 0, 0, ws, nbytes, stream)
+    y = _new(x, s, bt, hidden)
+    _reduce_scatter_into(y, out, tp.group)
+    if b2 is not None:
+        y += b2
+    return y, ln_out, stats, h, a
+
+
+class _LayerNormMLPSPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, beta, w1, b1, w2, b2, state):
+        y, ln_out, stats, h, a = _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state)
+        ctx.save_for_backward(x, ln_out, stats, h, a, gamma, w1, w2)
+        ctx.state, ctx.rms, ctx.has_b2 = state, beta is None, b2 is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, ln_out, stats, h, a, gamma, w1, w2 = ctx.saved_tensors
+        plan, (rows, _, _), code, dev, layer = ctx.state
+        hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
+        need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
+        dtype = x.dtype
+        _check_saved(w1, dtype, (f1, hidden), "fc1_weight")
+        _check_saved(w2, dtype, (hidden, ffn), "fc2_weight")
+        _check_saved(gamma, dtype, (hidden,), "layer_norm_weight")
+        dy = _as_2d(_grad_output(dout, dtype), rows, hidden)
+        dx = torch.empty_like(x)
+        dgamma = gamma.new_empty(hidden)
+        dbeta = None if ctx.rms else gamma.new_empty(hidden)
+        if plan[14] is not None and _mlp_backward_overlaps(layer, plan, ln_out, w1, rows, need[3]):
+            dln, grads = _mlp_general_backward(layer, dy, ln_out, h, a, w1, w2, need, ctx.has_b2)
+        else:
+            dln, grads = _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, ctx.has_b2, ctx.state)
+        _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[9], rows, hidden, code, dev)
+        return (dx, dgamma, dbeta) + grads + (None,)
+
+
+def _mlp_backward_overlaps(layer, plan, ln_out, w1, rows, need_w1):
+    """Whether a backward overlap would run (a threshold lowered since the
+    forward, or fc1's input gathered for wgrad by its fprop communicator);
+    else the fallbacks are counted as the general path counts them."""
+    ubp, hidden, f1, ffn = plan[14], plan[0], plan[1], plan[2]
+    if need_w1 and _common.wgrad_gather_comm(ln_out, w1, plan[13], layer.ub) is not None:
+        return True
+    ops = []
+    if ubp[2]:
+        ops.append((layer.ub2.comms["dgrad"], "ag", rows, hidden, ffn))
+    if ubp[3]:
+        ops.append((layer.ub.comms["dgrad"], "rs", rows, f1, hidden))
+    return _mlp_overlaps(ops)
+
+
+def _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, has_b2, state):
+    """(dln on this rank's rows, (dw1, db1, dw2, db2))."""
+    plan, (rows, _, _), code, dev, _ = state
+    hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
+    total = rows * tp.size
+    device, d, ws, nbytes, _ = dev
+    stream = _bwd_stream(dev)
+    dtype = dy.dtype
+    db2 = _bias_grad_only(dy, rows, hidden, dtype) if need[6] else None  # this rank's rows, as the general path
+    dyt = _gather(dy, tp)
+    dw2 = w2.new_empty(hidden, ffn) if need[5] else None
+    dact = dy.new_empty(total, ffn)
+    _C.linear_bwd(d, code, total, hidden, ffn, dyt.data_ptr(), a.data_ptr(), w2.data_ptr(), dact.data_ptr(),
+                  0 if dw2 is None else dw2.data_ptr(), 0, ws, nbytes, stream)
+    del dyt
+    db1 = w1.new_empty(f1) if need[4] else None
+    act_bytes = _C.act_bwd_workspace_bytes(d, act, total, ffn) if db1 is not None else 0
+    aws = _empty(act_bytes, dtype=torch.uint8, device=device) if act_bytes else None
+    dh = dy.new_empty(total, f1)
+    _C.act_bwd(d, act, code, total, ffn, dact.data_ptr(), h.data_ptr(), dh.data_ptr(),
+               0 if db1 is None else db1.data_ptr(), 0 if aws is None else aws.data_ptr(), act_bytes, plan[4],
+               plan[5], plan[6], stream)
+    del dact
+    lt = work = None
+    if need[3]:
+        lt, work = _gather(ln_out, tp, async_op=True)
+    dln = _dgrad_scatter(dh, w1, total, f1, hidden, code, dev, ln_out.new_empty(rows, hidden), tp)
+    if work is not None:
+        work.wait()
+    dw1 = _wgrad_gemm(dh, lt, total, f1, hidden, code, dev, True, False, dtype)[0] if need[3] else None
+    return dln, (dw1, db1, dw2, db2 if has_b2 else None)
+
+
+def _mlp_general_backward(layer, dy, ln_out, h, a, w1, w2, need, has_b2):
+    """The general path's backward steps with the module's communicators
+    (where an overlap runs): (dln on this rank's rows, (dw1, db1, dw2, db2))."""
+    wg2 = None
+    if need[5] or (need[6] and has_b2):
+        wg2 = Wgrad(layer._gemm2, w2, has_b2 and need[6], None, bias_from_local=True, need_w=need[5])
+    dact, dw2, db2 = _common.row_backward(dy, a, w2, layer.tp2, layer.ub2, True, wg2)
+    res = _engine.act_bwd(dact, h, layer.activation, dbias=need[4], **layer._act_kw)
+    dh, db1 = res if isinstance(res, tuple) else (res, None)
+    wg1 = Wgrad(layer._gemm1, w1, False, None) if need[3] else None
+    dln, dw1, _ = _common.column_backward(dh, ln_out, w1, layer.tp, layer.ub, True, wg1)
+    return dln, (dw1, db1, dw2, db2)
+
+
+_mlp_sp_apply = _function_apply.__get__(None, _LayerNormMLPSPFn)
+
+
 # The functions that call a Function's C apply, and the Function: what
 # tec.debug names as the saver (it finds a Python apply frame otherwise).
 C_APPLY_CALLERS = {linear.__code__: _LinearFn, layernorm_linear.__code__: _LayerNormLinearFn,
-                   layernorm_mlp.__code__: _LayerNormMLPFn}
+                   layernorm_mlp.__code__: _LayerNormMLPFn, _layernorm_mlp_sp.__code__: _LayerNormMLPSPFn}
