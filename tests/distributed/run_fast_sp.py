@@ -164,6 +164,29 @@ def mlp_ub_case(flags, threshold, switch, dtype, rank, size):
     x = torch.randn(4, 2, IN, dtype=dtype, requires_grad=True)
     dy = torch.randn(4, 2, IN, dtype=dtype)
     what = f"ub mlp {flags} threshold={threshold} switch={switch} {dtype}"
+    dfast = fast_against_general(m, comms, x, dy, threshold, switch, what)
+    overlapped = sum(d[k] for d in dfast.values() for k in ("ag_overlap", "rs_overlap"))
+    fallbacks = sum(v for d in dfast.values() for k, v in d.items() if k.endswith("_fallback"))
+    backward_overlaps = flags.get("ub_overlap_ag") or flags.get("ub_overlap_rs_dgrad")
+    if threshold > 1e30 and not switch:
+        assert fallbacks > 0 and overlapped == 0, dfast
+    elif threshold == 0 or backward_overlaps:  # the general path overlapped where it pays (switch: in backward)
+        assert overlapped > 0, dfast
+    for c in comms.values():
+        c.close()
+
+
+def stats(comms):
+    """Each communicator's path counters ("waits" depends on timing)."""
+    return {r: {k: v for k, v in c.stats().items() if k != "waits"} for r, c in comms.items()}
+
+
+def fast_against_general(m, comms, x, dy, threshold, switch, what):
+    """One forward + backward of m on the fast path, then on the general
+    path, on communicators of min_chunk_flops `threshold` (0 from the
+    backward on with `switch`): the fast path must be taken exactly when the
+    threshold is huge, and both give the same numbers and communicator
+    counts. Returns the counts."""
     res = []
     for use_general in (False, True):
         general(m, use_general)
@@ -187,20 +210,7 @@ def mlp_ub_case(flags, threshold, switch, dtype, rank, size):
     assert not took_g, what
     same(fast, gen, what)
     assert dfast == dgen, f"{what}: communicator counts {dfast} vs the general path's {dgen}"
-    overlapped = sum(d[k] for d in dfast.values() for k in ("ag_overlap", "rs_overlap"))
-    fallbacks = sum(v for d in dfast.values() for k, v in d.items() if k.endswith("_fallback"))
-    backward_overlaps = flags.get("ub_overlap_ag") or flags.get("ub_overlap_rs_dgrad")
-    if threshold > 1e30 and not switch:
-        assert fallbacks > 0 and overlapped == 0, dfast
-    elif threshold == 0 or backward_overlaps:  # the general path overlapped where it pays (switch: in backward)
-        assert overlapped > 0, dfast
-    for c in comms.values():
-        c.close()
-
-
-def stats(comms):
-    """Each communicator's path counters ("waits" depends on timing)."""
-    return {r: {k: v for k, v in c.stats().items() if k != "waits"} for r, c in comms.items()}
+    return dfast
 
 
 def ub_case(kind, mode, norm, flags, threshold, switch, dtype, rank, size):
@@ -220,29 +230,7 @@ def ub_case(kind, mode, norm, flags, threshold, switch, dtype, rank, size):
     dy = torch.randn(lead[0] * size if mode == "column" else lead[0] // size, 2,
                      OUT // size if mode == "column" else OUT, dtype=dtype)
     what = f"ub {kind} {mode} {norm} {flags} threshold={threshold} switch={switch} {dtype}"
-    res = []
-    for use_general in (False, True):
-        general(m, use_general)
-        for c in comms.values():
-            c.min_chunk_flops = threshold
-        s0 = stats(comms)
-        xx = x.detach().clone().requires_grad_()
-        m.zero_grad(set_to_none=True)
-        y = m(xx)
-        took = took_fast(y)
-        if switch:
-            for c in comms.values():
-                c.min_chunk_flops = 0.0
-        y.backward(dy)
-        s1 = stats(comms)
-        delta = {r: {k: s1[r][k] - s0[r][k] for k in s1[r]} for r in s1}
-        res.append(([y.detach(), xx.grad] + [p.grad for _, p in m.named_parameters()], delta, took))
-    general(m, False)
-    (fast, dfast, took_f), (gen, dgen, took_g) = res
-    assert took_f == (threshold > 1e30), f"{what}: fast path taken {took_f}"
-    assert not took_g, what
-    same(fast, gen, what)
-    assert dfast == dgen, f"{what}: communicator counts {dfast} vs the general path's {dgen}"
+    dfast = fast_against_general(m, comms, x, dy, threshold, switch, what)
     if threshold > 1e30 and not switch:
         assert sum(v for d in dfast.values() for k, v in d.items() if k.endswith("_fallback")) > 0, dfast
     for c in comms.values():
