@@ -283,6 +283,16 @@ def main():
             (torch.float32, torch.bfloat16)):
         mlp_ub_case(flags, threshold, switch, dtype, rank, size)
         n += 1
+    # off the fast path: bulk overlaps (they always run), and tensor parallelism without sequence parallelism
+    comms = {r: common.comm((64, 64), torch.float32, name=f"fsp_bulk_{r}") for r in ("fc1_dgrad", "fc1_wgrad")}
+    for kw in (dict(ub_bulk_dgrad=True, ub_bulk_wgrad=True, ub_comm=comms), dict(sequence_parallel=False)):
+        torch.manual_seed(7)
+        m = tec.LayerNormMLP(IN, FFN, set_parallel_mode=True, tp_size=size, **dict(dict(sequence_parallel=True), **kw))
+        y = m(torch.randn(4, IN, requires_grad=True))
+        assert not took_fast(y) and m._plan is False, f"LayerNormMLP {sorted(kw)} took the fast path"
+        y.sum().backward()
+    for c in comms.values():
+        c.close()
     # a sequence the row layer cannot split takes the general path, with its error
     m = make("linear", "row", torch.float32, rank, size)
     try:
