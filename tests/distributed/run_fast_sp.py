@@ -1,8 +1,8 @@
 """torchrun runner: the layers' fast path (module/_fast.py) under sequence
 parallelism without userbuffers equals the general path bit for bit:
 column and row Linear, LayerNormLinear (LayerNorm and RMSNorm, column and
-row; without a parallel mode) and LayerNormMLP (set_parallel_mode; gelu and
-swiglu), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
+row; without a parallel mode) and LayerNormMLP (set_parallel_mode; gelu,
+swiglu, relu, clamped_swiglu), with and without bias, fp32 and bf16, 2-D and 3-D inputs, plain,
 fused (main_grad) and delayed (backward_dw) weight gradients, return_bias,
 a frozen weight, an input without grad and zero_centered_gamma; the fast path must be taken.
 Prints "PASS run_fast_sp" on success.
@@ -130,10 +130,15 @@ def mlp_case(norm, act, bias, dtype, shape3, extra, rank, size):
     """LayerNormMLP (set_parallel_mode, sequence parallel) without userbuffers."""
     kw = dict(normalization=norm, activation=act, bias=bias, return_bias=extra == "return_bias",
               zero_centered_gamma=extra == "zero_centered_gamma")
+    if act == "clamped_swiglu":
+        kw["activation_params"] = {"limit": 3.0, "alpha": 1.5}
     m = make("mlp", None, dtype, rank, size, **kw)
     if extra == "frozen":
         m.fc1_weight.requires_grad_(False)
         m.fc2_weight.requires_grad_(False)
+    if extra == "frozen_biases":  # weight gradients without bias gradients
+        m.fc1_bias.requires_grad_(False)
+        m.fc2_bias.requires_grad_(False)
     lead = (4, 2) if shape3 else (6,)
     torch.manual_seed(100 + rank)
     x = torch.randn(*lead, IN, dtype=dtype, requires_grad=extra != "no_input_grad")
@@ -275,8 +280,11 @@ def main():
                                                             (False, True)):
         mlp_case(norm, act, bias, dtype, shape3, None, rank, size)
         n += 1
-    for extra in ("return_bias", "frozen", "no_input_grad", "zero_centered_gamma"):
+    for extra in ("return_bias", "frozen", "frozen_biases", "no_input_grad", "zero_centered_gamma"):
         mlp_case("LayerNorm", "gelu", True, torch.bfloat16, True, extra, rank, size)
+        n += 1
+    for act in ("relu", "clamped_swiglu"):
+        mlp_case("RMSNorm", act, True, torch.float32, False, None, rank, size)
         n += 1
     for flags, (threshold, switch), dtype in itertools.product(
             MLP_UB_FLAGS, ((float("inf"), False), (0.0, False), (float("inf"), True)),
