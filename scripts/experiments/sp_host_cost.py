@@ -92,14 +92,14 @@ def main():
     variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
+    def torch_step():
+        torch_mlp(x).backward(dy_mlp)
+
     for rep in range(args.reps + 1):
         for v in (variants if rep % 2 else variants[::-1]):  # the order alternates (the wall time drifts)
             name, fast = v
-            fn = torch_mlp_step = None
             if fast is None:
-                def torch_mlp_step():
-                    torch_mlp(x).backward(dy_mlp)
-                fn = torch_mlp_step
+                fn = torch_step
             else:
                 use_fast(layers, fast)
                 fn = steps[name]
@@ -119,7 +119,7 @@ def main():
     use_fast(layers, True)
     if args.profile:
         profiles = []
-        for name, fn in (("tec fast mlp", mlp), ("PyTorch TP MLP", lambda: torch_mlp(x).backward(dy_mlp))):
+        for name, fn in (("tec fast mlp", mlp), ("PyTorch TP MLP", torch_step)):
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(args.iters):

@@ -455,19 +455,30 @@ def _column_sp_linear_bwd(x, w, dy, state, need):
     reduce-scattered, then wgrad (or the fused/delayed Wgrad step)."""
     plan, (rows, _, _), code, dev, layer, first_mb = state
     n, k = plan[WSHAPE]
-    total = rows * plan[SIZE]
     wg = Wgrad(layer, w, need[2], first_mb, need_w=need[1]) if plan[WGRAD] and (need[1] or need[2]) else None
+    dx = torch.empty_like(x) if need[0] else None
+    return _column_sp_backward(x, w, dy, rows * plan[SIZE], n, k, code, dev, plan[TP], dx, need[1], need[2], wg)
+
+
+def _column_sp_backward(x, w, dy, total, n, k, code, dev, tp, dx, need_w, need_b, wg):
+    """A column layer's backward under sequence parallelism, as the general
+    path's: x (this rank's rows of the layer's input) re-gathered for wgrad
+    while dgrad runs into dx (this rank's rows, reduce-scattered; None: no
+    dgrad), then wgrad (the fused/delayed Wgrad step wg, or the GEMM with the
+    bias gradient). Returns (dx, dw, db)."""
     xt = work = None
-    if need[1] or wg is not None:
-        xt, work = _gather(x, plan[TP], async_op=True) if need[0] else (_gather(x, plan[TP]), None)
-    dx = _dgrad_scatter(dy, w, total, n, k, code, dev, torch.empty_like(x), plan[TP]) if need[0] else None
+    if need_w or wg is not None:
+        if dx is not None:
+            xt, work = _gather(x, tp, async_op=True)
+        else:
+            xt = _gather(x, tp)
+    if dx is not None:
+        _dgrad_scatter(dy, w, total, n, k, code, dev, dx, tp)
     if work is not None:
         work.wait()
     if wg is not None:
-        dw, db = wg(_as_2d(dy, total, n), _as_2d(xt, total, k), NO_UB)
-    else:
-        dw, db = _wgrad_gemm(dy, xt, total, n, k, code, dev, need[1], need[2], x.dtype)
-    return dx, dw, db
+        return (dx,) + wg(_as_2d(dy, total, n), _as_2d(xt, total, k), NO_UB)
+    return (dx,) + _wgrad_gemm(dy, xt, total, n, k, code, dev, need_w, need_b, dy.dtype)
 
 
 _linear_apply = _function_apply.__get__(None, _LinearFn)
@@ -623,18 +634,9 @@ def _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta
     (its parameter gradients this rank's partial sums, as the general path)."""
     plan, (rows, _, _), code, dev, layer, first_mb = state
     n, k = plan[WSHAPE]
-    total = rows * plan[SIZE]
     wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3]) if plan[WGRAD] and (need[3] or need[4]) else None
-    lt = work = None
-    if need[3] or wg is not None:
-        lt, work = _gather(ln_out, plan[TP], async_op=True)
-    dln = _dgrad_scatter(dy, w, total, n, k, code, dev, ln_out.new_empty(rows, k), plan[TP])
-    if work is not None:
-        work.wait()
-    if wg is not None:
-        dw, db = wg(_as_2d(dy, total, n), lt, NO_UB)
-    else:
-        dw, db = _wgrad_gemm(dy, lt, total, n, k, code, dev, need[3], need[4], x.dtype)
+    dln, dw, db = _column_sp_backward(ln_out, w, dy, rows * plan[SIZE], n, k, code, dev, plan[TP],
+                                      ln_out.new_empty(rows, k), need[3], need[4], wg)
     _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[ZCG], rows, k, code, dev)
     return dx, dgamma, dbeta, dw, db, None
 
@@ -910,7 +912,7 @@ class _LayerNormMLPSPFn(torch.autograd.Function):
     def backward(ctx, dout):
         x, ln_out, stats, h, a, gamma, w1, w2 = ctx.saved_tensors
         plan, (rows, _, _), code, dev, layer = ctx.state
-        hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
+        hidden, f1, ffn = plan[0], plan[1], plan[2]
         need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
         dtype = x.dtype
         _check_saved(w1, dtype, (f1, hidden), "fc1_weight")
@@ -966,13 +968,8 @@ def _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, has_b2, state):
                0 if db1 is None else db1.data_ptr(), 0 if aws is None else aws.data_ptr(), act_bytes, plan[4],
                plan[5], plan[6], stream)
     del dact
-    lt = work = None
-    if need[3]:
-        lt, work = _gather(ln_out, tp, async_op=True)
-    dln = _dgrad_scatter(dh, w1, total, f1, hidden, code, dev, ln_out.new_empty(rows, hidden), tp)
-    if work is not None:
-        work.wait()
-    dw1 = _wgrad_gemm(dh, lt, total, f1, hidden, code, dev, True, False, dtype)[0] if need[3] else None
+    dln, dw1, _ = _column_sp_backward(ln_out, w1, dh, total, f1, hidden, code, dev, tp,
+                                      ln_out.new_empty(rows, hidden), need[3], False, None)
     return dln, (dw1, db1, dw2, db2 if has_b2 else None)
 
 
