@@ -3,11 +3,14 @@ bit for bit the general path's outputs and gradients (the same engine
 kernels); everything off the common case (autocast, a layout or dtype the
 engine cannot take as is, a replaced parameter, a flag set after
 construction) takes the general path, with its errors."""
+import threading
+
 import pytest
 import torch
 
 import transformer_engine_c as tec
 from transformer_engine_c.module import _fast
+from conftest import CUDA_SKIP
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -368,3 +371,74 @@ def test_without_torch_private_entry_points_the_general_path_runs(monkeypatch):
     y2 = general(x2)
     y2.sum().backward()
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(fast.weight.grad, general.weight.grad)
+
+
+
+def test_temporaries_are_reused_per_thread_and_stream(monkeypatch):
+    monkeypatch.setattr(_fast, "_temps", threading.local())
+    x = torch.zeros(2, 3, dtype=torch.bfloat16)
+    a = _fast._temp(x, (4, 3), -1, 0)
+    assert a.shape == (4, 3) and a.dtype == torch.bfloat16
+    assert _fast._temp(x, (4, 3), -1, 0) is a  # the same call again: reused
+    assert _fast._temp(x, (4, 3), -1, 7) is not a  # another stream: its own
+    assert _fast._temp(x.float(), (4, 3), -1, 0) is not a  # another dtype
+    assert _fast._temp(x, (4, 2, 3), -1, 0).shape == (4, 2, 3)
+    other = []
+    t = threading.Thread(target=lambda: other.append(_fast._temp(x, (4, 3), -1, 0)))
+    t.start()
+    t.join()
+    assert other[0] is not a  # another thread: its own
+
+
+def test_temporaries_bounded(monkeypatch):
+    monkeypatch.setattr(_fast, "_temps", threading.local())
+    x = torch.zeros(2, 3)
+    first = _fast._temp(x, (1, 3), -1, 0)
+    for r in range(2, 2 + _fast._TEMP_SLOTS):
+        _fast._temp(x, (r, 3), -1, 0)
+    assert len(_fast._temps.slots) == _fast._TEMP_SLOTS
+    assert _fast._temp(x, (1, 3), -1, 0) is not first  # the oldest was dropped
+    monkeypatch.setattr(_fast, "_TEMP_BYTES", 64)
+    big = _fast._temp(x, (5, 4), -1, 0)  # 80 bytes: above the limit, fresh every call
+    assert _fast._temp(x, (5, 4), -1, 0) is not big
+
+
+def test_temporaries_not_while_capturing(monkeypatch):
+    """On a CUDA device (code >= 0) a capture in progress gets a fresh
+    tensor every call (shown on CPU tensors with the capture query mocked)."""
+    monkeypatch.setattr(_fast, "_temps", threading.local())
+    x = torch.zeros(2, 3)
+    monkeypatch.setattr(_fast, "_capturing", lambda: False)
+    a = _fast._temp(x, (4, 3), 0, 5)
+    assert _fast._temp(x, (4, 3), 0, 5) is a
+    monkeypatch.setattr(_fast, "_capturing", lambda: True)
+    assert _fast._temp(x, (4, 3), 0, 5) is not a
+    monkeypatch.setattr(_fast, "_capturing", None)  # no query in this torch: never reused on CUDA
+    assert _fast._temp(x, (4, 3), 0, 5) is not a
+
+
+def test_no_grad_norm_statistics_go_to_the_sink():
+    m = _layer("lnl", "cpu", torch.float32)
+    x = torch.randn(6, 24)
+    with torch.no_grad():
+        y = m(x)
+    assert _fast._sinks[torch.device("cpu")].numel() >= 12
+    assert torch.equal(y, m(x).detach())
+
+
+@CUDA_SKIP
+def test_temporaries_not_in_a_real_capture(monkeypatch):
+    """torch.cuda.graph capture: the capture query answers, and every call
+    gets a fresh tensor from the graph's pool; after it, reuse again."""
+    monkeypatch.setattr(_fast, "_temps", threading.local())
+    x = torch.zeros(2, 3, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    a = _fast._temp(x, (4, 3), 0, stream)
+    assert _fast._temp(x, (4, 3), 0, stream) is a
+    g = torch.cuda.CUDAGraph()
+    got = []
+    with torch.cuda.graph(g):
+        s = torch.cuda.current_stream().cuda_stream
+        got += [_fast._temp(x, (4, 3), 0, s), _fast._temp(x, (4, 3), 0, s)]
+    assert got[0] is not got[1] and a not in got
+    assert _fast._temp(x, (4, 3), 0, stream) is a

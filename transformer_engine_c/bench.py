@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ._launch import init_rank, relaunch, under_torchrun
-from .bench_mlp import GRAPH_NOTE, ours_graphed_fns, torch_mlp_fns
+from .bench_mlp import GRAPH_NOTE, all_gather_flat, ours_graphed_fns, reduce_scatter_flat, torch_mlp_fns
 
 CASES = ("ag_gemm", "gemm_rs", "mlp", "mlp_bulk")
 DEFAULT_CASES = ("ag_gemm", "gemm_rs", "mlp")
@@ -229,16 +229,19 @@ def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
         tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group, device=device)
     fc1 = fc2 = None
     mlp = kind in ("mlp", "mlp_bulk")
+    # The ag_gemm / gemm_rs rows compare a layer with PyTorch's sequential path, which has no
+    # bias: the layers there have none either (the mlp rows' layers and PyTorch's block have biases).
+    bias = mlp
     if kind == "ag_gemm" or mlp:
         if overlap:  # fc1's backward: dgrad GEMM+RS (mlp), or bulk AG during dgrad + bulk RS during wgrad
             ub = dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=kind == "mlp", ub_bulk_dgrad=kind == "mlp_bulk",
                       ub_bulk_wgrad=kind == "mlp_bulk", ub_name="fc1")
-        fc1 = tec.LayerNormLinear(H, N, params_dtype=dtype, device=device, parallel_mode="column",
+        fc1 = tec.LayerNormLinear(H, N, bias=bias, params_dtype=dtype, device=device, parallel_mode="column",
                                   sequence_parallel=True, tp_group=group, **ub)
     if kind == "gemm_rs" or mlp:
         if overlap:
             ub = dict(ub_overlap_rs=True, ub_overlap_ag=mlp, ub_name="fc2")
-        fc2 = tec.Linear(N, H, params_dtype=dtype, device=device, parallel_mode="row",
+        fc2 = tec.Linear(N, H, bias=bias, params_dtype=dtype, device=device, parallel_mode="row",
                          sequence_parallel=True, tp_group=group, **ub)
     return fc1, fc2
 
@@ -310,8 +313,6 @@ def ours_fns(make, w, x):
 
 
 def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
-    import torch.distributed as dist
-
     dtype = args.dtype
     Nl = N // size
     g = torch.Generator(device=device).manual_seed(rank)
@@ -327,10 +328,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
 
         def sequential():
             lo = F.layer_norm(x, (H,), gamma, beta)
-            dist.all_gather_into_tensor(ln_total, lo, group=group)
+            all_gather_flat(ln_total, lo, group=group)
             return torch.matmul(ln_total, w.t())
         fns = {"norm": lambda: F.layer_norm(x, (H,), gamma, beta),
-               "comm": lambda: dist.all_gather_into_tensor(ln_total, ln, group=group),
+               "comm": lambda: all_gather_flat(ln_total, ln, group=group),
                "gemm": lambda: torch.matmul(ln_total, w.t()),
                "sequential": sequential}
         if symm is not None:
@@ -359,9 +360,9 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
 
         def sequential():
             torch.matmul(x, w.t(), out=part)
-            dist.reduce_scatter_tensor(out, part, group=group)
+            reduce_scatter_flat(out, part, group=group)
         fns = {"gemm": lambda: torch.matmul(x, w.t(), out=part),
-               "comm": lambda: dist.reduce_scatter_tensor(out, part, group=group),
+               "comm": lambda: reduce_scatter_flat(out, part, group=group),
                "sequential": sequential}
         if symm is not None:
             wt = w.t()

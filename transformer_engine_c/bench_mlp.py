@@ -11,6 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# What a PyTorch user calls: all_gather_into_tensor / reduce_scatter_tensor, renamed
+# all_gather_single / reduce_scatter_single in PyTorch 2.13 (the old names warn per call).
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _GatherSequence(torch.autograd.Function):
     """all_gather_into_tensor along the sequence; backward reduce_scatter_tensor."""
@@ -20,7 +25,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = torch.empty((x.shape[0] * size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        all_gather_flat(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -40,14 +45,14 @@ class _ReduceScatterSequence(torch.autograd.Function):
     def backward(ctx, dy):
         size = dist.get_world_size(ctx.group)
         out = torch.empty((dy.shape[0] * size,) + tuple(dy.shape[1:]), dtype=dy.dtype, device=dy.device)
-        dist.all_gather_into_tensor(out, dy.contiguous(), group=ctx.group)
+        all_gather_flat(out, dy.contiguous(), group=ctx.group)
         return out, None
 
 
 def _reduce_scatter(x, group):
     size = dist.get_world_size(group)
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_flat(out, x.contiguous(), group=group)
     return out
 
 

@@ -11,6 +11,7 @@ min_chunk_flops) is timed too.
 
     torchrun --nproc_per_node=2 scripts/experiments/sp_host_cost.py [--dtype bf16] [--ub]
         [--device cuda] [--profile FILE]
+    python scripts/experiments/sp_host_cost.py --fake [--device cuda] ...
 
 With --device cuda (one GPU per rank, NCCL) the same comparison runs where
 the benchmark's small shapes are host-bound; the GPU is synchronised before
@@ -18,6 +19,7 @@ each timed stretch, not inside it. --profile writes rank 0's cProfile of the
 fast MLP step and of PyTorch's (sorted by own time) to FILE.
 """
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
-from transformer_engine_c.bench_mlp import TorchTPMLP  # noqa: E402
+from transformer_engine_c.bench_mlp import TorchTPMLP, all_gather_flat, reduce_scatter_flat  # noqa: E402
 from transformer_engine_c._launch import init_rank  # noqa: E402
 from transformer_engine_c.module import _fast  # noqa: E402
 
@@ -56,8 +58,17 @@ def main():
     ap.add_argument("--ub", action="store_true")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--fake", action="store_true", help="one process, a two-rank group of torch's fake backend")
     args = ap.parse_args()
-    rank, size, device = init_rank(args.device)
+    if args.fake:
+        if args.ub:
+            ap.error("--ub needs a peer: not with --fake")
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+        rank, size = 0, 2
+        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    else:
+        rank, size, device = init_rank(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(1 + rank)
     dt = torch.float32 if args.dtype == "fp32" else torch.bfloat16
@@ -90,6 +101,29 @@ def main():
         steps["mlp_ub_fallback"] = lambda: ub2(F.gelu(ub1(x), approximate="tanh")).backward(dy_mlp)
         steps["lnmlp_ub_fallback"] = lambda: ub3(x).backward(dy_mlp)
     variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
+    forwards = {}  # name: (our no-grad forward, PyTorch's sequential path)
+    if args.fake:
+        # without bias, as PyTorch's sequential path
+        nb1 = tec.LayerNormLinear(h, f, parallel_mode="column", bias=False, **kw)
+        nb2 = tec.Linear(f, h, parallel_mode="row", bias=False, **kw)
+        w1, g1, b1 = nb1.weight.detach(), nb1.layer_norm_weight.detach(), nb1.layer_norm_bias.detach()
+        w2 = nb2.weight.detach()
+        total = torch.empty(t * size, h, dtype=dt, device=device)
+        part = torch.empty(t * size, h, dtype=dt, device=device)
+        out = torch.empty(t, h, dtype=dt, device=device)
+
+        def ag_sequential():
+            all_gather_flat(total, F.layer_norm(x, (h,), g1, b1), group=None)
+            return torch.matmul(total, w1.t())
+
+        def rs_sequential():
+            torch.matmul(xr, w2.t(), out=part)
+            reduce_scatter_flat(out, part, group=None)
+            return out
+        forwards = {"lnl_fwd": (lambda: nb1(x), ag_sequential), "row_fwd": (lambda: nb2(xr), rs_sequential)}
+        for name, (ours, seq) in forwards.items():
+            variants += [(name, True), (name + "_torch", None)]
+            steps[name], steps[name + "_torch"] = ours, seq
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     def torch_step():
@@ -99,17 +133,20 @@ def main():
         for v in (variants if rep % 2 else variants[::-1]):  # the order alternates (the wall time drifts)
             name, fast = v
             if fast is None:
-                fn = torch_step
+                fn = steps[name] if name in steps else torch_step
             else:
                 use_fast(layers, fast)
                 fn = steps[name]
-            for _ in range(5):
-                fn()
+            grad = torch.no_grad() if name in forwards or name[:-6] in forwards else contextlib.nullcontext()
+            with grad:
+                for _ in range(5):
+                    fn()
             sync()
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
-            for _ in range(args.iters):
-                fn()
+            with grad:
+                for _ in range(args.iters):
+                    fn()
             c1 = time.thread_time()
             sync()
             el = (time.perf_counter() - t0) / args.iters * 1e6
@@ -133,12 +170,14 @@ def main():
             with open(args.profile, "w") as fh:
                 fh.write("\n".join(profiles))
     if rank == 0:
-        print(f"{dist.get_backend()}, {size} ranks, {args.dtype}, {t} rows/rank, hidden {h}, ffn {f}: median µs per fwd+bwd step "
+        print(f"{dist.get_backend()}{' (one process)' if args.fake else ''}, {size} ranks, {args.dtype}, {t} rows/rank, hidden {h}, ffn {f}: median µs per fwd+bwd step "
               f"over {args.reps} interleaved repetitions of {args.iters}; main-thread CPU µs (the host work; "
               "gloo's collectives run on its own threads) and wall µs (GPU: issue time)")
         for what, tab in (("main-thread CPU", cpu), ("wall", times)):
             print(f" {what}:")
             for name in steps:
+                if name in forwards or name[:-6] in forwards:
+                    continue
                 fa, ge = statistics.median(tab[(name, True)]), statistics.median(tab[(name, False)])
                 print(f"  {name:16s} fast {fa:8.1f}  general {ge:8.1f}  general/fast {ge / fa:5.2f}x")
             tm = statistics.median(tab[("mlp_torch", None)])
@@ -146,6 +185,9 @@ def main():
             ln = statistics.median(tab[("lnmlp", True)])
             print(f"  mlp_torch        {tm:8.1f}  (torch / tec fast {tm / fa:5.2f}x, torch / LayerNormMLP fast "
                   f"{tm / ln:5.2f}x)")
+            for name in forwards:
+                ours, seq = statistics.median(tab[(name, True)]), statistics.median(tab[(name + "_torch", None)])
+                print(f"  {name:16s} ours {ours:8.1f}  PyTorch sequential {seq:8.1f}  (PyTorch / ours {seq / ours:5.2f}x)")
     dist.destroy_process_group()
 
 

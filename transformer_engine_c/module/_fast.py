@@ -21,6 +21,8 @@ bias gradient summed over the local rows. Anything off the
 common case, a wrong input included, returns None and the layer takes its
 general path, which raises the named errors: the semantics are the general
 path's and the numerics the same engine kernels'."""
+import threading
+
 import torch
 
 from .. import _C, _engine
@@ -266,6 +268,24 @@ def _returned_bias(layer, b, dtype):
     return b if b.dtype is dtype else b.to(dtype)
 
 
+# Where a no-grad forward's norm writes its statistics: nothing reads them, so
+# one float32 buffer per device serves every call and stream (writes racing
+# into it are harmless) instead of an allocation per call. An outgrown buffer
+# stays alive: a captured CUDA graph may still write to it.
+_sinks = {}
+_outgrown_sinks = []
+
+
+def _stats_sink(device, count):
+    """The address of at least `count` float32s of device's statistics sink."""
+    t = _sinks.get(device)
+    if t is None or t.numel() < count:
+        if t is not None:
+            _outgrown_sinks.append(t)
+        t = _sinks[device] = _empty(max(count, 4096, 0 if t is None else 2 * t.numel()), dtype=_F32, device=device)
+    return t.data_ptr()
+
+
 def _as_2d(t, rows, cols):
     """A contiguous t as [rows, cols] (t itself when it is 2-D)."""
     return t if t.dim() == 2 else t.view(rows, cols)
@@ -284,13 +304,52 @@ def _grown(t, size):
     return t.new_empty(sh[0] * size, sh[1]) if len(sh) == 2 else t.new_empty(sh[0] * size, sh[1], sh[2])
 
 
-def _gather(x, tp, async_op=False):
+def _gather(x, tp, async_op=False, dev=None):
     """Sequence parallel: the rows of x (along its first dimension) of every
     rank of tp's group gathered, rank-major (with async_op: (them, the work
-    to wait for))."""
-    out = _grown(x, tp.size)
+    to wait for)). With `dev` (a forward's (device, code, ws, bytes,
+    stream)) into a temporary (_temp)."""
+    if dev is None:
+        out = _grown(x, tp.size)
+    else:
+        sh = x.shape
+        out = _temp(x, (sh[0] * tp.size,) + tuple(sh[1:]), dev[1], dev[4])
     work = _all_gather_into(out, x, tp.group, async_op)
     return (out, work) if async_op else out
+
+
+# A forward's gathered input (column layers), its partial product before the
+# reduce-scatter (row layers) and a column backward's dgrad before its
+# reduce-scatter live only until the GEMM or the collective that reads them,
+# and both run in the calling stream's order (a collective's stream
+# waits for it, and it for the collective). Where a call is all host work (small
+# shapes), each thread keeps one tensor per (shape, dtype, device, stream) for
+# them instead of allocating one per call: the next call's writes are ordered
+# after this call's reads. Not while a CUDA graph is captured (its replays, on
+# any stream, would share the tensor with eager calls), not above _TEMP_BYTES
+# (memory held between calls), at most _TEMP_SLOTS per thread.
+_TEMP_BYTES = 16 << 20
+_TEMP_SLOTS = 8
+_temps = threading.local()
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def _temp(x, shape, dev, stream):
+    """A tensor of `shape` with x's dtype and device, for a temporary (above)
+    read and written in `stream`'s order; dev: the engine's device code."""
+    numel = shape[0] * shape[1] * (shape[2] if len(shape) == 3 else 1)
+    if numel * x.element_size() > _TEMP_BYTES or dev >= 0 and (_capturing is None or _capturing()):
+        return x.new_empty(shape)
+    slots = getattr(_temps, "slots", None)
+    if slots is None:
+        slots = _temps.slots = {}
+    key = (shape, x.dtype, dev, stream)
+    t = slots.get(key)
+    if t is None:
+        if len(slots) >= _TEMP_SLOTS:
+            del slots[next(iter(slots))]  # the oldest
+        t = slots[key] = x.new_empty(shape)
+    return t
 
 
 def _bwd_stream(dev):
@@ -302,9 +361,11 @@ def _dgrad_scatter(dy, w, total, n, k, code, dev, out, tp):
     reduce-scattered over tp's group into `out` (this rank's rows): the
     general path's dgrad."""
     _, d, ws, nbytes, _ = dev
-    dxt = _grown(out, tp.size)
+    stream = _bwd_stream(dev)
+    sh = out.shape
+    dxt = _temp(out, (sh[0] * tp.size,) + tuple(sh[1:]), d, stream)
     _C.gemm(d, code, code, 0, 0, total, k, n, dy.data_ptr(), n, w.data_ptr(), k, dxt.data_ptr(), k, 0, 0, 0, ws,
-            nbytes, _bwd_stream(dev))
+            nbytes, stream)
     _reduce_scatter_into(out, dxt, tp.group)
     return out
 
@@ -370,15 +431,16 @@ def _linear_fwd(x, w, b, state):
     """Y = X W^T + b; a row layer all-reduces X W^T over the group (under
     sequence parallelism reduce-scatters it), then adds b; a column layer
     under sequence parallelism first gathers X's rows."""
-    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
+    plan, (rows, s, bt), code, placed = state[:4]
+    _, dev, ws, nbytes, stream = placed
     n, k = plan[WSHAPE]
     reduce = plan[ROW_REDUCE]
     if plan[SP]:
         size = plan[SIZE]
         if reduce:
-            y, out = _new(x, s // size, bt, n), _new(x, s, bt, n)
+            y, out = _new(x, s // size, bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream)
         else:
-            x = _gather(x, plan[TP])
+            x = _gather(x, plan[TP], dev=placed)
             rows *= size
             y = out = _new(x, s * size, bt, n)
     else:
@@ -521,34 +583,40 @@ def layernorm_linear(layer, plan, x, return_bias, is_first_microbatch):
     if grad:
         y = _norm_linear_apply(x, gamma, beta, w, bias, state)
     else:
-        y = _norm_linear_fwd(x, gamma, beta, w, bias, state)[0]
+        y = _norm_linear_fwd(x, gamma, beta, w, bias, state, False)[0]
     return (y, _returned_bias(layer, b, dtype)) if return_bias else y
 
 
-def _norm_linear_fwd(x, gamma, beta, w, b, state):
+def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
     """(y, ln_out [rows, k], stats): the norm, then Y = ln_out W^T + b (a row
     layer all-reduces, or under sequence parallelism reduce-scatters, before
     adding b; a column layer under sequence parallelism normalises its rows,
     then gathers the normalised rows for the GEMM). stats: float32 [2, rows]
-    (mu, then rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm."""
-    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
+    (mu, then rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm; without
+    `keep` (no backward) None, written to the statistics sink."""
+    plan, (rows, s, bt), code, placed = state[:4]
+    device, dev, ws, nbytes, stream = placed
     n, k = plan[WSHAPE]
     ln_out = x.new_empty(rows, k)
-    stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
+    count = 2 * rows if beta is not None else rows
+    if keep:
+        stats = _empty(count, dtype=_F32, device=device)
+        sp = stats.data_ptr()
+    else:
+        stats, sp = None, _stats_sink(device, count)
     reduce = plan[ROW_REDUCE]
-    sp = stats.data_ptr()
     mu, rsigma = 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp
     if plan[SP] and not reduce:  # column: the norm, the gather, the GEMM (as the general path)
         size = plan[SIZE]
         _C.norm_fwd(dev, code, rows, k, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                     ln_out.data_ptr(), mu, rsigma, plan[EPS], plan[ZCG], stream)
-        ln_total = _gather(ln_out, plan[TP])
+        ln_total = _gather(ln_out, plan[TP], dev=placed)
         y = _new(x, s * size, bt, n)
         _C.gemm(dev, code, code, 0, 1, rows * size, n, k, ln_total.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
                 0 if b is None else b.data_ptr(), 0, 0, ws, nbytes, stream)
         return y, ln_out, stats
     if plan[SP]:
-        y, out = _new(x, s // plan[SIZE], bt, n), _new(x, s, bt, n)
+        y, out = _new(x, s // plan[SIZE], bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream)
     else:
         y = out = _new(x, s, bt, n)
     _C.norm_linear_fwd(dev, code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
@@ -869,28 +937,35 @@ def _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, b2, shape, code, 
     state = (plan, shape, code, dev, layer)
     if grad:
         return _mlp_sp_apply(x, gamma, beta, w1, b1, w2, b2, state)
-    return _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state)[0]
+    return _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, False)[0]
 
 
-def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state):
-    """(y, ln_out, stats, fc1's output, the activation's output)."""
-    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
+def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
+    """(y, ln_out, stats, fc1's output, the activation's output); without
+    `keep` (no backward) stats is None (_norm_linear_fwd)."""
+    plan, (rows, s, bt), code, placed = state[:4]
+    device, dev, ws, nbytes, stream = placed
     hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
     total = rows * tp.size
     ln_out = x.new_empty(rows, hidden)
-    stats = _empty(2 * rows if beta is not None else rows, dtype=_F32, device=x.device)
-    sp = stats.data_ptr()
+    count = 2 * rows if beta is not None else rows
+    if keep:
+        stats = _empty(count, dtype=_F32, device=device)
+        sp = stats.data_ptr()
+    else:
+        stats, sp = None, _stats_sink(device, count)
     _C.norm_fwd(dev, code, rows, hidden, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                 ln_out.data_ptr(), 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp, plan[8],
                 plan[9], stream)
-    ln_total = _gather(ln_out, tp)
+    ln_total = _gather(ln_out, tp, dev=placed)
     h = x.new_empty(total, f1)
     _C.gemm(dev, code, code, 0, 1, total, f1, hidden, ln_total.data_ptr(), hidden, w1.data_ptr(), hidden,
             h.data_ptr(), f1, 0 if b1 is None else b1.data_ptr(), 0, 0, ws, nbytes, stream)
     del ln_total
     a = x.new_empty(total, ffn)
     _C.act_fwd(dev, act, code, total, ffn, h.data_ptr(), 0, a.data_ptr(), plan[4], plan[5], plan[6], stream)
-    out = _new(x, s * tp.size, bt, hidden)  # the shape of y's rows of every rank (gloo wants the same dims)
+    # the shape of y's rows of every rank (gloo wants the same dims)
+    out = _temp(x, (s * tp.size, hidden) if bt is None else (s * tp.size, bt, hidden), dev, stream)
     _C.gemm(dev, code, code, 0, 1, total, hidden, ffn, a.data_ptr(), ffn, w2.data_ptr(), ffn, out.data_ptr(), hidden,
             0, 0, 0, ws, nbytes, stream)
     y = _new(x, s, bt, hidden)
