@@ -440,5 +440,5 @@ def test_temporaries_not_in_a_real_capture(monkeypatch):
     with torch.cuda.graph(g):
         s = torch.cuda.current_stream().cuda_stream
         got += [_fast._temp(x, (4, 3), 0, s), _fast._temp(x, (4, 3), 0, s)]
-    assert got[0] is not got[1] and a not in got
+    assert got[0] is not got[1] and all(t is not a for t in got)
     assert _fast._temp(x, (4, 3), 0, stream) is a
