@@ -46,6 +46,7 @@ except (AttributeError, KeyError):
     AVAILABLE = False
 _F32 = torch.float32
 _empty = torch.empty
+_raw_stream = _engine._raw_stream
 
 # The layer attributes a plan is made from: setting one drops the layer's plan
 # (TransformerEngineBaseModule.__setattr__).
@@ -184,14 +185,20 @@ def _device(x, params):
         if _cpu_dev is None:
             _cpu_dev = _engine._gemm_dev(_cpu)[:3]
         return (_cpu,) + _cpu_dev + (0,)
-    device = x.device
-    if device.type != "cuda":
+    if not x.is_cuda:
         return None
+    index = x.get_device()  # an int: cheaper than torch.device objects
     for p in params:
-        if p is not None and p.device != device:
+        if p is not None and (p.get_device() != index or not p.is_cuda):
             return None
-    dev, ws, nbytes, _ = _engine._gemm_devs.get(device) or _engine._gemm_dev(device)
-    return device, dev, ws, nbytes, _engine.stream_of(device)
+    cuda = _cuda_devs.get(index)
+    if cuda is None:
+        device = x.device
+        cuda = _cuda_devs[index] = (device,) + (_engine._gemm_devs.get(device) or _engine._gemm_dev(device))[:3]
+    return cuda + (_raw_stream(index) if _raw_stream is not None else _engine.stream_of(cuda[0]),)
+
+
+_cuda_devs = {}  # CUDA ordinal -> (torch.device, engine code, GEMM workspace address, its bytes)
 
 
 def _admit(x, grad):
