@@ -293,6 +293,17 @@ def _stats_sink(device, count):
     return t.data_ptr()
 
 
+def _norm_stats(device, rows, rms, keep):
+    """(stats, its address) for a norm forward over `rows` rows: a fresh
+    float32 [2 * rows] (LayerNorm: mu, then rsigma) or [rows] (RMSNorm) when
+    backward keeps it, else (None, the statistics sink's address)."""
+    count = rows if rms else 2 * rows
+    if keep:
+        stats = _empty(count, dtype=_F32, device=device)
+        return stats, stats.data_ptr()
+    return None, _stats_sink(device, count)
+
+
 def _as_2d(t, rows, cols):
     """A contiguous t as [rows, cols] (t itself when it is 2-D)."""
     return t if t.dim() == 2 else t.view(rows, cols)
@@ -605,12 +616,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
     device, dev, ws, nbytes, stream = placed
     n, k = plan[WSHAPE]
     ln_out = x.new_empty(rows, k)
-    count = 2 * rows if beta is not None else rows
-    if keep:
-        stats = _empty(count, dtype=_F32, device=device)
-        sp = stats.data_ptr()
-    else:
-        stats, sp = None, _stats_sink(device, count)
+    stats, sp = _norm_stats(device, rows, beta is None, keep)
     reduce = plan[ROW_REDUCE]
     mu, rsigma = 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp
     if plan[SP] and not reduce:  # column: the norm, the gather, the GEMM (as the general path)
@@ -955,12 +961,7 @@ def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
     total = rows * tp.size
     ln_out = x.new_empty(rows, hidden)
-    count = 2 * rows if beta is not None else rows
-    if keep:
-        stats = _empty(count, dtype=_F32, device=device)
-        sp = stats.data_ptr()
-    else:
-        stats, sp = None, _stats_sink(device, count)
+    stats, sp = _norm_stats(device, rows, beta is None, keep)
     _C.norm_fwd(dev, code, rows, hidden, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                 ln_out.data_ptr(), 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp, plan[8],
                 plan[9], stream)
