@@ -315,23 +315,21 @@ def _bias_grad_only(dy, rows, n, dtype):
     return dy.reshape(rows, n).sum(0, dtype=_F32).to(dtype)
 
 
-def _grown(t, size):
+def _grown(t, size, temp=None):
     """A fresh tensor like t with `size` times its first dimension (gloo
-    wants a collective's tensors of matching shapes)."""
+    wants a collective's tensors of matching shapes); with temp (the engine's
+    device code, the stream) a temporary (_temp)."""
     sh = t.shape
+    if temp is not None:
+        return _temp(t, (sh[0] * size,) + tuple(sh[1:]), *temp)
     return t.new_empty(sh[0] * size, sh[1]) if len(sh) == 2 else t.new_empty(sh[0] * size, sh[1], sh[2])
 
 
-def _gather(x, tp, async_op=False, dev=None):
+def _gather(x, tp, async_op=False, temp=None):
     """Sequence parallel: the rows of x (along its first dimension) of every
     rank of tp's group gathered, rank-major (with async_op: (them, the work
-    to wait for)). With `dev` (a forward's (device, code, ws, bytes,
-    stream)) into a temporary (_temp)."""
-    if dev is None:
-        out = _grown(x, tp.size)
-    else:
-        sh = x.shape
-        out = _temp(x, (sh[0] * tp.size,) + tuple(sh[1:]), dev[1], dev[4])
+    to wait for)); with temp (_grown) into a temporary."""
+    out = _grown(x, tp.size, temp)
     work = _all_gather_into(out, x, tp.group, async_op)
     return (out, work) if async_op else out
 
@@ -380,8 +378,7 @@ def _dgrad_scatter(dy, w, total, n, k, code, dev, out, tp):
     general path's dgrad."""
     _, d, ws, nbytes, _ = dev
     stream = _bwd_stream(dev)
-    sh = out.shape
-    dxt = _temp(out, (sh[0] * tp.size,) + tuple(sh[1:]), d, stream)
+    dxt = _grown(out, tp.size, (d, stream))
     _C.gemm(d, code, code, 0, 0, total, k, n, dy.data_ptr(), n, w.data_ptr(), k, dxt.data_ptr(), k, 0, 0, 0, ws,
             nbytes, stream)
     _reduce_scatter_into(out, dxt, tp.group)
@@ -449,8 +446,7 @@ def _linear_fwd(x, w, b, state):
     """Y = X W^T + b; a row layer all-reduces X W^T over the group (under
     sequence parallelism reduce-scatters it), then adds b; a column layer
     under sequence parallelism first gathers X's rows."""
-    plan, (rows, s, bt), code, placed = state[:4]
-    _, dev, ws, nbytes, stream = placed
+    plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
     reduce = plan[ROW_REDUCE]
     if plan[SP]:
@@ -458,7 +454,7 @@ def _linear_fwd(x, w, b, state):
         if reduce:
             y, out = _new(x, s // size, bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream)
         else:
-            x = _gather(x, plan[TP], dev=placed)
+            x = _gather(x, plan[TP], temp=(dev, stream))
             rows *= size
             y = out = _new(x, s * size, bt, n)
     else:
@@ -612,8 +608,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
     then gathers the normalised rows for the GEMM). stats: float32 [2, rows]
     (mu, then rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm; without
     `keep` (no backward) None, written to the statistics sink."""
-    plan, (rows, s, bt), code, placed = state[:4]
-    device, dev, ws, nbytes, stream = placed
+    plan, (rows, s, bt), code, (device, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
     ln_out = x.new_empty(rows, k)
     stats, sp = _norm_stats(device, rows, beta is None, keep)
@@ -623,7 +618,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
         size = plan[SIZE]
         _C.norm_fwd(dev, code, rows, k, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                     ln_out.data_ptr(), mu, rsigma, plan[EPS], plan[ZCG], stream)
-        ln_total = _gather(ln_out, plan[TP], dev=placed)
+        ln_total = _gather(ln_out, plan[TP], temp=(dev, stream))
         y = _new(x, s * size, bt, n)
         _C.gemm(dev, code, code, 0, 1, rows * size, n, k, ln_total.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
                 0 if b is None else b.data_ptr(), 0, 0, ws, nbytes, stream)
@@ -956,8 +951,7 @@ def _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, b2, shape, code, 
 def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     """(y, ln_out, stats, fc1's output, the activation's output); without
     `keep` (no backward) stats is None (_norm_linear_fwd)."""
-    plan, (rows, s, bt), code, placed = state[:4]
-    device, dev, ws, nbytes, stream = placed
+    plan, (rows, s, bt), code, (device, dev, ws, nbytes, stream) = state[:4]
     hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
     total = rows * tp.size
     ln_out = x.new_empty(rows, hidden)
@@ -965,7 +959,7 @@ def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     _C.norm_fwd(dev, code, rows, hidden, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                 ln_out.data_ptr(), 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp, plan[8],
                 plan[9], stream)
-    ln_total = _gather(ln_out, tp, dev=placed)
+    ln_total = _gather(ln_out, tp, temp=(dev, stream))
     h = x.new_empty(total, f1)
     _C.gemm(dev, code, code, 0, 1, total, f1, hidden, ln_total.data_ptr(), hidden, w1.data_ptr(), hidden,
             h.data_ptr(), f1, 0 if b1 is None else b1.data_ptr(), 0, 0, ws, nbytes, stream)
