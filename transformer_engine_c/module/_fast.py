@@ -312,7 +312,7 @@ def _as_2d(t, rows, cols):
 def _bias_grad_only(dy, rows, n, dtype):
     """The bias gradient without a weight gradient: dY's column sums, no GEMM
     (the general path's Wgrad does the same)."""
-    return dy.reshape(rows, n).sum(0, dtype=_F32).to(dtype)
+    return (dy if dy.dim() == 2 else dy.reshape(rows, n)).sum(0, dtype=_F32).to(dtype)
 
 
 def _grown(t, size, temp=None):
