@@ -611,16 +611,17 @@ class CommOverlap(_C.CommOverlap):
     def min_chunk_flops(self, value):
         self._min_chunk_flops = _min_chunk_flops(value, self.device)
 
-    @_serialised
     def take_overlap(self, op, rows, k, n):
         """Whether a layer should run the overlapped `op` ("ag": ag_gemm,
         "rs": gemm_rs) whose chunk GEMMs are [rows, k] @ [k, n]: False below
         min_chunk_flops, counted in stats() as a fallback. The answer depends
         on the shape and the threshold, which the ranks checked agree at
-        creation, so every rank of the group takes the same path."""
+        creation, so every rank of the group takes the same path. (It issues
+        no work: only the count takes the communicator's lock.)"""
         if self.pays(op, rows, k, n):
             return True
-        self._fallbacks[_FALLBACK_KEYS[op]] += 1
+        with self._lock:
+            self._fallbacks[_FALLBACK_KEYS[op]] += 1
         return False
 
     def overlaps(self, t):

@@ -101,29 +101,33 @@ def main():
         steps["mlp_ub_fallback"] = lambda: ub2(F.gelu(ub1(x), approximate="tanh")).backward(dy_mlp)
         steps["lnmlp_ub_fallback"] = lambda: ub3(x).backward(dy_mlp)
     variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
-    forwards = {}  # name: (our no-grad forward, PyTorch's sequential path)
-    if args.fake:
-        # without bias, as PyTorch's sequential path
-        nb1 = tec.LayerNormLinear(h, f, parallel_mode="column", bias=False, **kw)
-        nb2 = tec.Linear(f, h, parallel_mode="row", bias=False, **kw)
-        w1, g1, b1 = nb1.weight.detach(), nb1.layer_norm_weight.detach(), nb1.layer_norm_bias.detach()
-        w2 = nb2.weight.detach()
-        total = torch.empty(t * size, h, dtype=dt, device=device)
-        part = torch.empty(t * size, h, dtype=dt, device=device)
-        out = torch.empty(t, h, dtype=dt, device=device)
+    # The no-grad forwards (name: (ours, PyTorch's sequential path)), without bias as that path
+    nb1 = tec.LayerNormLinear(h, f, parallel_mode="column", bias=False, **kw)
+    nb2 = tec.Linear(f, h, parallel_mode="row", bias=False, **kw)
+    w1, g1, b1 = nb1.weight.detach(), nb1.layer_norm_weight.detach(), nb1.layer_norm_bias.detach()
+    w2 = nb2.weight.detach()
+    total = torch.empty(t * size, h, dtype=dt, device=device)
+    part = torch.empty(t * size, h, dtype=dt, device=device)
+    out = torch.empty(t, h, dtype=dt, device=device)
 
-        def ag_sequential():
-            all_gather_flat(total, F.layer_norm(x, (h,), g1, b1), group=None)
-            return torch.matmul(total, w1.t())
+    def ag_sequential():
+        all_gather_flat(total, F.layer_norm(x, (h,), g1, b1), group=None)
+        return torch.matmul(total, w1.t())
 
-        def rs_sequential():
-            torch.matmul(xr, w2.t(), out=part)
-            reduce_scatter_flat(out, part, group=None)
-            return out
-        forwards = {"lnl_fwd": (lambda: nb1(x), ag_sequential), "row_fwd": (lambda: nb2(xr), rs_sequential)}
-        for name, (ours, seq) in forwards.items():
-            variants += [(name, True), (name + "_torch", None)]
-            steps[name], steps[name + "_torch"] = ours, seq
+    def rs_sequential():
+        torch.matmul(xr, w2.t(), out=part)
+        reduce_scatter_flat(out, part, group=None)
+        return out
+    forwards = {"lnl_fwd": (lambda: nb1(x), ag_sequential), "row_fwd": (lambda: nb2(xr), rs_sequential)}
+    if args.ub:  # with ub flags whose communicator falls back (the benchmark's ours_overlap at small shapes)
+        ub4 = tec.LayerNormLinear(h, f, parallel_mode="column", bias=False, ub_overlap_ag=True, ub_comm=comm, **kw)
+        ub5 = tec.Linear(f, h, parallel_mode="row", bias=False, ub_overlap_rs=True, ub_comm=comm, **kw)
+        layers += [ub4, ub5]
+        forwards["lnl_fwd_ub"] = (lambda: ub4(x), ag_sequential)
+        forwards["row_fwd_ub"] = (lambda: ub5(xr), rs_sequential)
+    for name, (ours, seq) in forwards.items():
+        variants += [(name, True), (name + "_torch", None)]
+        steps[name], steps[name + "_torch"] = ours, seq
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     def torch_step():

@@ -112,18 +112,25 @@ def _ub_forward_falls_back(layer, plan, x, rows):
     buffer (the general path copies it out) and the fprop overlap, if the
     flags ask for one, falls back (counted here, as take_overlap counts it)."""
     comms = layer.ub.comms
-    for c in comms.values():
-        if c.overlaps(x):
-            return False
+    if _in_comm_buffer(x, comms.values()):
+        return False
     op = plan[UB][0]
     if op is None:
         return True
     n, k = plan[WSHAPE]
     r = rows // plan[SIZE] if plan[ROW_REDUCE] else rows
-    c = comms["fprop"]
-    if c.pays(op, r, k, n):
-        return False
-    return not c.take_overlap(op, r, k, n)
+    return not comms["fprop"].take_overlap(op, r, k, n)  # True: it pays (nothing counted; the general path runs)
+
+
+def _in_comm_buffer(x, comms):
+    """Whether the bytes of x (contiguous) lie in any of comms' buffers
+    (CommOverlap.overlaps, its address range found once)."""
+    p = x.data_ptr()
+    end = p + x.numel() * x.element_size()
+    for c in comms:
+        if c._overlaps(p, end):
+            return True
+    return False
 
 
 def _ub_backward_falls_back(layer, plan, x2d, w, rows, need_dx, need_wgrad):
@@ -139,10 +146,7 @@ def _ub_backward_falls_back(layer, plan, x2d, w, rows, need_dx, need_wgrad):
     if bop is None or not need_dx:
         return True
     r = rows if column else rows // plan[SIZE]
-    c = comms["dgrad"]
-    if c.pays(bop, r, n, k):
-        return False
-    return not c.take_overlap(bop, r, n, k)
+    return not comms["dgrad"].take_overlap(bop, r, n, k)
 
 
 def _general_backward(x2d, w, dy, state, need, iw, need_dx):
@@ -937,9 +941,8 @@ def _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, b2, shape, code, 
     ubp = plan[14]
     if ubp is not None:
         for ub in (layer.ub, layer.ub2):
-            for c in ub.comms.values():
-                if c.overlaps(x):
-                    return None
+            if _in_comm_buffer(x, ub.comms.values()):
+                return None
         if _mlp_overlaps(_mlp_forward_ops(layer, ubp, shape[0], plan[0], plan[1], plan[2])):
             return None
     state = (plan, shape, code, dev, layer)
