@@ -620,9 +620,13 @@ class CommOverlap(_C.CommOverlap):
         no work: only the count takes the communicator's lock.)"""
         if self.pays(op, rows, k, n):
             return True
+        self.count_fallback(op)
+        return False
+
+    def count_fallback(self, op):
+        """Count one fallback of `op` in stats() (what take_overlap counts)."""
         with self._lock:
             self._fallbacks[_FALLBACK_KEYS[op]] += 1
-        return False
 
     def overlaps(self, t):
         """Whether tensor t's bytes overlap this communicator's buffers (own

@@ -921,8 +921,8 @@ def _mlp_overlaps(ops):
     for c, op, r, k, n in ops:
         if c.pays(op, r, k, n):
             return True
-    for c, op, r, k, n in ops:
-        c.take_overlap(op, r, k, n)
+    for c, op, _, _, _ in ops:
+        c.count_fallback(op)
     return False
 
 
