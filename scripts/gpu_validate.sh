@@ -12,7 +12,9 @@
 #   HOSTCOST=1 bash scripts/gpu_validate.sh ...
 #     (with 2 or more GPUs, first: scripts/experiments/sp_host_cost.py on NCCL at the
 #      benchmark's 2048x2048x6144 MLP step, fast path / general path / PyTorch's block,
-#      with a cProfile of ours and PyTorch's; MAINJOB=0 skips the main job)
+#      and the no-grad forwards against PyTorch's sequential path, with a cProfile of
+#      ours and PyTorch's; then the same on the fake process group, to compare the
+#      one-GPU proxy with NCCL; MAINJOB=0 skips the main job)
 #   SANITIZE=1 bash scripts/gpu_validate.sh ...
 #     (also runs compute-sanitizer memcheck, racecheck and synccheck over the CUDA
 #      transport test, the single-GPU CUDA kernel/layer tests ($SANITIZE_TESTS) and,
@@ -67,7 +69,11 @@ if [ -n "${HOSTCOST:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 240 python3 -m torch.distributed.run --nproc_per_node=2 scripts/experiments/sp_host_cost.py --device cuda \
       --dtype bf16 --ub --tokens 1024 --hidden 2048 --ffn 6144 --iters 50 --reps 5 \
       --profile "$OUT/hostcost_profile.txt" > "$OUT/hostcost.log" 2>&1
-  log "host cost (sp_host_cost.py, NCCL): exit $?"; grep -A16 "^nccl" "$OUT/hostcost.log" | tee -a "$OUT/summary.txt"
+  log "host cost (sp_host_cost.py, NCCL): exit $?"; grep -A40 "^nccl" "$OUT/hostcost.log" | tee -a "$OUT/summary.txt"
+  # the same on torch's fake process group (one process): how far the one-GPU proxy is from NCCL
+  timeout 180 python3 scripts/experiments/sp_host_cost.py --fake --device cuda --dtype bf16 --tokens 1024 \
+      --hidden 2048 --ffn 6144 --iters 50 --reps 5 > "$OUT/hostcost_fake.log" 2>&1
+  log "host cost (sp_host_cost.py --fake): exit $?"; grep -A40 "^fake" "$OUT/hostcost_fake.log" | tee -a "$OUT/summary.txt"
 fi
 sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
 python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
