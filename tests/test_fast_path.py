@@ -377,14 +377,18 @@ def test_without_torch_private_entry_points_the_general_path_runs(monkeypatch):
 def test_temporaries_are_reused_per_thread_and_stream(monkeypatch):
     monkeypatch.setattr(_fast, "_temps", threading.local())
     x = torch.zeros(2, 3, dtype=torch.bfloat16)
-    a = _fast._temp(x, (4, 3), -1, 0)
+    a = _fast._temp(x, (4, 3), -1, 0, _fast.T_PARTIAL)
     assert a.shape == (4, 3) and a.dtype == torch.bfloat16
-    assert _fast._temp(x, (4, 3), -1, 0) is a  # the same call again: reused
-    assert _fast._temp(x, (4, 3), -1, 7) is not a  # another stream: its own
-    assert _fast._temp(x.float(), (4, 3), -1, 0) is not a  # another dtype
-    assert _fast._temp(x, (4, 2, 3), -1, 0).shape == (4, 2, 3)
+    assert _fast._temp(x, (4, 3), -1, 0, _fast.T_PARTIAL) is a  # the same call again: reused
+    assert _fast._temp(x, (4, 3), -1, 7, _fast.T_PARTIAL) is not a  # another stream: its own
+    assert _fast._temp(x.float(), (4, 3), -1, 0, _fast.T_PARTIAL) is not a  # another dtype
+    assert _fast._temp(x, (4, 2, 3), -1, 0, _fast.T_PARTIAL).shape == (4, 2, 3)
+    assert _fast._temp(x, (4, 3), -1, 0, _fast.T_GATHERED) is not a  # another role: its own
+    ws = _fast._temp_bytes(x, 100, -1, 0, _fast.T_NORM_WS)
+    assert ws.dtype == torch.uint8 and ws.shape == (100,)
+    assert _fast._temp_bytes(x, 100, -1, 0, _fast.T_NORM_WS) is ws
     other = []
-    t = threading.Thread(target=lambda: other.append(_fast._temp(x, (4, 3), -1, 0)))
+    t = threading.Thread(target=lambda: other.append(_fast._temp(x, (4, 3), -1, 0, _fast.T_PARTIAL)))
     t.start()
     t.join()
     assert other[0] is not a  # another thread: its own
@@ -393,14 +397,14 @@ def test_temporaries_are_reused_per_thread_and_stream(monkeypatch):
 def test_temporaries_bounded(monkeypatch):
     monkeypatch.setattr(_fast, "_temps", threading.local())
     x = torch.zeros(2, 3)
-    first = _fast._temp(x, (1, 3), -1, 0)
+    first = _fast._temp(x, (1, 3), -1, 0, _fast.T_PARTIAL)
     for r in range(2, 2 + _fast._TEMP_SLOTS):
-        _fast._temp(x, (r, 3), -1, 0)
+        _fast._temp(x, (r, 3), -1, 0, _fast.T_PARTIAL)
     assert len(_fast._temps.slots) == _fast._TEMP_SLOTS
-    assert _fast._temp(x, (1, 3), -1, 0) is not first  # the oldest was dropped
+    assert _fast._temp(x, (1, 3), -1, 0, _fast.T_PARTIAL) is not first  # the oldest was dropped
     monkeypatch.setattr(_fast, "_TEMP_BYTES", 64)
-    big = _fast._temp(x, (5, 4), -1, 0)  # 80 bytes: above the limit, fresh every call
-    assert _fast._temp(x, (5, 4), -1, 0) is not big
+    big = _fast._temp(x, (5, 4), -1, 0, _fast.T_PARTIAL)  # 80 bytes: above the limit, fresh every call
+    assert _fast._temp(x, (5, 4), -1, 0, _fast.T_PARTIAL) is not big
 
 
 def test_temporaries_not_while_capturing(monkeypatch):
@@ -409,12 +413,12 @@ def test_temporaries_not_while_capturing(monkeypatch):
     monkeypatch.setattr(_fast, "_temps", threading.local())
     x = torch.zeros(2, 3)
     monkeypatch.setattr(_fast, "_capturing", lambda: False)
-    a = _fast._temp(x, (4, 3), 0, 5)
-    assert _fast._temp(x, (4, 3), 0, 5) is a
+    a = _fast._temp(x, (4, 3), 0, 5, _fast.T_PARTIAL)
+    assert _fast._temp(x, (4, 3), 0, 5, _fast.T_PARTIAL) is a
     monkeypatch.setattr(_fast, "_capturing", lambda: True)
-    assert _fast._temp(x, (4, 3), 0, 5) is not a
+    assert _fast._temp(x, (4, 3), 0, 5, _fast.T_PARTIAL) is not a
     monkeypatch.setattr(_fast, "_capturing", None)  # no query in this torch: never reused on CUDA
-    assert _fast._temp(x, (4, 3), 0, 5) is not a
+    assert _fast._temp(x, (4, 3), 0, 5, _fast.T_PARTIAL) is not a
 
 
 def test_no_grad_norm_statistics_go_to_the_sink():
@@ -433,12 +437,12 @@ def test_temporaries_not_in_a_real_capture(monkeypatch):
     monkeypatch.setattr(_fast, "_temps", threading.local())
     x = torch.zeros(2, 3, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
-    a = _fast._temp(x, (4, 3), 0, stream)
-    assert _fast._temp(x, (4, 3), 0, stream) is a
+    a = _fast._temp(x, (4, 3), 0, stream, _fast.T_PARTIAL)
+    assert _fast._temp(x, (4, 3), 0, stream, _fast.T_PARTIAL) is a
     g = torch.cuda.CUDAGraph()
     got = []
     with torch.cuda.graph(g):
         s = torch.cuda.current_stream().cuda_stream
-        got += [_fast._temp(x, (4, 3), 0, s), _fast._temp(x, (4, 3), 0, s)]
+        got += [_fast._temp(x, (4, 3), 0, s, _fast.T_PARTIAL), _fast._temp(x, (4, 3), 0, s, _fast.T_PARTIAL)]
     assert got[0] is not got[1] and all(t is not a for t in got)
-    assert _fast._temp(x, (4, 3), 0, stream) is a
+    assert _fast._temp(x, (4, 3), 0, stream, _fast.T_PARTIAL) is a

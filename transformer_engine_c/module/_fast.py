@@ -45,6 +45,7 @@ try:
 except (AttributeError, KeyError):
     AVAILABLE = False
 _F32 = torch.float32
+_U8 = torch.uint8
 _empty = torch.empty
 _raw_stream = _engine._raw_stream
 
@@ -164,13 +165,14 @@ def _general_backward(x2d, w, dy, state, need, iw, need_dx):
 def _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, zcg, rows, k, code, dev):
     """The norm's backward on this rank's rows (one engine call)."""
     d = dev[1]
+    stream = _bwd_stream(dev)
     nbytes = _C.norm_bwd_workspace_bytes(d, rows, k)
-    ws = _empty(nbytes, dtype=torch.uint8, device=dev[0])
+    ws = _temp_bytes(x, nbytes, d, stream, T_NORM_WS)
     stp = stats.data_ptr()
     rms = dbeta is None
     _C.norm_bwd(d, code, rows, k, dln.data_ptr(), x.data_ptr(), 0 if rms else stp,
                 stp if rms else stp + 4 * rows, gamma.data_ptr(), dx.data_ptr(), dgamma.data_ptr(),
-                0 if rms else dbeta.data_ptr(), zcg, ws.data_ptr(), nbytes, _bwd_stream(dev))
+                0 if rms else dbeta.data_ptr(), zcg, ws.data_ptr(), nbytes, stream)
 
 
 _cpu = torch.device("cpu")
@@ -322,7 +324,7 @@ def _bias_grad_only(dy, rows, n, dtype):
 def _grown(t, size, temp=None):
     """A fresh tensor like t with `size` times its first dimension (gloo
     wants a collective's tensors of matching shapes); with temp (the engine's
-    device code, the stream) a temporary (_temp)."""
+    device code, the stream, the role) a temporary (_temp)."""
     sh = t.shape
     if temp is not None:
         return _temp(t, (sh[0] * size,) + tuple(sh[1:]), *temp)
@@ -338,38 +340,54 @@ def _gather(x, tp, async_op=False, temp=None):
     return (out, work) if async_op else out
 
 
-# A forward's gathered input (column layers), its partial product before the
-# reduce-scatter (row layers) and a column backward's dgrad before its
-# reduce-scatter live only until the GEMM or the collective that reads them,
-# and both run in the calling stream's order (a collective's stream
-# waits for it, and it for the collective). Where a call is all host work (small
-# shapes), each thread keeps one tensor per (shape, dtype, device, stream) for
-# them instead of allocating one per call: the next call's writes are ordered
-# after this call's reads. Not while a CUDA graph is captured (its replays, on
-# any stream, would share the tensor with eager calls), not above _TEMP_BYTES
-# (memory held between calls), at most _TEMP_SLOTS per thread.
+# Temporaries: tensors that live only until the GEMM, kernel or collective
+# that reads them within the same call, all in the calling stream's order (a
+# collective's stream waits for it, and it for the collective): a forward's
+# gathered input and its partial product before the reduce-scatter; in
+# backward the gathered dY and input, the dgrad before its reduce-scatter, the
+# activation's and the norm's gradients and workspaces. Where a call is all
+# host work (small shapes), each thread keeps one tensor per (role, shape,
+# dtype, device, stream) and reuses it instead of allocating one per call: the
+# next call's writes are ordered after this call's reads, and two roles never
+# share a tensor. Not while a CUDA graph is captured (its replays, on any
+# stream, would share the tensor with eager calls), not above _TEMP_BYTES
+# (memory held between calls), at most _TEMP_SLOTS per thread (the oldest
+# dropped first). Tensors that outlive the call (outputs, what backward saves,
+# a delayed wgrad's operands) are never temporaries.
 _TEMP_BYTES = 16 << 20
-_TEMP_SLOTS = 8
+_TEMP_SLOTS = 16
 _temps = threading.local()
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+# roles
+(T_GATHERED, T_PARTIAL, T_DGRAD, T_WGRAD_INPUT, T_DY, T_DACT, T_DH, T_DLN, T_ACT_WS, T_NORM_WS, T_SCRATCH) = range(11)
 
 
-def _temp(x, shape, dev, stream):
-    """A tensor of `shape` with x's dtype and device, for a temporary (above)
-    read and written in `stream`'s order; dev: the engine's device code."""
-    numel = shape[0] * shape[1] * (shape[2] if len(shape) == 3 else 1)
-    if numel * x.element_size() > _TEMP_BYTES or dev >= 0 and (_capturing is None or _capturing()):
-        return x.new_empty(shape)
+def _temp(x, shape, dev, stream, role, dtype=None):
+    """A tensor of `shape` with x's device and dtype (or `dtype`) for the
+    temporary `role` (above), read and written in `stream`'s order; dev: the
+    engine's device code."""
+    dtype = dtype or x.dtype
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * (1 if dtype is _U8 else x.element_size()) > _TEMP_BYTES or dev >= 0 and (
+            _capturing is None or _capturing()):
+        return x.new_empty(shape, dtype=dtype)
     slots = getattr(_temps, "slots", None)
     if slots is None:
         slots = _temps.slots = {}
-    key = (shape, x.dtype, dev, stream)
+    key = (role, shape, dtype, dev, stream)
     t = slots.get(key)
     if t is None:
         if len(slots) >= _TEMP_SLOTS:
             del slots[next(iter(slots))]  # the oldest
-        t = slots[key] = x.new_empty(shape)
+        t = slots[key] = x.new_empty(shape, dtype=dtype)
     return t
+
+
+def _temp_bytes(x, nbytes, dev, stream, role):
+    """A uint8 [nbytes] workspace on x's device: a temporary (_temp)."""
+    return _temp(x, (nbytes,), dev, stream, role, _U8)
 
 
 def _bwd_stream(dev):
@@ -382,7 +400,7 @@ def _dgrad_scatter(dy, w, total, n, k, code, dev, out, tp):
     general path's dgrad."""
     _, d, ws, nbytes, _ = dev
     stream = _bwd_stream(dev)
-    dxt = _grown(out, tp.size, (d, stream))
+    dxt = _grown(out, tp.size, (d, stream, T_DGRAD))
     _C.gemm(d, code, code, 0, 0, total, k, n, dy.data_ptr(), n, w.data_ptr(), k, dxt.data_ptr(), k, 0, 0, 0, ws,
             nbytes, stream)
     _reduce_scatter_into(out, dxt, tp.group)
@@ -456,9 +474,9 @@ def _linear_fwd(x, w, b, state):
     if plan[SP]:
         size = plan[SIZE]
         if reduce:
-            y, out = _new(x, s // size, bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream)
+            y, out = _new(x, s // size, bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream, T_PARTIAL)
         else:
-            x = _gather(x, plan[TP], temp=(dev, stream))
+            x = _gather(x, plan[TP], temp=(dev, stream, T_GATHERED))
             rows *= size
             y = out = _new(x, s * size, bt, n)
     else:
@@ -502,7 +520,7 @@ class _LinearFn(torch.autograd.Function):
         dy_local = None
         if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
             dy_local = dy
-            dy = _gather(dy, plan[TP])
+            dy = _gather(dy, plan[TP], temp=None if plan[WGRAD] else (dev[1], _bwd_stream(dev), T_DY))
         dx = torch.empty_like(x) if need[0] else None
         dw = db = wg = None
         if plan[WGRAD]:
@@ -548,10 +566,12 @@ def _column_sp_backward(x, w, dy, total, n, k, code, dev, tp, dx, need_w, need_b
     bias gradient). Returns (dx, dw, db)."""
     xt = work = None
     if need_w or wg is not None:
+        # a delayed Wgrad step keeps it: a temporary only without one
+        temp = (dev[1], _bwd_stream(dev), T_WGRAD_INPUT) if wg is None else None
         if dx is not None:
-            xt, work = _gather(x, tp, async_op=True)
+            xt, work = _gather(x, tp, async_op=True, temp=temp)
         else:
-            xt = _gather(x, tp)
+            xt = _gather(x, tp, temp=temp)
     if dx is not None:
         _dgrad_scatter(dy, w, total, n, k, code, dev, dx, tp)
     if work is not None:
@@ -622,13 +642,13 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
         size = plan[SIZE]
         _C.norm_fwd(dev, code, rows, k, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                     ln_out.data_ptr(), mu, rsigma, plan[EPS], plan[ZCG], stream)
-        ln_total = _gather(ln_out, plan[TP], temp=(dev, stream))
+        ln_total = _gather(ln_out, plan[TP], temp=(dev, stream, T_GATHERED))
         y = _new(x, s * size, bt, n)
         _C.gemm(dev, code, code, 0, 1, rows * size, n, k, ln_total.data_ptr(), k, w.data_ptr(), k, y.data_ptr(), n,
                 0 if b is None else b.data_ptr(), 0, 0, ws, nbytes, stream)
         return y, ln_out, stats
     if plan[SP]:
-        y, out = _new(x, s // plan[SIZE], bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream)
+        y, out = _new(x, s // plan[SIZE], bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream, T_PARTIAL)
     else:
         y = out = _new(x, s, bt, n)
     _C.norm_linear_fwd(dev, code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
@@ -676,7 +696,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dy_local = None
         if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
             dy_local = dy
-            dy = _gather(dy, plan[TP])
+            dy = _gather(dy, plan[TP], temp=None if plan[WGRAD] else (dev[1], _bwd_stream(dev), T_DY))
         dw = db = wg = None
         if plan[WGRAD]:
             if need[3] or need[4]:
@@ -692,14 +712,15 @@ class _LayerNormLinearFn(torch.autograd.Function):
         esize = x.element_size()
         dln_bytes = (rows * k * esize + 255) // 256 * 256
         norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, k)
-        scratch = _empty(dln_bytes + norm_bytes, dtype=torch.uint8, device=dev[0])
+        stream = _bwd_stream(dev)
+        scratch = _temp_bytes(x, dln_bytes + norm_bytes, d, stream, T_SCRATCH)
         scr, stp = scratch.data_ptr(), stats.data_ptr()
         _C.norm_linear_bwd(d, code, rows, k, n, dy.data_ptr(), x.data_ptr(), ln_out.data_ptr(),
                            0 if ctx.rms else stp, stp + 4 * rows if not ctx.rms else stp, gamma.data_ptr(),
                            plan[ZCG], w.data_ptr(), scr, dx.data_ptr(), dgamma.data_ptr(),
                            0 if dbeta is None else dbeta.data_ptr(), 0 if dw is None else dw.data_ptr(),
                            0 if db is None or dw is None or sp else db.data_ptr(), scr + dln_bytes,
-                           norm_bytes, ws, nbytes, 0 if d < 0 else _engine.stream_of(dev[0]))
+                           norm_bytes, ws, nbytes, stream)
         if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
             dw, db = wg(_as_2d(dy, rows, n), ln_out, NO_UB,
                         None if dy_local is None else _as_2d(dy_local, rows // plan[SIZE], n))
@@ -715,8 +736,9 @@ def _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta
     plan, (rows, _, _), code, dev, layer, first_mb = state
     n, k = plan[WSHAPE]
     wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3]) if plan[WGRAD] and (need[3] or need[4]) else None
-    dln, dw, db = _column_sp_backward(ln_out, w, dy, rows * plan[SIZE], n, k, code, dev, plan[TP],
-                                      ln_out.new_empty(rows, k), need[3], need[4], wg)
+    dln = _temp(ln_out, (rows, k), dev[1], _bwd_stream(dev), T_DLN)
+    dln, dw, db = _column_sp_backward(ln_out, w, dy, rows * plan[SIZE], n, k, code, dev, plan[TP], dln, need[3],
+                                      need[4], wg)
     _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[ZCG], rows, k, code, dev)
     return dx, dgamma, dbeta, dw, db, None
 
@@ -866,7 +888,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         act_bytes = _C.act_bwd_workspace_bytes(d, act, rows, ffn) if db1 is not None else 0
         norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, hidden)
         offs, total = _carve(rows * ffn * es, rows * f1 * es, rows * hidden * es, act_bytes, norm_bytes)
-        scratch = _empty(total, dtype=torch.uint8, device=device)
+        scratch = _temp_bytes(x, total, d, stream, T_SCRATCH)
         p, m = scratch.data_ptr(), mid.data_ptr()
         dact, dh, dln, aws, nws = (p + o for o in offs)
         ln, st, h, a = (m + o for o in ctx.offs)
@@ -962,7 +984,7 @@ def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     _C.norm_fwd(dev, code, rows, hidden, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                 ln_out.data_ptr(), 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp, plan[8],
                 plan[9], stream)
-    ln_total = _gather(ln_out, tp, temp=(dev, stream))
+    ln_total = _gather(ln_out, tp, temp=(dev, stream, T_GATHERED))
     h = x.new_empty(total, f1)
     _C.gemm(dev, code, code, 0, 1, total, f1, hidden, ln_total.data_ptr(), hidden, w1.data_ptr(), hidden,
             h.data_ptr(), f1, 0 if b1 is None else b1.data_ptr(), 0, 0, ws, nbytes, stream)
@@ -970,7 +992,7 @@ def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     a = x.new_empty(total, ffn)
     _C.act_fwd(dev, act, code, total, ffn, h.data_ptr(), 0, a.data_ptr(), plan[4], plan[5], plan[6], stream)
     # the shape of y's rows of every rank (gloo wants the same dims)
-    out = _temp(x, (s * tp.size, hidden) if bt is None else (s * tp.size, bt, hidden), dev, stream)
+    out = _temp(x, (s * tp.size, hidden) if bt is None else (s * tp.size, bt, hidden), dev, stream, T_PARTIAL)
     _C.gemm(dev, code, code, 0, 1, total, hidden, ffn, a.data_ptr(), ffn, w2.data_ptr(), ffn, out.data_ptr(), hidden,
             0, 0, 0, ws, nbytes, stream)
     y = _new(x, s, bt, hidden)
@@ -1034,22 +1056,22 @@ def _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, has_b2, state):
     stream = _bwd_stream(dev)
     dtype = dy.dtype
     db2 = _bias_grad_only(dy, rows, hidden, dtype) if need[6] else None  # this rank's rows, as the general path
-    dyt = _gather(dy, tp)
+    dyt = _gather(dy, tp, temp=(d, stream, T_DY))
     dw2 = w2.new_empty(hidden, ffn) if need[5] else None
-    dact = dy.new_empty(total, ffn)
+    dact = _temp(dy, (total, ffn), d, stream, T_DACT)
     _C.linear_bwd(d, code, total, hidden, ffn, dyt.data_ptr(), a.data_ptr(), w2.data_ptr(), dact.data_ptr(),
                   0 if dw2 is None else dw2.data_ptr(), 0, ws, nbytes, stream)
     del dyt
     db1 = w1.new_empty(f1) if need[4] else None
     act_bytes = _C.act_bwd_workspace_bytes(d, act, total, ffn) if db1 is not None else 0
-    aws = _empty(act_bytes, dtype=torch.uint8, device=device) if act_bytes else None
-    dh = dy.new_empty(total, f1)
+    aws = _temp_bytes(dy, act_bytes, d, stream, T_ACT_WS) if act_bytes else None
+    dh = _temp(dy, (total, f1), d, stream, T_DH)
     _C.act_bwd(d, act, code, total, ffn, dact.data_ptr(), h.data_ptr(), dh.data_ptr(),
                0 if db1 is None else db1.data_ptr(), 0 if aws is None else aws.data_ptr(), act_bytes, plan[4],
                plan[5], plan[6], stream)
     del dact
     dln, dw1, _ = _column_sp_backward(ln_out, w1, dh, total, f1, hidden, code, dev, tp,
-                                      ln_out.new_empty(rows, hidden), need[3], False, None)
+                                      _temp(ln_out, (rows, hidden), d, stream, T_DLN), need[3], False, None)
     return dln, (dw1, db1, dw2, db2 if has_b2 else None)
 
 
