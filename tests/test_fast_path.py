@@ -402,6 +402,9 @@ def test_temporaries_bounded(monkeypatch):
         _fast._temp(x, (r, 3), -1, 0, _fast.T_PARTIAL)
     assert len(_fast._temps.slots) == _fast._TEMP_SLOTS
     assert _fast._temp(x, (1, 3), -1, 0, _fast.T_PARTIAL) is not first  # the oldest was dropped
+    monkeypatch.setattr(_fast, "_TEMP_HELD", 48)  # bytes held: adding a temporary drops the oldest down to it
+    _fast._temp(x, (1, 4), -1, 0, _fast.T_DY)
+    assert sum(t.nbytes for t in _fast._temps.slots.values()) <= 48 and len(_fast._temps.slots) <= 3
     monkeypatch.setattr(_fast, "_TEMP_BYTES", 64)
     big = _fast._temp(x, (5, 4), -1, 0, _fast.T_PARTIAL)  # 80 bytes: above the limit, fresh every call
     assert _fast._temp(x, (5, 4), -1, 0, _fast.T_PARTIAL) is not big

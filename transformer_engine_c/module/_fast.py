@@ -343,7 +343,8 @@ def _gather(x, tp, async_op=False, temp=None):
 # Temporaries: tensors that live only until the GEMM, kernel or collective
 # that reads them within the same call, all in the calling stream's order (a
 # collective's stream waits for it, and it for the collective): a forward's
-# gathered input and its partial product before the reduce-scatter; in
+# gathered input and its partial product before the reduce-scatter (without
+# grad also the norm's, fc1's and the activation's outputs); in
 # backward the gathered dY and input, the dgrad before its reduce-scatter, the
 # activation's and the norm's gradients and workspaces. Where a call is all
 # host work (small shapes), each thread keeps one tensor per (role, shape,
@@ -351,15 +352,17 @@ def _gather(x, tp, async_op=False, temp=None):
 # next call's writes are ordered after this call's reads, and two roles never
 # share a tensor. Not while a CUDA graph is captured (its replays, on any
 # stream, would share the tensor with eager calls), not above _TEMP_BYTES
-# (memory held between calls), at most _TEMP_SLOTS per thread (the oldest
-# dropped first). Tensors that outlive the call (outputs, what backward saves,
-# a delayed wgrad's operands) are never temporaries.
+# (memory held between calls), at most _TEMP_SLOTS and _TEMP_HELD bytes per
+# thread (the oldest dropped first). Tensors that outlive the call (outputs,
+# what backward saves, a delayed wgrad's operands) are never temporaries.
 _TEMP_BYTES = 16 << 20
-_TEMP_SLOTS = 16
+_TEMP_SLOTS = 32
+_TEMP_HELD = 64 << 20  # bytes a thread holds at most
 _temps = threading.local()
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 # roles
-(T_GATHERED, T_PARTIAL, T_DGRAD, T_WGRAD_INPUT, T_DY, T_DACT, T_DH, T_DLN, T_ACT_WS, T_NORM_WS, T_SCRATCH) = range(11)
+(T_GATHERED, T_PARTIAL, T_DGRAD, T_WGRAD_INPUT, T_DY, T_DACT, T_DH, T_DLN, T_ACT_WS, T_NORM_WS, T_SCRATCH, T_LN_OUT,
+ T_FC1_OUT, T_ACT_OUT, T_MID) = range(15)
 
 
 def _temp(x, shape, dev, stream, role, dtype=None):
@@ -379,9 +382,13 @@ def _temp(x, shape, dev, stream, role, dtype=None):
     key = (role, shape, dtype, dev, stream)
     t = slots.get(key)
     if t is None:
-        if len(slots) >= _TEMP_SLOTS:
-            del slots[next(iter(slots))]  # the oldest
-        t = slots[key] = x.new_empty(shape, dtype=dtype)
+        t = x.new_empty(shape, dtype=dtype)
+        held = t.nbytes + sum(u.nbytes for u in slots.values())  # only when a temporary is added
+        for old in list(slots):  # the oldest first
+            if len(slots) < _TEMP_SLOTS and held <= _TEMP_HELD:
+                break
+            held -= slots.pop(old).nbytes
+        slots[key] = t
     return t
 
 
@@ -631,10 +638,11 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
     adding b; a column layer under sequence parallelism normalises its rows,
     then gathers the normalised rows for the GEMM). stats: float32 [2, rows]
     (mu, then rsigma) for LayerNorm, [rows] (rsigma) for RMSNorm; without
-    `keep` (no backward) None, written to the statistics sink."""
+    `keep` (no backward) None, written to the statistics sink, and ln_out a
+    temporary."""
     plan, (rows, s, bt), code, (device, dev, ws, nbytes, stream) = state[:4]
     n, k = plan[WSHAPE]
-    ln_out = x.new_empty(rows, k)
+    ln_out = x.new_empty(rows, k) if keep else _temp(x, (rows, k), dev, stream, T_LN_OUT)
     stats, sp = _norm_stats(device, rows, beta is None, keep)
     reduce = plan[ROW_REDUCE]
     mu, rsigma = 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp
@@ -822,22 +830,23 @@ def layernorm_mlp(layer, plan, x, return_bias):
     elif grad:
         y = _mlp_apply(x, gamma, beta, w1, b1, w2, fc2_bias, (plan, shape, code, dev))
     else:
-        y = _mlp_fwd(x, gamma, beta, w1, b1, w2, fc2_bias, (plan, shape, code, dev))[0]
+        y = _mlp_fwd(x, gamma, beta, w1, b1, w2, fc2_bias, (plan, shape, code, dev), False)[0]
     if not return_bias:
         return y
     b = b2 if b2 is not None else layer.fc2_bias
     return y, (b if b.dtype is dtype else b.to(dtype))
 
 
-def _mlp_fwd(x, gamma, beta, w1, b1, w2, b2, state):
+def _mlp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     """(y, the intermediates' allocation, its offsets: ln_out, stats, fc1
-    out, activation out)."""
+    out, activation out); without `keep` (no backward) the allocation is a
+    temporary."""
     plan, (rows, s, bt), code, (_, dev, ws, nbytes, stream) = state
     hidden, f1, ffn, act = plan[0], plan[1], plan[2], plan[3]
     es = x.element_size()
     offs, total = _carve(rows * hidden * es, (2 if beta is not None else 1) * rows * 4, rows * f1 * es,
                          rows * ffn * es)
-    mid = _empty(total, dtype=torch.uint8, device=x.device)
+    mid = _empty(total, dtype=torch.uint8, device=x.device) if keep else _temp_bytes(x, total, dev, stream, T_MID)
     y = _new(x, s, bt, hidden)
     p = mid.data_ptr()
     ln, st, h, a = p + offs[0], p + offs[1], p + offs[2], p + offs[3]
@@ -975,21 +984,22 @@ def _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, b2, shape, code, 
 
 def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     """(y, ln_out, stats, fc1's output, the activation's output); without
-    `keep` (no backward) stats is None (_norm_linear_fwd)."""
+    `keep` (no backward) stats is None (_norm_linear_fwd) and the others are
+    temporaries."""
     plan, (rows, s, bt), code, (device, dev, ws, nbytes, stream) = state[:4]
     hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
     total = rows * tp.size
-    ln_out = x.new_empty(rows, hidden)
+    ln_out = x.new_empty(rows, hidden) if keep else _temp(x, (rows, hidden), dev, stream, T_LN_OUT)
     stats, sp = _norm_stats(device, rows, beta is None, keep)
     _C.norm_fwd(dev, code, rows, hidden, x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(),
                 ln_out.data_ptr(), 0 if beta is None else sp, sp + 4 * rows if beta is not None else sp, plan[8],
                 plan[9], stream)
     ln_total = _gather(ln_out, tp, temp=(dev, stream, T_GATHERED))
-    h = x.new_empty(total, f1)
+    h = x.new_empty(total, f1) if keep else _temp(x, (total, f1), dev, stream, T_FC1_OUT)
     _C.gemm(dev, code, code, 0, 1, total, f1, hidden, ln_total.data_ptr(), hidden, w1.data_ptr(), hidden,
             h.data_ptr(), f1, 0 if b1 is None else b1.data_ptr(), 0, 0, ws, nbytes, stream)
     del ln_total
-    a = x.new_empty(total, ffn)
+    a = x.new_empty(total, ffn) if keep else _temp(x, (total, ffn), dev, stream, T_ACT_OUT)
     _C.act_fwd(dev, act, code, total, ffn, h.data_ptr(), 0, a.data_ptr(), plan[4], plan[5], plan[6], stream)
     # the shape of y's rows of every rank (gloo wants the same dims)
     out = _temp(x, (s * tp.size, hidden) if bt is None else (s * tp.size, bt, hidden), dev, stream, T_PARTIAL)
