@@ -11,6 +11,8 @@ with the temporaries off. Needs 2 or more ranks (with one, nothing is
 gathered). Prints "PASS run_temporaries".
 
     torchrun --nproc_per_node=2 tests/distributed/run_temporaries.py [--device cuda]
+    torchrun --nproc_per_node=2 tests/distributed/run_temporaries.py --device cuda --gloo
+        (gloo's collectives on CUDA tensors: both ranks may share one GPU)
 """
 import argparse
 import os
@@ -88,10 +90,19 @@ def same(a, b, what):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    rank, size, dev = setup(ap.parse_args().device)
+    ap.add_argument("--gloo", action="store_true", help="CUDA tensors through gloo (ranks may share a GPU)")
+    args = ap.parse_args()
+    if args.gloo:
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        torch.set_default_device(dev)
+    else:
+        rank, size, dev = setup(args.device)
     assert size >= 2, "run_temporaries needs 2 or more ranks"
     cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if cuda and not args.gloo else torch.float32
     ms = layers(dtype, size, dist.group.WORLD)
     ms_other = layers(dtype, size, dist.new_group(list(range(size))))  # the second thread's
     work = [(name, *inputs(name, dtype, rank, size, i)) for i in range(CALLS) for name in ms]
