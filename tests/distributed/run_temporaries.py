@@ -40,14 +40,14 @@ def layers(dtype, size, group):
             "mlp": tec.LayerNormMLP(IN, FFN, set_parallel_mode=True, **kw)}
 
 
-def inputs(name, dtype, rank, size, seed):
+def inputs(name, dtype, rank, size, seed, dev):
     g = torch.Generator(device="cpu").manual_seed(1000 * seed + rank)
     rows = 8
     k = IN // size if name == "row" else IN
-    x = torch.randn(rows, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g, device="cpu").to(dev, dtype)
     out_rows = rows * size if name in ("column", "lnl") else rows // size if name == "row" else rows
     n = OUT // size if name in ("column", "lnl") else IN if name == "mlp" else OUT
-    dy = torch.randn(out_rows, n, generator=g).to(dtype)
+    dy = torch.randn(out_rows, n, generator=g, device="cpu").to(dev, dtype)
     return x, dy
 
 
@@ -105,7 +105,7 @@ def main():
     dtype = torch.bfloat16 if cuda and not args.gloo else torch.float32
     ms = layers(dtype, size, dist.group.WORLD)
     ms_other = layers(dtype, size, dist.new_group(list(range(size))))  # the second thread's
-    work = [(name, *inputs(name, dtype, rank, size, i)) for i in range(CALLS) for name in ms]
+    work = [(name, *inputs(name, dtype, rank, size, i, dev)) for i in range(CALLS) for name in ms]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     limit = _fast._TEMP_BYTES
