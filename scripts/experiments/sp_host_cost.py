@@ -17,6 +17,19 @@ With --device cuda (one GPU per rank, NCCL) the same comparison runs where
 the benchmark's small shapes are host-bound; the GPU is synchronised before
 each timed stretch, not inside it. --profile writes rank 0's cProfile of the
 fast MLP step and of PyTorch's (sorted by own time) to FILE.
+
+--fake runs one process as rank 0 of a two-rank group of torch's "fake"
+backend, whose collectives return at once without moving data: the host work
+of everything but the collectives themselves, on one GPU (or the CPU), the
+values meaningless. Both sides still make their collective calls (ours 5 per
+MLP step, PyTorch's 4); --ub is not available there (a communicator needs its
+peer). On CUDA the backward's host work runs on autograd's device thread:
+the wall time, not the main thread's CPU time, is the measure there.
+
+The forward rows (every mode) compare the benchmark's no-grad forwards
+(layers without bias; with --ub also ub-flagged ones that fall back) with
+PyTorch's sequential path (layer_norm + all_gather + matmul; matmul +
+reduce_scatter).
 """
 import argparse
 import contextlib
