@@ -384,11 +384,22 @@ def main_grad_of(p):
     return main
 
 
+def in_comm_buffer(t, comms):
+    """Whether the bytes of t (contiguous) lie in any of comms' buffers
+    (CommOverlap.overlaps, its address range found once)."""
+    p = t.data_ptr()
+    end = p + t.numel() * t.element_size()
+    for c in comms:
+        if c._overlaps(p, end):
+            return True
+    return False
+
+
 def outside_buffers(t, ub):
     """t, or a copy of it if it lives in one of the layer's communicator
     buffers (a caller may pass get_buffer(local_chunk=True) as the input):
     what is saved for backward must not alias a buffer the next layer reuses."""
-    if ub.enabled and any(comm.overlaps(t) for comm in ub.comms.values()):
+    if ub.enabled and in_comm_buffer(t, ub.comms.values()):
         return t.clone()
     return t
 

@@ -22,6 +22,7 @@ common case, a wrong input included, returns None and the layer takes its
 general path, which raises the named errors: the semantics are the general
 path's and the numerics the same engine kernels'."""
 import threading
+from math import prod as _prod
 
 import torch
 
@@ -113,7 +114,7 @@ def _ub_forward_falls_back(layer, plan, x, rows):
     buffer (the general path copies it out) and the fprop overlap, if the
     flags ask for one, falls back (counted here, as take_overlap counts it)."""
     comms = layer.ub.comms
-    if _in_comm_buffer(x, comms.values()):
+    if _common.in_comm_buffer(x, comms.values()):
         return False
     op = plan[UB][0]
     if op is None:
@@ -121,17 +122,6 @@ def _ub_forward_falls_back(layer, plan, x, rows):
     n, k = plan[WSHAPE]
     r = rows // plan[SIZE] if plan[ROW_REDUCE] else rows
     return not comms["fprop"].take_overlap(op, r, k, n)  # True: it pays (nothing counted; the general path runs)
-
-
-def _in_comm_buffer(x, comms):
-    """Whether the bytes of x (contiguous) lie in any of comms' buffers
-    (CommOverlap.overlaps, its address range found once)."""
-    p = x.data_ptr()
-    end = p + x.numel() * x.element_size()
-    for c in comms:
-        if c._overlaps(p, end):
-            return True
-    return False
 
 
 def _ub_backward_falls_back(layer, plan, x2d, w, rows, need_dx, need_wgrad):
@@ -164,8 +154,7 @@ def _general_backward(x2d, w, dy, state, need, iw, need_dx):
 
 def _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, zcg, rows, k, code, dev):
     """The norm's backward on this rank's rows (one engine call)."""
-    d = dev[1]
-    stream = _bwd_stream(dev)
+    d, stream = dev[1], dev[4]
     nbytes = _C.norm_bwd_workspace_bytes(d, rows, k)
     ws = _temp_bytes(x, nbytes, d, stream, T_NORM_WS)
     stp = stats.data_ptr()
@@ -201,7 +190,12 @@ def _device(x, params):
     if cuda is None:
         device = x.device
         cuda = _cuda_devs[index] = (device,) + (_engine._gemm_devs.get(device) or _engine._gemm_dev(device))[:3]
-    return cuda + (_raw_stream(index) if _raw_stream is not None else _engine.stream_of(cuda[0]),)
+    return cuda + (_current_stream(index, cuda[0]),)
+
+
+def _current_stream(index, device):
+    """The raw current stream of CUDA device `index` (torch.device `device`)."""
+    return _raw_stream(index) if _raw_stream is not None else _engine.stream_of(device)
 
 
 _cuda_devs = {}  # CUDA ordinal -> (torch.device, engine code, GEMM workspace address, its bytes)
@@ -251,9 +245,14 @@ def _rows(x, dtype, k):
     return rows, s, b
 
 
+def _dims(s, b, n):
+    """[s, n], or [s, b, n] for a 3-D call."""
+    return (s, n) if b is None else (s, b, n)
+
+
 def _new(x, s, b, n):
     """A fresh [s, n] or [s, b, n] tensor like x."""
-    return x.new_empty(s, n) if b is None else x.new_empty(s, b, n)
+    return x.new_empty(_dims(s, b, n))
 
 
 def _grad_output(dout, dtype):
@@ -326,9 +325,8 @@ def _grown(t, size, temp=None):
     wants a collective's tensors of matching shapes); with temp (the engine's
     device code, the stream, the role) a temporary (_temp)."""
     sh = t.shape
-    if temp is not None:
-        return _temp(t, (sh[0] * size,) + tuple(sh[1:]), *temp)
-    return t.new_empty(sh[0] * size, sh[1]) if len(sh) == 2 else t.new_empty(sh[0] * size, sh[1], sh[2])
+    shape = (sh[0] * size,) + tuple(sh[1:])
+    return t.new_empty(shape) if temp is None else _temp(t, shape, *temp)
 
 
 def _gather(x, tp, async_op=False, temp=None):
@@ -370,11 +368,7 @@ def _temp(x, shape, dev, stream, role, dtype=None):
     temporary `role` (above), read and written in `stream`'s order; dev: the
     engine's device code."""
     dtype = dtype or x.dtype
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * (1 if dtype is _U8 else x.element_size()) > _TEMP_BYTES or dev >= 0 and (
-            _capturing is None or _capturing()):
+    if _prod(shape) * dtype.itemsize > _TEMP_BYTES or dev >= 0 and (_capturing is None or _capturing()):
         return x.new_empty(shape, dtype=dtype)
     slots = getattr(_temps, "slots", None)
     if slots is None:
@@ -397,16 +391,28 @@ def _temp_bytes(x, nbytes, dev, stream, role):
     return _temp(x, (nbytes,), dev, stream, role, _U8)
 
 
-def _bwd_stream(dev):
-    return 0 if dev[1] < 0 else _engine.stream_of(dev[0])
+def _gather_dy(dy, plan, dev):
+    """A row layer's backward under sequence parallelism: dY's rows
+    gathered, into a temporary unless a fused / delayed Wgrad step keeps
+    them."""
+    return _gather(dy, plan[TP], temp=None if plan[WGRAD] else (dev[1], dev[4], T_DY))
+
+
+def _bwd_state(state):
+    """A Function's saved state for its backward: the device tuple's stream
+    the current one (backward may run on another stream than the forward),
+    found once per backward."""
+    dev = state[3]
+    if dev[1] < 0:
+        return state
+    return state[:3] + (dev[:4] + (_current_stream(dev[1], dev[0]),),) + state[4:]
 
 
 def _dgrad_scatter(dy, w, total, n, k, code, dev, out, tp):
     """Column + sequence parallel: dX = dY W over the gathered rows, then
     reduce-scattered over tp's group into `out` (this rank's rows): the
     general path's dgrad."""
-    _, d, ws, nbytes, _ = dev
-    stream = _bwd_stream(dev)
+    _, d, ws, nbytes, stream = dev
     dxt = _grown(out, tp.size, (d, stream, T_DGRAD))
     _C.gemm(d, code, code, 0, 0, total, k, n, dy.data_ptr(), n, w.data_ptr(), k, dxt.data_ptr(), k, 0, 0, 0, ws,
             nbytes, stream)
@@ -423,7 +429,7 @@ def _wgrad_gemm(dy, xt, total, n, k, code, dev, need_w, need_b, dtype):
     dw = xt.new_empty(n, k)
     db = xt.new_empty(n) if need_b else None
     _C.gemm(d, code, code, 1, 0, n, k, total, dy.data_ptr(), n, xt.data_ptr(), k, dw.data_ptr(), k, 0,
-            0 if db is None else db.data_ptr(), 0, ws, nbytes, _bwd_stream(dev))
+            0 if db is None else db.data_ptr(), 0, ws, nbytes, dev[4])
     return dw, db
 
 
@@ -481,7 +487,7 @@ def _linear_fwd(x, w, b, state):
     if plan[SP]:
         size = plan[SIZE]
         if reduce:
-            y, out = _new(x, s // size, bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream, T_PARTIAL)
+            y, out = _new(x, s // size, bt, n), _temp(x, _dims(s, bt, n), dev, stream, T_PARTIAL)
         else:
             x = _gather(x, plan[TP], temp=(dev, stream, T_GATHERED))
             rows *= size
@@ -511,7 +517,8 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, w = ctx.saved_tensors
-        plan, (rows, _, _), code, dev, layer, first_mb = ctx.state
+        state = _bwd_state(ctx.state)
+        plan, (rows, _, _), code, dev, layer, first_mb = state
         need = ctx.needs_input_grad
         n, k = plan[WSHAPE]
         dtype = x.dtype
@@ -519,15 +526,15 @@ class _LinearFn(torch.autograd.Function):
         dy = _grad_output(dout, dtype)
         if plan[UB] is not None and not _ub_backward_falls_back(layer, plan, _as_2d(x, rows, k), w, rows, need[0],
                                                                 need[1] or need[2]):
-            dx, dw, db = _general_backward(_as_2d(x, rows, k), w, dy, ctx.state, need, 1, need[0])
+            dx, dw, db = _general_backward(_as_2d(x, rows, k), w, dy, state, need, 1, need[0])
             return (None if dx is None else dx.view(x.shape)), dw, db, None
         sp = plan[SP]
         if sp and not plan[ROW_REDUCE]:
-            return _column_sp_linear_bwd(x, w, dy, ctx.state, need) + (None,)
+            return _column_sp_linear_bwd(x, w, dy, state, need) + (None,)
         dy_local = None
         if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
             dy_local = dy
-            dy = _gather(dy, plan[TP], temp=None if plan[WGRAD] else (dev[1], _bwd_stream(dev), T_DY))
+            dy = _gather_dy(dy, plan, dev)
         dx = torch.empty_like(x) if need[0] else None
         dw = db = wg = None
         if plan[WGRAD]:
@@ -541,11 +548,10 @@ class _LinearFn(torch.autograd.Function):
                 else:
                     db = w.new_empty(n) if need[1] else _bias_grad_only(dy, rows, n, dtype)
         if dx is not None or dw is not None:
-            _, d, ws, nbytes, _ = dev
+            _, d, ws, nbytes, stream = dev
             _C.linear_bwd(d, code, rows, n, k, dy.data_ptr(), x.data_ptr(), w.data_ptr(),
                           0 if dx is None else dx.data_ptr(), 0 if dw is None else dw.data_ptr(),
-                          0 if db is None or dw is None or sp else db.data_ptr(), ws, nbytes,
-                          0 if d < 0 else _engine.stream_of(dev[0]))
+                          0 if db is None or dw is None or sp else db.data_ptr(), ws, nbytes, stream)
         if dx is not None and plan[COL_REDUCE]:
             all_reduce(dx, plan[TP].group, plan[TP].size)
         if wg is not None:  # fused or delayed: the general path's step (main_grad, backward_dw's queue)
@@ -574,7 +580,7 @@ def _column_sp_backward(x, w, dy, total, n, k, code, dev, tp, dx, need_w, need_b
     xt = work = None
     if need_w or wg is not None:
         # a delayed Wgrad step keeps it: a temporary only without one
-        temp = (dev[1], _bwd_stream(dev), T_WGRAD_INPUT) if wg is None else None
+        temp = (dev[1], dev[4], T_WGRAD_INPUT) if wg is None else None
         if dx is not None:
             xt, work = _gather(x, tp, async_op=True, temp=temp)
         else:
@@ -656,7 +662,7 @@ def _norm_linear_fwd(x, gamma, beta, w, b, state, keep=True):
                 0 if b is None else b.data_ptr(), 0, 0, ws, nbytes, stream)
         return y, ln_out, stats
     if plan[SP]:
-        y, out = _new(x, s // plan[SIZE], bt, n), _temp(x, (s, n) if bt is None else (s, bt, n), dev, stream, T_PARTIAL)
+        y, out = _new(x, s // plan[SIZE], bt, n), _temp(x, _dims(s, bt, n), dev, stream, T_PARTIAL)
     else:
         y = out = _new(x, s, bt, n)
     _C.norm_linear_fwd(dev, code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
@@ -684,7 +690,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, ln_out, stats, gamma, w = ctx.saved_tensors
-        plan, (rows, _, _), code, dev, layer, first_mb = ctx.state
+        state = _bwd_state(ctx.state)
+        plan, (rows, _, _), code, dev, layer, first_mb = state
         need = ctx.needs_input_grad
         n, k = plan[WSHAPE]
         dtype = x.dtype
@@ -695,16 +702,16 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dgamma = gamma.new_empty(k)
         dbeta = None if ctx.rms else gamma.new_empty(k)
         if plan[UB] is not None and not _ub_backward_falls_back(layer, plan, ln_out, w, rows, True, need[3] or need[4]):
-            dln, dw, db = _general_backward(ln_out, w, dy, ctx.state, need, 3, True)
+            dln, dw, db = _general_backward(ln_out, w, dy, state, need, 3, True)
             _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[ZCG], rows, k, code, dev)
             return dx, dgamma, dbeta, dw, db, None
         sp = plan[SP]
         if sp and not plan[ROW_REDUCE]:
-            return _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta, ctx.state, need)
+            return _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta, state, need)
         dy_local = None
         if sp:  # row: dY's rows gathered; the bias gradient is this rank's rows' (the framework sums it)
             dy_local = dy
-            dy = _gather(dy, plan[TP], temp=None if plan[WGRAD] else (dev[1], _bwd_stream(dev), T_DY))
+            dy = _gather_dy(dy, plan, dev)
         dw = db = wg = None
         if plan[WGRAD]:
             if need[3] or need[4]:
@@ -716,11 +723,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
                     db = _bias_grad_only(dy_local, rows // plan[SIZE], n, dtype)
                 else:
                     db = w.new_empty(n) if need[3] else _bias_grad_only(dy, rows, n, dtype)
-        _, d, ws, nbytes, _ = dev
+        _, d, ws, nbytes, stream = dev
         esize = x.element_size()
         dln_bytes = (rows * k * esize + 255) // 256 * 256
         norm_bytes = _C.norm_bwd_workspace_bytes(d, rows, k)
-        stream = _bwd_stream(dev)
         scratch = _temp_bytes(x, dln_bytes + norm_bytes, d, stream, T_SCRATCH)
         scr, stp = scratch.data_ptr(), stats.data_ptr()
         _C.norm_linear_bwd(d, code, rows, k, n, dy.data_ptr(), x.data_ptr(), ln_out.data_ptr(),
@@ -744,7 +750,7 @@ def _column_sp_norm_linear_bwd(x, ln_out, stats, gamma, w, dy, dx, dgamma, dbeta
     plan, (rows, _, _), code, dev, layer, first_mb = state
     n, k = plan[WSHAPE]
     wg = Wgrad(layer, w, need[4], first_mb, need_w=need[3]) if plan[WGRAD] and (need[3] or need[4]) else None
-    dln = _temp(ln_out, (rows, k), dev[1], _bwd_stream(dev), T_DLN)
+    dln = _temp(ln_out, (rows, k), dev[1], dev[4], T_DLN)
     dln, dw, db = _column_sp_backward(ln_out, w, dy, rows * plan[SIZE], n, k, code, dev, plan[TP], dln, need[3],
                                       need[4], wg)
     _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[ZCG], rows, k, code, dev)
@@ -874,7 +880,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, mid, gamma, w1, w2 = ctx.saved_tensors
-        plan, (rows, _, _), code, dev = ctx.state
+        plan, (rows, _, _), code, dev = _bwd_state(ctx.state)
         hidden, f1, ffn, act = plan[0], plan[1], plan[2], plan[3]
         need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
         dtype = x.dtype
@@ -882,8 +888,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         _check_saved(w2, dtype, (hidden, ffn), "fc2_weight")
         _check_saved(gamma, dtype, (hidden,), "layer_norm_weight")
         dy = _grad_output(dout, dtype)
-        device, d, ws, nbytes, _ = dev
-        stream = 0 if d < 0 else _engine.stream_of(device)
+        device, d, ws, nbytes, stream = dev
         es = x.element_size()
         dx = torch.empty_like(x)
         dgamma = gamma.new_empty(hidden)
@@ -972,7 +977,7 @@ def _layernorm_mlp_sp(layer, plan, x, gamma, beta, w1, b1, w2, b2, shape, code, 
     ubp = plan[14]
     if ubp is not None:
         for ub in (layer.ub, layer.ub2):
-            if _in_comm_buffer(x, ub.comms.values()):
+            if _common.in_comm_buffer(x, ub.comms.values()):
                 return None
         if _mlp_overlaps(_mlp_forward_ops(layer, ubp, shape[0], plan[0], plan[1], plan[2])):
             return None
@@ -1002,7 +1007,7 @@ def _mlp_sp_fwd(x, gamma, beta, w1, b1, w2, b2, state, keep=True):
     a = x.new_empty(total, ffn) if keep else _temp(x, (total, ffn), dev, stream, T_ACT_OUT)
     _C.act_fwd(dev, act, code, total, ffn, h.data_ptr(), 0, a.data_ptr(), plan[4], plan[5], plan[6], stream)
     # the shape of y's rows of every rank (gloo wants the same dims)
-    out = _temp(x, (s * tp.size, hidden) if bt is None else (s * tp.size, bt, hidden), dev, stream, T_PARTIAL)
+    out = _temp(x, _dims(s * tp.size, bt, hidden), dev, stream, T_PARTIAL)
     _C.gemm(dev, code, code, 0, 1, total, hidden, ffn, a.data_ptr(), ffn, w2.data_ptr(), ffn, out.data_ptr(), hidden,
             0, 0, 0, ws, nbytes, stream)
     y = _new(x, s, bt, hidden)
@@ -1023,7 +1028,8 @@ class _LayerNormMLPSPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, ln_out, stats, h, a, gamma, w1, w2 = ctx.saved_tensors
-        plan, (rows, _, _), code, dev, layer = ctx.state
+        state = _bwd_state(ctx.state)
+        plan, (rows, _, _), code, dev, layer = state
         hidden, f1, ffn = plan[0], plan[1], plan[2]
         need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
         dtype = x.dtype
@@ -1037,7 +1043,7 @@ class _LayerNormMLPSPFn(torch.autograd.Function):
         if plan[14] is not None and _mlp_backward_overlaps(layer, plan, ln_out, w1, rows, need[3]):
             dln, grads = _mlp_general_backward(layer, dy, ln_out, h, a, w1, w2, need, ctx.has_b2)
         else:
-            dln, grads = _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, ctx.has_b2, ctx.state)
+            dln, grads = _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, ctx.has_b2, state)
         _norm_backward(dln, x, stats, gamma, dx, dgamma, dbeta, plan[9], rows, hidden, code, dev)
         return (dx, dgamma, dbeta) + grads + (None,)
 
@@ -1062,8 +1068,7 @@ def _mlp_sp_backward(dy, ln_out, h, a, w1, w2, need, has_b2, state):
     plan, (rows, _, _), code, dev, _ = state
     hidden, f1, ffn, act, tp = plan[0], plan[1], plan[2], plan[3], plan[13]
     total = rows * tp.size
-    device, d, ws, nbytes, _ = dev
-    stream = _bwd_stream(dev)
+    device, d, ws, nbytes, stream = dev
     dtype = dy.dtype
     db2 = _bias_grad_only(dy, rows, hidden, dtype) if need[6] else None  # this rank's rows, as the general path
     dyt = _gather(dy, tp, temp=(d, stream, T_DY))
