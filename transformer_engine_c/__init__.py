@@ -14,7 +14,7 @@ from . import debug, fp8, module, quantization, recipe  # noqa: E402,F401
 from ._C import CommTimeoutError, EngineError  # noqa: E402
 from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_saved  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
-from .distributed import allreduce_sequence_parallel_grads  # noqa: E402
+from .distributed import allreduce_sequence_parallel_grads, set_collectives  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
 from .graph import make_graphed_callables  # noqa: E402
 from .module.base import UserBufferQuantizationMode, destroy_ub, get_ub, initialize_ub  # noqa: E402
@@ -27,5 +27,5 @@ from .userbuffers import LAYER_NAMES, CommOverlap, close_comms  # noqa: E402
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTimeoutError", "prepare_for_saving",
            "restore_from_saved", "restore_from_func_ctx", "DistributedWeight", "checkpoint", "CommOverlap",
            "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
-           "allreduce_sequence_parallel_grads", "autocast", "fp8_autocast", "fp8_model_init",
+           "allreduce_sequence_parallel_grads", "set_collectives", "autocast", "fp8_autocast", "fp8_model_init",
            "quantized_model_init", "make_graphed_callables"]

@@ -312,6 +312,31 @@ def ours_fns(make, w, x):
     return fns
 
 
+def engine_variant(tec, fn, device):
+    """fn with the layers' collectives through the engine's own NCCL
+    communicator (tec.distributed.set_collectives), for the `*_engine` rows:
+    the same layers, compared in the same run. None off CUDA."""
+    if device.type != "cuda" or not hasattr(tec.distributed, "set_collectives"):
+        return None
+    flag = tec.distributed._collectives
+
+    def run():
+        flag["engine"] = True
+        try:
+            return fn()
+        finally:
+            flag["engine"] = False
+    return run
+
+
+def add_engine_variants(tec, fns, names, device):
+    for name in names:
+        if name in fns:
+            run = engine_variant(tec, fns[name], device)
+            if run is not None:
+                fns[name + "_engine"] = run
+
+
 def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
     dtype = args.dtype
     Nl = N // size
@@ -340,6 +365,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0], w, x))
         fns["ours_gemm"] = lambda: tec._engine.gemm(ln_total, w, transb=True)
+        add_engine_variants(tec, fns, ("ours",), device)
         time_row(tec, row, timer, fns)
         row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
         # Bandwidths from the GPU's time alone: issuing a norm call takes the
@@ -369,6 +395,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             fns["async_tp"] = lambda: symm.fused_matmul_reduce_scatter(
                 x, wt, "sum", scatter_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1], w, x))
+        add_engine_variants(tec, fns, ("ours",), device)
         time_row(tec, row, timer, fns)
         row["limit"] = max(row["gemm"], row["comm"])
     else:  # mlp / mlp_bulk forward + backward
@@ -387,6 +414,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             fns[name] = step
         fns.update(_lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, "ours_overlap" in fns))
         fns.update(torch_mlp_fns(H, N, group, dtype, device, x, dy, args.graphs))
+        add_engine_variants(tec, fns, ("ours", "lnmlp"), device)
         if args.graphs:  # the same layers, captured (their communicators shared with the eager step)
             for name, graphed in (("ours", "ours_graphed_no_overlap"), ("ours_overlap", "ours_graphed_overlap")):
                 if name in layers:
@@ -421,6 +449,11 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
     for base in ("ours", "sequential", "async_tp", "limit", "torch_mlp"):
         if row.get("ours_overlap") and row.get(base):
             row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
+    # Our eager layers / steps against PyTorch's eager path, with either collectives
+    base = "sequential" if case in ("ag_gemm", "gemm_rs") else "torch_mlp"
+    for mine in ("ours", "ours_engine", "lnmlp", "lnmlp_engine"):
+        if row.get(mine) and row.get(base):
+            row[f"{base}_over_{mine}"] = row[base] / row[mine]
     return row
 
 
@@ -430,7 +463,9 @@ COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit
            "checker_overhead_pct", "lnmlp", "lnmlp_overlap", "lnmlp_speedup", "lnmlp_vs_two_layer",
            "torch_mlp", "speedup_vs_torch_mlp", "lnmlp_vs_torch_mlp", "ours_graphed_no_overlap",
            "ours_graphed_overlap", "graphed_overlap_speedup", "torch_mlp_graphed", "graphed_vs_torch_mlp",
-           "graphed_vs_torch_graphed")
+           "graphed_vs_torch_graphed", "ours_engine", "lnmlp_engine", "sequential_over_ours",
+           "sequential_over_ours_engine", "torch_mlp_over_ours", "torch_mlp_over_ours_engine",
+           "torch_mlp_over_lnmlp", "torch_mlp_over_lnmlp_engine")
 
 
 def fmt(v):

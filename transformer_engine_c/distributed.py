@@ -1,8 +1,14 @@
 """Tensor-parallel plumbing over torch.distributed: group resolution and the
 non-overlapped sequence-parallel collectives (along the first dimension of a
-2-D token-major tensor)."""
+2-D token-major tensor), through the process group or, for CUDA tensors with
+`set_collectives("engine")`, through the engine's own NCCL communicator."""
+import os
+
 import torch
 import torch.distributed as dist
+
+from . import _C
+from ._engine import DTYPE_CODES, _raw_stream, device_code
 
 # The layers' collectives call the process group's own methods: torch.distributed's
 # functions add their Python (argument checks, group lookups, logging wrappers) on
@@ -14,6 +20,119 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# ---------------------------------------------------------------- engine collectives
+#
+# "torch" (the default): the layers' collectives go through the process group.
+# "engine": on CUDA tensors, through an NCCL communicator of the engine's own
+# per (group, device), created on the group's first such collective (every
+# rank gets there in the same order: its unique id is broadcast over the
+# group) and enqueued on the current stream from C (csrc/core/cuda/nccl.cu):
+# no process-group work object, stream hand-off or tensor bookkeeping per
+# call. An asynchronous one runs on the communicator's side stream after the
+# current stream's work so far; its wait() makes the current stream wait.
+# A collective unfinished `timeout_s` after it was enqueued ends the process
+# with a message naming it (the watchdog; as PyTorch's NCCL process group
+# does by default). CPU tensors always take the process group.
+_KINDS = ("torch", "engine")
+_C_ALL_GATHER, _C_REDUCE_SCATTER, _C_ALL_REDUCE = 0, 1, 2  # tec.h's TEC_NCCL_*
+_collectives = {"engine": False, "timeout_s": 600.0}
+_engine_comms = {}  # (group, CUDA ordinal) -> (capsule of the engine's communicator, ranks)
+
+
+def set_collectives(kind, timeout_s=None):
+    """Route the layers' sequence-parallel collectives on CUDA tensors through
+    the process group ("torch", the default) or the engine's own NCCL
+    communicator ("engine"); `timeout_s` bounds each engine collective and the
+    communicator's creation (default 600). Call it the same way on every rank,
+    before the layers run (the TEC_COLLECTIVES and TEC_COLLECTIVES_TIMEOUT
+    environment variables set the same at import)."""
+    if kind not in _KINDS:
+        raise ValueError(f"collectives must be one of {_KINDS}, got {kind!r}")
+    if timeout_s is not None:
+        timeout_s = float(timeout_s)
+        if not 0 < timeout_s <= 1e6:
+            raise ValueError(f"timeout_s must be in (0, 1e6] seconds, got {timeout_s}")
+        _collectives["timeout_s"] = timeout_s
+    _collectives["engine"] = kind == "engine"
+
+
+def collectives():
+    """"torch" or "engine": where the layers' CUDA collectives go (set_collectives)."""
+    return "engine" if _collectives["engine"] else "torch"
+
+
+def close_engine_collectives():
+    """Destroy the engine's NCCL communicators (each is made again on its group's
+    next collective). Collective: call it on every rank, with no collective in
+    flight that the others have not also issued."""
+    comms = list(_engine_comms.values())
+    _engine_comms.clear()
+    for c, _ in comms:
+        _C.nccl_close(c)
+
+
+def _engine_comm(group, device):
+    """(capsule, ranks) of the engine communicator of (group, CUDA ordinal),
+    made on first use."""
+    key = (group, device)
+    entry = _engine_comms.get(key)
+    if entry is not None:
+        return entry
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    nranks, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    dev = torch.device("cuda", device)
+    device_code(dev)  # loads the CUDA backend
+    uid = torch.zeros(128, dtype=torch.uint8, device=dev)
+    if rank == 0:
+        uid.copy_(torch.frombuffer(bytearray(_C.nccl_unique_id()), dtype=torch.uint8))
+    dist.broadcast(uid, src=dist.get_global_rank(pg, 0), group=pg)
+    ranks = dist.get_process_group_ranks(pg)
+    label = f"the {nranks}-rank group of global ranks {ranks}"
+    c = _C.nccl_create(device, bytes(uid.cpu().tolist()), nranks, rank, _collectives["timeout_s"], label)
+    _engine_comms[key] = entry = (c, nranks)
+    return entry
+
+
+class _EngineWork:
+    """An asynchronous engine collective: wait() makes the stream that issued
+    it wait (on the device) for it, as a process group's Work.wait() does."""
+    __slots__ = ("comm", "ticket", "stream")
+
+    def __init__(self, comm, ticket, stream):
+        self.comm, self.ticket, self.stream = comm, ticket, stream
+
+    def wait(self):
+        _C.nccl_join(self.comm, self.ticket, self.stream)
+        return True
+
+
+def _engine_run(op, out, x, group, async_op):
+    """One engine collective of x into out (all-gather: out holds every rank's
+    x, rank-major; reduce-scatter: x holds every rank's share of the sum;
+    all-reduce: in place), checked as the process group checks."""
+    device = x.get_device()
+    if out.get_device() != device or out.dtype != x.dtype:
+        raise ValueError(f"collective: output on cuda:{out.get_device()} ({out.dtype}), input on "
+                         f"cuda:{device} ({x.dtype}); expected the same device and dtype")
+    if not (x.is_contiguous() and out.is_contiguous()):
+        raise ValueError("collective: input and output must be contiguous")
+    c, nranks = _engine_comms.get((group, device)) or _engine_comm(group, device)
+    n_in, n_out = x.numel(), out.numel()
+    if op == _C_ALL_GATHER:
+        ok, count = n_out == n_in * nranks, n_in
+    elif op == _C_REDUCE_SCATTER:
+        ok, count = n_in == n_out * nranks, n_out
+    else:
+        ok, count = True, n_in
+    if not ok:
+        raise ValueError(f"{('all-gather', 'reduce-scatter')[op]} over {nranks} ranks: input of {n_in} "
+                         f"elements, output of {n_out}; expected the "
+                         f"{('output', 'input')[op]} {nranks} times the other")
+    stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    ticket = _C.nccl_run(c, op, x.data_ptr(), out.data_ptr(), count, DTYPE_CODES[x.dtype], stream, async_op)
+    return _EngineWork(c, ticket, stream) if async_op else None
+
+
 def _process_group(group):
     """The ProcessGroup object behind `group` (None: the default group), if it
     has the methods the direct calls use."""
@@ -22,6 +141,8 @@ def _process_group(group):
 
 
 def _all_gather_into(out, x, group, async_op):
+    if _collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES:
+        return _engine_run(_C_ALL_GATHER, out, x, group, async_op)
     pg = _process_group(group)
     if pg is None:
         return _all_gather_flat(out, x, group=group, async_op=async_op)
@@ -33,6 +154,9 @@ def _all_gather_into(out, x, group, async_op):
 
 
 def _reduce_scatter_into(out, x, group):
+    if _collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES:
+        _engine_run(_C_REDUCE_SCATTER, out, x, group, False)
+        return
     pg = _process_group(group)
     if pg is None:
         _reduce_scatter_flat(out, x, group=group)
@@ -82,7 +206,9 @@ def reduce_scatter_rows(x, group, size):
 
 
 def all_reduce(x, group, size):
-    if size > 1:
+    if size > 1 and _collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES:
+        _engine_run(_C_ALL_REDUCE, x, x, group, False)
+    elif size > 1:
         pg = _process_group(group)
         if pg is None:
             dist.all_reduce(x, group=group)
@@ -124,3 +250,7 @@ def all_reduce_coalesced(tensors, group, dtype=None):
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+set_collectives(os.environ.get("TEC_COLLECTIVES", "torch") or "torch",
+                os.environ.get("TEC_COLLECTIVES_TIMEOUT") or None)

@@ -20,6 +20,19 @@ extern "C" {
  * its argument checks, with the same contracts as the tec.h functions;
  * failures return a status with the message set through tec_set_error (the
  * CUDA library: tec_core_hooks.set_error). */
+/* The engine collectives (tec.h) of the CUDA library (nccl.cu). */
+typedef struct tec_nccl_ops {
+    tec_status (*unique_id)(unsigned char *id);
+    tec_status (*create)(int device, const unsigned char *id, int nranks, int rank, double timeout_s,
+                         const char *label, tec_nccl **out);
+    tec_status (*run)(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
+                      void *stream, int async, int *ticket);
+    tec_status (*join)(tec_nccl *c, int ticket, void *stream);
+    void (*close)(tec_nccl *c);
+    void (*free)(tec_nccl *c);
+    int (*version)(void);
+} tec_nccl_ops;
+
 typedef struct tec_backend {
     int abi_version; /* TEC_BACKEND_ABI */
     const char *name;
@@ -34,9 +47,11 @@ typedef struct tec_backend {
     tec_status (*act_fwd)(int device, const tec_act_fwd_args *a, void *stream);
     tec_status (*act_bwd)(int device, const tec_act_bwd_args *a, void *stream);
     size_t (*act_bwd_workspace_bytes)(int device, tec_activation act, int64_t rows, int64_t cols);
+    /* Engine collectives (NULL: none). */
+    const tec_nccl_ops *nccl;
 } tec_backend;
 
-#define TEC_BACKEND_ABI 4 /* 3: transport; hooks at load; no last_error. 4: activations */
+#define TEC_BACKEND_ABI 5 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {

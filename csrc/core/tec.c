@@ -186,3 +186,82 @@ tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream)
                              a->workspace_bytes, b->gemm_workspace_bytes);
     return b->gemm(device, a, stream);
 }
+
+/* ------------------------------------------------------ engine collectives */
+
+static tec_status nccl_ops(const tec_nccl_ops **out)
+{
+    *out = cuda_backend ? cuda_backend->nccl : NULL;
+    if (!*out)
+        return tec_set_error(TEC_ERR_NOT_SUPPORTED,
+                             "engine collectives need the CUDA backend, which is not loaded (CPU-only build "
+                             "or no CUDA device)");
+    return TEC_OK;
+}
+
+tec_status tec_nccl_unique_id(unsigned char id[TEC_NCCL_ID_BYTES])
+{
+    const tec_nccl_ops *o;
+    tec_status st = nccl_ops(&o);
+    return st ? st : o->unique_id(id);
+}
+
+tec_status tec_nccl_create(int device, const unsigned char id[TEC_NCCL_ID_BYTES], int nranks, int rank,
+                           double timeout_s, const char *label, tec_nccl **out)
+{
+    const tec_nccl_ops *o;
+    tec_status st = nccl_ops(&o);
+    if (st)
+        return st;
+    if (device < 0)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "engine collectives: device must be a CUDA ordinal, got %d", device);
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "engine collectives: rank %d of %d ranks", rank, nranks);
+    if (!(timeout_s > 0 && timeout_s <= TEC_COMM_TIMEOUT_MAX))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "engine collectives: timeout must be in (0, %g] s, got %g",
+                             TEC_COMM_TIMEOUT_MAX, timeout_s);
+    return o->create(device, id, nranks, rank, timeout_s, label, out);
+}
+
+tec_status tec_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
+                        void *stream, int async, int *ticket)
+{
+    const tec_nccl_ops *o;
+    tec_status st = nccl_ops(&o);
+    if (st)
+        return st;
+    if (op < TEC_NCCL_ALL_GATHER || op > TEC_NCCL_ALL_REDUCE)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "engine collectives: unknown collective %d", op);
+    if (!dtype_ok(dtype))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "engine collectives: unknown dtype %d", (int)dtype);
+    if (count && (!send || !recv))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "engine collectives: missing send or receive pointer");
+    return o->run(c, op, send, recv, count, dtype, stream, async, ticket);
+}
+
+tec_status tec_nccl_join(tec_nccl *c, int ticket, void *stream)
+{
+    const tec_nccl_ops *o;
+    tec_status st = nccl_ops(&o);
+    return st ? st : o->join(c, ticket, stream);
+}
+
+void tec_nccl_close(tec_nccl *c)
+{
+    const tec_nccl_ops *o;
+    if (c && nccl_ops(&o) == TEC_OK)
+        o->close(c);
+}
+
+void tec_nccl_free(tec_nccl *c)
+{
+    const tec_nccl_ops *o;
+    if (c && nccl_ops(&o) == TEC_OK)
+        o->free(c);
+}
+
+int tec_nccl_version(void)
+{
+    const tec_nccl_ops *o;
+    return nccl_ops(&o) == TEC_OK ? o->version() : 0;
+}

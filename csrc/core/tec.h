@@ -274,6 +274,39 @@ tec_status tec_comm_synchronize(tec_comm *c, void *stream);
  * (freeing an IPC-exported allocation a peer still maps is undefined). */
 tec_status tec_comm_unmap_peers(tec_comm *c, void *stream);
 
+/* ------------------------------------------------- engine collectives
+ *
+ * An NCCL communicator of the engine's own (csrc/core/cuda/nccl.cu, CUDA
+ * backend only; NCCL is the library the process has loaded, found at run
+ * time): all-gather, reduce-scatter (sum) and all-reduce (sum) enqueued on
+ * the caller's stream, or with `async` on the communicator's side stream
+ * after the caller's work so far, joined back by tec_nccl_join. Creating it
+ * waits for every rank at most timeout_s (TEC_ERR_TIMEOUT); a collective
+ * that has not finished timeout_s after it was enqueued ends the process
+ * with a message naming it (a watchdog thread; see nccl.cu). All ranks call
+ * the same collectives in the same order.
+ */
+
+#define TEC_NCCL_ID_BYTES 128
+enum { TEC_NCCL_ALL_GATHER = 0, TEC_NCCL_REDUCE_SCATTER = 1, TEC_NCCL_ALL_REDUCE = 2 };
+
+typedef struct tec_nccl tec_nccl;
+
+/* A new unique id (rank 0 makes it; every rank passes it to create). */
+tec_status tec_nccl_unique_id(unsigned char id[TEC_NCCL_ID_BYTES]);
+/* label: names the group in messages (copied). */
+tec_status tec_nccl_create(int device, const unsigned char id[TEC_NCCL_ID_BYTES], int nranks, int rank,
+                           double timeout_s, const char *label, tec_nccl **out);
+/* count: elements per rank (all-gather's input, reduce-scatter's output),
+ * all of them for all-reduce (send may equal recv). ticket: written when
+ * async (for tec_nccl_join). */
+tec_status tec_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
+                        void *stream, int async, int *ticket);
+tec_status tec_nccl_join(tec_nccl *c, int ticket, void *stream);
+void tec_nccl_close(tec_nccl *c); /* destroys the NCCL communicator; later calls fail as closed */
+void tec_nccl_free(tec_nccl *c);  /* close + free; NULL is a no-op */
+int tec_nccl_version(void);       /* NCCL's version code, 0 if it cannot be loaded */
+
 #ifdef __cplusplus
 }
 #endif

@@ -65,6 +65,7 @@ int tec_arg_double(PyObject *const *args, Py_ssize_t i, double *out);
 extern PyMethodDef tec_ops_methods[];
 extern PyMethodDef tec_saving_methods[];
 extern PyMethodDef tec_ranges_methods[];
+extern PyMethodDef tec_nccl_methods[];
 
 /* Per-file exec hooks (types, constants); 0 on success, -1 with an exception. */
 int tec_comm_exec(PyObject *module);

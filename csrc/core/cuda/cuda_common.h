@@ -193,6 +193,7 @@ size_t tec_cuda_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols)
 tec_status tec_cuda_gemm(int device, const tec_gemm_args *a, void *stream);
 #define TEC_CUDA_GEMM_WORKSPACE_BYTES ((size_t)32 << 20)
 extern const tec_transport_ops tec_cuda_transport;
+extern const tec_nccl_ops tec_cuda_nccl; /* nccl.cu */
 
 /* ------------------------------------------------------- conversions */
 

@@ -1,0 +1,487 @@
+/* nccl.cu - the engine's own NCCL communicator: all-gather, reduce-scatter
+ * and all-reduce enqueued straight on the caller's stream (or, for an
+ * asynchronous call, on the communicator's side stream joined back by an
+ * event), without a process group's per-call work objects.
+ *
+ * NCCL is the library the process already has (PyTorch loads it), found at
+ * run time with dlopen: nothing of NCCL is needed to build, and a process
+ * without it gets a clear error. The few declarations used are NCCL's C ABI,
+ * unchanged since NCCL 2.0.
+ *
+ * Timeouts. Creating a communicator waits for every rank: it runs on a
+ * helper thread and the caller waits at most `timeout_s` (then
+ * TEC_ERR_TIMEOUT naming the group). A collective waits on its peers on the
+ * GPU, where nothing on the host blocks: a watchdog thread per communicator
+ * follows each enqueued collective by an event and, if one has not finished
+ * `timeout_s` after it was enqueued, reports which collective (kind, number,
+ * group) on stderr and ends the process (what PyTorch's NCCL process group
+ * does by default: the results of a collective that never finished would be
+ * wrong silently). Collectives enqueued during CUDA graph capture are not
+ * followed (their events cannot be queried); the watchdog thread relaxes
+ * its own capture mode so that its queries never break another thread's
+ * capture.
+ *
+ * Exercised by tests/test_engine_nccl.py (one rank, one GPU) and, with two
+ * ranks, by tests/distributed/run_fast_sp.py under TEC_COLLECTIVES=engine. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_common.h"
+
+namespace {
+
+/* ------------------------------------------------- NCCL's C ABI, as used */
+
+typedef struct ncclComm *ncclComm_t;
+typedef struct {
+    char internal[TEC_NCCL_ID_BYTES];
+} ncclUniqueId;
+typedef int ncclResult_t; /* 0: ncclSuccess */
+enum { kNcclFloat16 = 6, kNcclFloat32 = 7, kNcclBfloat16 = 9 };
+enum { kNcclSum = 0 };
+
+struct nccl_lib {
+    ncclResult_t (*get_version)(int *);
+    ncclResult_t (*get_unique_id)(ncclUniqueId *);
+    ncclResult_t (*comm_init_rank)(ncclComm_t *, int, ncclUniqueId, int);
+    ncclResult_t (*comm_destroy)(ncclComm_t);
+    ncclResult_t (*comm_abort)(ncclComm_t);
+    const char *(*error_string)(ncclResult_t);
+    ncclResult_t (*all_gather)(const void *, void *, size_t, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*reduce_scatter)(const void *, void *, size_t, int, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*all_reduce)(const void *, void *, size_t, int, int, ncclComm_t, cudaStream_t);
+    int version;
+};
+
+nccl_lib g_lib;
+pthread_once_t g_lib_once = PTHREAD_ONCE_INIT;
+char g_lib_error[512];
+
+void load_lib(void)
+{
+    const char *path = getenv("TEC_NCCL_LIBRARY");
+    if (!path || !*path)
+        path = "libnccl.so.2";
+    /* The copy the process has loaded (PyTorch's) first: one NCCL. */
+    void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        h = dlopen(path, RTLD_NOW);
+    if (!h) {
+        snprintf(g_lib_error, sizeof g_lib_error, "cannot load NCCL (%s): %s", path, dlerror());
+        return;
+    }
+    nccl_lib l;
+    memset(&l, 0, sizeof l);
+#define TEC_NCCL_SYM(field, name)                                                                          \
+    if (!(*(void **)&l.field = dlsym(h, name))) {                                                       \
+        snprintf(g_lib_error, sizeof g_lib_error, "%s has no %s", path, name);                          \
+        return;                                                                                         \
+    }
+    TEC_NCCL_SYM(get_version, "ncclGetVersion");
+    TEC_NCCL_SYM(get_unique_id, "ncclGetUniqueId");
+    TEC_NCCL_SYM(comm_init_rank, "ncclCommInitRank");
+    TEC_NCCL_SYM(comm_destroy, "ncclCommDestroy");
+    TEC_NCCL_SYM(comm_abort, "ncclCommAbort");
+    TEC_NCCL_SYM(error_string, "ncclGetErrorString");
+    TEC_NCCL_SYM(all_gather, "ncclAllGather");
+    TEC_NCCL_SYM(reduce_scatter, "ncclReduceScatter");
+    TEC_NCCL_SYM(all_reduce, "ncclAllReduce");
+#undef TEC_NCCL_SYM
+    if (l.get_version(&l.version) != 0 || l.version < 20000) {
+        snprintf(g_lib_error, sizeof g_lib_error, "%s: NCCL version %d is older than 2.0", path, l.version);
+        return;
+    }
+    g_lib = l;
+}
+
+tec_status lib(const nccl_lib **out)
+{
+    pthread_once(&g_lib_once, load_lib);
+    if (!g_lib.all_gather)
+        return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "engine collectives: %s", g_lib_error);
+    *out = &g_lib;
+    return TEC_OK;
+}
+
+#define TEC_NCCL_FAIL(r, what) \
+    TEC_CUDA_FAIL(TEC_ERR_NCCL, "%s: NCCL error %d (%s)", (what), (int)(r), g_lib.error_string(r))
+
+double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+const char *op_name(int op)
+{
+    switch (op) {
+    case TEC_NCCL_ALL_GATHER: return "all-gather";
+    case TEC_NCCL_REDUCE_SCATTER: return "reduce-scatter";
+    default: return "all-reduce";
+    }
+}
+
+constexpr int kRing = 64; /* collectives followed at once (older ones: overwritten) */
+
+struct slot {
+    cudaEvent_t ev;
+    unsigned long long seq;
+    double t; /* when it was enqueued */
+    int op, pending;
+};
+
+} /* namespace */
+
+struct tec_nccl {
+    const nccl_lib *lib;
+    ncclComm_t comm;
+    int device, nranks, rank;
+    double timeout_s;
+    char label[160];
+    cudaStream_t side;   /* asynchronous calls */
+    cudaEvent_t fork;    /* the caller's stream -> side */
+    slot ring[kRing];
+    unsigned long long seq;
+    pthread_mutex_t lock; /* ring and stop, between the caller and the watchdog */
+    pthread_cond_t wake;
+    pthread_t watchdog;
+    int watching, stop, closed;
+};
+
+namespace {
+
+void fire(tec_nccl *c, const slot *s, double waited)
+{
+    fprintf(stderr,
+            "transformer_engine_c: NCCL %s #%llu of %s (rank %d of %d, cuda:%d) has not finished %.1f s after it "
+            "was enqueued (timeout %.1f s): a peer rank stopped, or called another collective. Ending this "
+            "process: the collective's results would be wrong.\n",
+            op_name(s->op), s->seq, c->label, c->rank, c->nranks, c->device, waited, c->timeout_s);
+    fflush(stderr);
+    _exit(1);
+}
+
+void *watch(void *arg)
+{
+    tec_nccl *c = (tec_nccl *)arg;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    tec_cuda_ignore(cudaSetDevice(c->device));
+    tec_cuda_ignore(cudaThreadExchangeStreamCaptureMode(&mode));
+    const double period = c->timeout_s / 8 < 0.1 ? c->timeout_s / 8 : 0.1;
+    pthread_mutex_lock(&c->lock);
+    while (!c->stop) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        const double t = (double)until.tv_nsec * 1e-9 + period;
+        until.tv_sec += (time_t)t;
+        until.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
+        pthread_cond_timedwait(&c->wake, &c->lock, &until);
+        if (c->stop)
+            break;
+        const double now = now_s();
+        for (int i = 0; i < kRing; i++) {
+            slot *s = &c->ring[i];
+            if (!s->pending)
+                continue;
+            cudaError_t e = cudaEventQuery(s->ev);
+            if (e == cudaErrorNotReady) {
+                if (now - s->t > c->timeout_s)
+                    fire(c, s, now - s->t);
+                continue;
+            }
+            tec_cuda_ignore(e); /* done (or failed: the next CUDA call reports it) */
+            s->pending = 0;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+/* Communicator creation on a helper thread, so that the caller's wait has
+ * a deadline. `abandoned` and `done` under `lock`; the last one out frees. */
+struct init_job {
+    const nccl_lib *lib;
+    ncclUniqueId id;
+    int device, nranks, rank;
+    ncclComm_t comm;
+    ncclResult_t result;
+    cudaError_t cuda;
+    pthread_mutex_t lock;
+    pthread_cond_t done_cv;
+    int done, abandoned;
+};
+
+void *init_thread(void *arg)
+{
+    init_job *j = (init_job *)arg;
+    j->cuda = cudaSetDevice(j->device);
+    ncclComm_t comm = NULL;
+    ncclResult_t r = 1;
+    if (j->cuda == cudaSuccess)
+        r = j->lib->comm_init_rank(&comm, j->nranks, j->id, j->rank);
+    else
+        (void)cudaGetLastError();
+    pthread_mutex_lock(&j->lock);
+    j->comm = comm;
+    j->result = r;
+    j->done = 1;
+    const int abandoned = j->abandoned;
+    pthread_cond_signal(&j->done_cv);
+    pthread_mutex_unlock(&j->lock);
+    if (abandoned) { /* the caller timed out and left: clean up here */
+        if (r == 0 && comm)
+            j->lib->comm_destroy(comm);
+        pthread_mutex_destroy(&j->lock);
+        pthread_cond_destroy(&j->done_cv);
+        free(j);
+    }
+    return NULL;
+}
+
+tec_status init_comm(const nccl_lib *l, int device, const unsigned char *id, int nranks, int rank, double timeout_s,
+                     const char *label, ncclComm_t *out)
+{
+    init_job *j = (init_job *)calloc(1, sizeof *j);
+    if (!j)
+        return TEC_CUDA_FAIL(TEC_ERR_NO_MEMORY, "engine collectives: out of host memory");
+    j->lib = l;
+    memcpy(j->id.internal, id, TEC_NCCL_ID_BYTES);
+    j->device = device;
+    j->nranks = nranks;
+    j->rank = rank;
+    pthread_mutex_init(&j->lock, NULL);
+    pthread_cond_init(&j->done_cv, NULL);
+    pthread_t th;
+    if (pthread_create(&th, NULL, init_thread, j) != 0) {
+        pthread_mutex_destroy(&j->lock);
+        pthread_cond_destroy(&j->done_cv);
+        free(j);
+        return TEC_CUDA_FAIL(TEC_ERR_SYSTEM, "engine collectives: cannot start the NCCL init thread");
+    }
+    pthread_detach(th);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)timeout_s;
+    until.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec += 1;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&j->lock);
+    while (!j->done)
+        if (pthread_cond_timedwait(&j->done_cv, &j->lock, &until) != 0 && !j->done)
+            break;
+    if (!j->done) {
+        j->abandoned = 1; /* the thread frees it when NCCL returns */
+        pthread_mutex_unlock(&j->lock);
+        return TEC_CUDA_FAIL(TEC_ERR_TIMEOUT,
+                             "creating the NCCL communicator of %s (rank %d of %d, cuda:%d): not every rank "
+                             "joined within %.1f s",
+                             label, rank, nranks, device, timeout_s);
+    }
+    pthread_mutex_unlock(&j->lock);
+    const ncclResult_t r = j->result;
+    const cudaError_t ce = j->cuda;
+    *out = j->comm;
+    pthread_mutex_destroy(&j->lock);
+    pthread_cond_destroy(&j->done_cv);
+    free(j);
+    if (ce != cudaSuccess)
+        return TEC_CUDA_FAIL(tec_cuda_status(ce), "engine collectives: cannot use cuda:%d: %s", device,
+                             cudaGetErrorString(ce));
+    if (r != 0)
+        return TEC_NCCL_FAIL(r, "ncclCommInitRank");
+    return TEC_OK;
+}
+
+/* The communicator goes first, while the watchdog still runs: destroying it
+ * waits for its unfinished collectives, which the watchdog bounds. */
+void release(tec_nccl *c, int abort_comm)
+{
+    if (c->comm) {
+        if (abort_comm)
+            c->lib->comm_abort(c->comm);
+        else
+            c->lib->comm_destroy(c->comm);
+        c->comm = NULL;
+    }
+    if (c->watching) {
+        pthread_mutex_lock(&c->lock);
+        c->stop = 1;
+        pthread_cond_signal(&c->wake);
+        pthread_mutex_unlock(&c->lock);
+        pthread_join(c->watchdog, NULL);
+        c->watching = 0;
+    }
+    for (int i = 0; i < kRing; i++)
+        if (c->ring[i].ev)
+            tec_cuda_ignore(cudaEventDestroy(c->ring[i].ev));
+    if (c->fork)
+        tec_cuda_ignore(cudaEventDestroy(c->fork));
+    if (c->side)
+        tec_cuda_ignore(cudaStreamDestroy(c->side));
+    memset(c->ring, 0, sizeof c->ring);
+    c->fork = NULL;
+    c->side = NULL;
+}
+
+int nccl_dtype(tec_dtype dt)
+{
+    return dt == TEC_F32 ? kNcclFloat32 : dt == TEC_BF16 ? kNcclBfloat16 : kNcclFloat16;
+}
+
+} /* namespace */
+
+/* ============================================================ entry points */
+
+tec_status tec_cuda_nccl_unique_id(unsigned char *id)
+{
+    const nccl_lib *l;
+    tec_status s = lib(&l);
+    if (s != TEC_OK)
+        return s;
+    ncclUniqueId u;
+    const ncclResult_t r = l->get_unique_id(&u);
+    if (r != 0)
+        return TEC_NCCL_FAIL(r, "ncclGetUniqueId");
+    memcpy(id, u.internal, TEC_NCCL_ID_BYTES);
+    return TEC_OK;
+}
+
+tec_status tec_cuda_nccl_create(int device, const unsigned char *id, int nranks, int rank, double timeout_s,
+                                const char *label, tec_nccl **out)
+{
+    const nccl_lib *l;
+    tec_status s = lib(&l);
+    if (s != TEC_OK)
+        return s;
+    TEC_CUDA_ENTER(device);
+    tec_nccl *c = (tec_nccl *)calloc(1, sizeof *c);
+    if (!c)
+        return TEC_CUDA_FAIL(TEC_ERR_NO_MEMORY, "engine collectives: out of host memory");
+    c->lib = l;
+    c->device = device;
+    c->nranks = nranks;
+    c->rank = rank;
+    c->timeout_s = timeout_s;
+    snprintf(c->label, sizeof c->label, "%s", label && *label ? label : "a process group");
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->wake, NULL);
+    TEC_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking), s, fail);
+    TEC_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming), s, fail);
+    for (int i = 0; i < kRing; i++)
+        TEC_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&c->ring[i].ev, cudaEventDisableTiming), s, fail);
+    if ((s = init_comm(l, device, id, nranks, rank, timeout_s, c->label, &c->comm)) != TEC_OK)
+        goto fail;
+    if (pthread_create(&c->watchdog, NULL, watch, c) != 0) {
+        s = TEC_CUDA_FAIL(TEC_ERR_SYSTEM, "engine collectives: cannot start the watchdog thread");
+        goto fail;
+    }
+    c->watching = 1;
+    *out = c;
+    return TEC_OK;
+fail:
+    release(c, 1);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->wake);
+    free(c);
+    return s;
+}
+
+/* `count` elements: per rank for all-gather's input and reduce-scatter's
+ * output, the whole tensor for all-reduce. With `async`, the collective
+ * runs on the side stream after `stream`'s work so far; *ticket names the
+ * event tec_cuda_nccl_join waits for. */
+tec_status tec_cuda_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dt,
+                             void *stream, int async, int *ticket)
+{
+    if (c->closed)
+        return TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
+    TEC_CUDA_ENTER(c->device);
+    cudaStream_t st = (cudaStream_t)stream;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    TEC_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
+    if (async) {
+        TEC_CUDA_CHECK(cudaEventRecord(c->fork, st));
+        TEC_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork, 0));
+        st = c->side;
+    }
+    const int t = nccl_dtype(dt);
+    ncclResult_t r;
+    switch (op) {
+    case TEC_NCCL_ALL_GATHER: r = c->lib->all_gather(send, recv, count, t, c->comm, st); break;
+    case TEC_NCCL_REDUCE_SCATTER: r = c->lib->reduce_scatter(send, recv, count, t, kNcclSum, c->comm, st); break;
+    default: r = c->lib->all_reduce(send, recv, count, t, kNcclSum, c->comm, st); break;
+    }
+    if (r != 0)
+        return TEC_NCCL_FAIL(r, op == TEC_NCCL_ALL_GATHER ? "ncclAllGather"
+                                : op == TEC_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce");
+    pthread_mutex_lock(&c->lock);
+    const unsigned long long seq = ++c->seq;
+    slot *s = &c->ring[seq % kRing];
+    const cudaError_t e = cudaEventRecord(s->ev, st);
+    if (e == cudaSuccess) {
+        s->seq = seq;
+        s->op = op;
+        s->t = now_s();
+        s->pending = cap == cudaStreamCaptureStatusNone;
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return TEC_CUDA_FAIL(tec_cuda_status(e), "engine collectives: cudaEventRecord: %s", cudaGetErrorString(e));
+    }
+    if (ticket)
+        *ticket = (int)(seq % kRing);
+    return TEC_OK;
+}
+
+/* `stream` waits (on the device) for the asynchronous collective `ticket`. */
+tec_status tec_cuda_nccl_join(tec_nccl *c, int ticket, void *stream)
+{
+    if (ticket < 0 || ticket >= kRing)
+        return TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG, "engine collectives: no such ticket %d", ticket);
+    if (c->closed)
+        return TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
+    TEC_CUDA_ENTER(c->device);
+    TEC_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)stream, c->ring[ticket].ev, 0));
+    return TEC_OK;
+}
+
+/* Destroy the NCCL communicator and stop the watchdog (once); the handle
+ * stays valid (every later call fails as closed) until tec_cuda_nccl_free. */
+void tec_cuda_nccl_close(tec_nccl *c)
+{
+    if (c->closed)
+        return;
+    c->closed = 1;
+    tec_cuda_device_scope scope(c->device);
+    release(c, 0);
+}
+
+void tec_cuda_nccl_free(tec_nccl *c)
+{
+    if (!c)
+        return;
+    tec_cuda_nccl_close(c);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->wake);
+    free(c);
+}
+
+int tec_cuda_nccl_version(void)
+{
+    const nccl_lib *l;
+    return lib(&l) == TEC_OK ? l->version : 0;
+}
+
+const tec_nccl_ops tec_cuda_nccl = {
+    tec_cuda_nccl_unique_id, tec_cuda_nccl_create, tec_cuda_nccl_run, tec_cuda_nccl_join,
+    tec_cuda_nccl_close,     tec_cuda_nccl_free,   tec_cuda_nccl_version,
+};

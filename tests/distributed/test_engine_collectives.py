@@ -1,0 +1,13 @@
+"""The engine's own NCCL communicator on 2 ranks gives the process group's
+bits (collectives, the sequence-parallel layers, CUDA graph replays):
+tests/distributed/run_engine_collectives.py. One-rank checks, the watchdog
+and the creation timeout: tests/test_engine_nccl.py."""
+import pytest
+
+from launch import gpu_count, run_torchrun
+
+
+def test_engine_collectives_cuda():
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs (NCCL refuses two ranks on one), this machine has {gpu_count()}")
+    run_torchrun("run_engine_collectives.py", 2)

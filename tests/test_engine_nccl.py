@@ -1,0 +1,123 @@
+"""The engine's own NCCL communicator (csrc/core/cuda/nccl.cu,
+transformer_engine_c/distributed.py: set_collectives("engine")).
+
+CPU: the switch and its checks, the clear error without the CUDA backend,
+and CPU tensors still going through the process group. One GPU
+(tests/engine_nccl_check.py, a process per case): the collectives on a
+one-rank communicator against the process group's, ordered on the current
+stream, asynchronous ones joined back; captured in a CUDA graph and replayed
+while the watchdog polls; the watchdog ending a process whose collective
+never finishes, naming it; a creation whose peer never comes timing out.
+Two ranks: tests/distributed/test_engine_collectives.py."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import transformer_engine_c as tec
+from transformer_engine_c import _C, distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GPU = torch.cuda.is_available() and tec._engine.cuda_backend_built()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the CUDA backend (this machine has none)")
+
+
+def test_set_collectives_checks():
+    assert distributed.collectives() == "torch"
+    with pytest.raises(ValueError, match="collectives must be one of"):
+        distributed.set_collectives("nccl")
+    with pytest.raises(ValueError, match="timeout_s must be in"):
+        distributed.set_collectives("engine", timeout_s=0)
+    assert distributed.collectives() == "torch"
+    distributed.set_collectives("engine", timeout_s=5)
+    try:
+        assert distributed.collectives() == "engine" and distributed._collectives["timeout_s"] == 5.0
+    finally:
+        distributed.set_collectives("torch", timeout_s=600)
+
+
+def test_environment_sets_collectives():
+    code = ("from transformer_engine_c import distributed as d; "
+            "print(d.collectives(), d._collectives['timeout_s'])")
+    env = dict(os.environ, TEC_COLLECTIVES="engine", TEC_COLLECTIVES_TIMEOUT="42")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["engine", "42.0"], out.stderr
+    env["TEC_COLLECTIVES"] = "bogus"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "collectives must be one of" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: this machine has a GPU, whose backend loads")
+def test_without_cuda_backend_is_a_clear_error():
+    if _C.has_cuda_backend():
+        pytest.skip("the CUDA backend is loaded in this process")
+    assert _C.nccl_version() == 0
+    with pytest.raises(tec.EngineError, match="engine collectives need the CUDA backend"):
+        _C.nccl_unique_id()
+    with pytest.raises(tec.EngineError, match="engine collectives need the CUDA backend"):
+        _C.nccl_create(0, bytes(128), 1, 0, 1.0, "g")
+
+
+def test_binding_checks_arguments():
+    with pytest.raises(ValueError, match="id must be 128 bytes"):
+        _C.nccl_create(0, b"short", 1, 0, 1.0, "g")
+    with pytest.raises(ValueError, match="rank"):
+        _C.nccl_create(0, bytes(128), 2, 2, 1.0, "g")
+    with pytest.raises(ValueError):  # not a communicator capsule
+        _C.nccl_run(object(), 0, 0, 0, 0, 0, 0, 0)
+
+
+def test_cpu_tensors_take_the_process_group():
+    """With the engine's collectives on, CPU tensors still go through gloo."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    fresh = not dist.is_initialized()
+    if fresh:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        x = torch.randn(4, 8)
+        distributed.set_collectives("engine")
+        try:
+            assert torch.equal(distributed.all_gather_rows(x, group, 1), x)
+            out = torch.empty_like(x)
+            distributed._all_gather_into(out, x, group, False)
+            assert torch.equal(out, x)
+            distributed._reduce_scatter_into(out, x * 3, group)
+            assert torch.equal(out, x * 3)
+        finally:
+            distributed.set_collectives("torch")
+        assert not distributed._engine_comms
+    finally:
+        if fresh:
+            dist.destroy_process_group()
+
+
+def run_check(mode, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_nccl_check.py"), mode], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["collectives", "capture", "init_timeout"])
+def test_engine_collectives_gpu(mode):
+    proc, _ = run_check(mode)
+    assert proc.returncode == 0 and f"PASS {mode}" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@needs_gpu
+def test_watchdog_ends_a_stuck_collective_gpu():
+    proc, took = run_check("watchdog")
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "enqueued" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
+    assert "NCCL all-gather #2 of the 1-rank group" in proc.stderr and "timeout 1.0 s" in proc.stderr, proc.stderr
+    assert took < 30, f"the watchdog took {took:.1f} s for a 1 s timeout (the stuck kernel spins ~60 s)"
