@@ -446,7 +446,8 @@ tec_status ct_map_one(tec_transport *t, int i, const void *hp, size_t len)
         if (!can)
             return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED,
                            "map_peers: cuda:%d cannot access rank %d's device cuda:%d (%s) directly (no peer "
-                           "access between them); use the NCCL transport",
+                           "access between them); userbuffers overlap needs peer access: build the layers without ub_* flags "
+                           "(their collectives then go through NCCL)",
                            t->device, i, pdev, h.pci_bus_id);
         cudaError_t e = cudaDeviceEnablePeerAccess(pdev, 0);
         if (e != cudaSuccess) {
@@ -471,7 +472,8 @@ tec_status ct_map_one(tec_transport *t, int i, const void *hp, size_t len)
         (void)cudaGetLastError();
         return TEC_CUDA_FAIL(TEC_ERR_CUDA,
                        "map_peers: cudaIpcOpenMemHandle of rank %d's region (pid %d, device %s) on cuda:%d: %s (%s); "
-                       "ranks on other nodes or without peer access need the NCCL transport",
+                       "userbuffers overlap needs every rank on this node with peer access; without ub_* flags the layers' "
+                       "collectives go through NCCL",
                        i, (int)h.pid, h.pci_bus_id, t->device, cudaGetErrorString(e), cudaGetErrorName(e));
     }
     t->peer[i] = p;
