@@ -3,7 +3,7 @@ group): run by tests/test_engine_nccl.py, one mode per process, because the
 watchdog and the creation timeout end or strand the process by design.
 Prints "PASS <mode>" on success.
 
-    python tests/engine_nccl_check.py {collectives,capture,watchdog,init_timeout}
+    python tests/engine_nccl_check.py {collectives,capture,watchdog,init_timeout,exit_open}
 """
 import os
 import sys
@@ -153,6 +153,20 @@ def watchdog():
     print("FAIL watchdog: the process outlived its timeout", flush=True)
 
 
+def exit_open():
+    """The interpreter exits with a communicator open and a collective still
+    running: the package aborts it and stops its watchdog while the
+    interpreter and CUDA are whole (exit 0, nothing on stderr about it)."""
+    group = init()
+    distributed.set_collectives("engine", timeout_s=60)
+    x = torch.randn(8, 16, device=DEV)
+    out = torch.empty_like(x)
+    distributed._all_gather_into(out, x, group, False)
+    torch.cuda._sleep(SPIN // 4)
+    distributed._all_gather_into(out, x, group, True)
+    print("PASS exit_open", flush=True)
+
+
 def init_timeout():
     """Creating a communicator whose other rank never comes: a timeout error
     naming the group, not a hang. (NCCL's init stays blocked on its helper
@@ -174,6 +188,6 @@ def init_timeout():
 
 if __name__ == "__main__":
     {"collectives": collectives, "capture": capture, "watchdog": watchdog,
-     "init_timeout": init_timeout}[sys.argv[1]]()
-    if dist.is_initialized():
+     "init_timeout": init_timeout, "exit_open": exit_open}[sys.argv[1]]()
+    if dist.is_initialized() and sys.argv[1] != "exit_open":
         dist.destroy_process_group()

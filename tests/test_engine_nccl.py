@@ -7,7 +7,8 @@ and CPU tensors still going through the process group. One GPU
 one-rank communicator against the process group's, ordered on the current
 stream, asynchronous ones joined back; captured in a CUDA graph and replayed
 while the watchdog polls; the watchdog ending a process whose collective
-never finishes, naming it; a creation whose peer never comes timing out.
+never finishes, naming it; a creation whose peer never comes timing out;
+an interpreter exiting with a communicator open.
 Two ranks: tests/distributed/test_engine_collectives.py."""
 import os
 import subprocess
@@ -108,10 +109,12 @@ def run_check(mode, timeout=240):
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", ["collectives", "capture", "init_timeout"])
+@pytest.mark.parametrize("mode", ["collectives", "capture", "init_timeout", "exit_open"])
 def test_engine_collectives_gpu(mode):
     proc, _ = run_check(mode)
     assert proc.returncode == 0 and f"PASS {mode}" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for bad in ("terminate called", "Segmentation", "has not finished", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr[-4000:]
 
 
 @needs_gpu

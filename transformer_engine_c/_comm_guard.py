@@ -59,7 +59,13 @@ def release_at_exit():
     from inside a destructor: "terminate called without an active
     exception". Closing locally (no collective: the peers may be gone) and
     collecting here lets the group go while its threads can still finish."""
+    from .distributed import close_engine_collectives
     from .userbuffers import _registry
+
+    try:  # their watchdogs stop before CUDA goes; they also hold process groups
+        close_engine_collectives(abort=True)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
 
     for c in list(_registry.values()):
         try:

@@ -61,14 +61,15 @@ def collectives():
     return "engine" if _collectives["engine"] else "torch"
 
 
-def close_engine_collectives():
+def close_engine_collectives(abort=False):
     """Destroy the engine's NCCL communicators (each is made again on its group's
-    next collective). Collective: call it on every rank, with no collective in
-    flight that the others have not also issued."""
+    next collective): call it on every rank, with no collective in flight that
+    the others have not also issued. With abort, nothing waits for unfinished
+    collectives (what the package does at interpreter exit)."""
     comms = list(_engine_comms.values())
     _engine_comms.clear()
     for c, _ in comms:
-        _C.nccl_close(c)
+        _C.nccl_close(c, bool(abort))
 
 
 def _engine_comm(group, device):

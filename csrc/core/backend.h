@@ -28,7 +28,7 @@ typedef struct tec_nccl_ops {
     tec_status (*run)(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
                       void *stream, int async, int *ticket);
     tec_status (*join)(tec_nccl *c, int ticket, void *stream);
-    void (*close)(tec_nccl *c);
+    void (*close)(tec_nccl *c, int abort);
     void (*free)(tec_nccl *c);
     int (*version)(void);
 } tec_nccl_ops;

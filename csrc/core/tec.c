@@ -246,11 +246,11 @@ tec_status tec_nccl_join(tec_nccl *c, int ticket, void *stream)
     return st ? st : o->join(c, ticket, stream);
 }
 
-void tec_nccl_close(tec_nccl *c)
+void tec_nccl_close(tec_nccl *c, int abort)
 {
     const tec_nccl_ops *o;
     if (c && nccl_ops(&o) == TEC_OK)
-        o->close(c);
+        o->close(c, abort);
 }
 
 void tec_nccl_free(tec_nccl *c)

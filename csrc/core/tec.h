@@ -303,7 +303,10 @@ tec_status tec_nccl_create(int device, const unsigned char id[TEC_NCCL_ID_BYTES]
 tec_status tec_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
                         void *stream, int async, int *ticket);
 tec_status tec_nccl_join(tec_nccl *c, int ticket, void *stream);
-void tec_nccl_close(tec_nccl *c); /* destroys the NCCL communicator; later calls fail as closed */
+/* Destroy the NCCL communicator (waiting for its unfinished collectives,
+ * bounded by the watchdog) or, with `abort`, abort it (nothing waits: at
+ * exit, or after a failure); later calls fail as closed. */
+void tec_nccl_close(tec_nccl *c, int abort);
 void tec_nccl_free(tec_nccl *c);  /* close + free; NULL is a no-op */
 int tec_nccl_version(void);       /* NCCL's version code, 0 if it cannot be loaded */
 

@@ -106,15 +106,16 @@ static PyObject *py_join(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* nccl_close(comm): destroy the NCCL communicator now (later calls raise). */
+/* nccl_close(comm, abort): destroy (abort) the NCCL communicator now (later calls raise). */
 static PyObject *py_close(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!tec_arg_count("nccl_close", nargs, 1))
+    if (!tec_arg_count("nccl_close", nargs, 2))
         return NULL;
     tec_nccl *c = get(args);
-    if (!c)
+    int abort;
+    if (!c || !tec_arg_int(args, 1, 0, 1, "abort", &abort))
         return NULL;
-    Py_BEGIN_ALLOW_THREADS tec_nccl_close(c);
+    Py_BEGIN_ALLOW_THREADS tec_nccl_close(c, abort);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

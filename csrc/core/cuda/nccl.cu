@@ -454,22 +454,23 @@ tec_status tec_cuda_nccl_join(tec_nccl *c, int ticket, void *stream)
     return TEC_OK;
 }
 
-/* Destroy the NCCL communicator and stop the watchdog (once); the handle
- * stays valid (every later call fails as closed) until tec_cuda_nccl_free. */
-void tec_cuda_nccl_close(tec_nccl *c)
+/* Destroy (or abort) the NCCL communicator and stop the watchdog (once);
+ * the handle stays valid (every later call fails as closed) until
+ * tec_cuda_nccl_free. */
+void tec_cuda_nccl_close(tec_nccl *c, int abort_comm)
 {
     if (c->closed)
         return;
     c->closed = 1;
     tec_cuda_device_scope scope(c->device);
-    release(c, 0);
+    release(c, abort_comm);
 }
 
 void tec_cuda_nccl_free(tec_nccl *c)
 {
     if (!c)
         return;
-    tec_cuda_nccl_close(c);
+    tec_cuda_nccl_close(c, 0);
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->wake);
     free(c);
