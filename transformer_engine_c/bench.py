@@ -365,7 +365,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0], w, x))
         fns["ours_gemm"] = lambda: tec._engine.gemm(ln_total, w, transb=True)
-        add_engine_variants(tec, fns, ("ours",), device)
+        add_engine_variants(tec, fns, ("ours_overlap",), device)
         time_row(tec, row, timer, fns)
         row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
         # Bandwidths from the GPU's time alone: issuing a norm call takes the
@@ -395,7 +395,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             fns["async_tp"] = lambda: symm.fused_matmul_reduce_scatter(
                 x, wt, "sum", scatter_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1], w, x))
-        add_engine_variants(tec, fns, ("ours",), device)
+        add_engine_variants(tec, fns, ("ours_overlap",), device)
         time_row(tec, row, timer, fns)
         row["limit"] = max(row["gemm"], row["comm"])
     else:  # mlp / mlp_bulk forward + backward
@@ -414,7 +414,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             fns[name] = step
         fns.update(_lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, "ours_overlap" in fns))
         fns.update(torch_mlp_fns(H, N, group, dtype, device, x, dy, args.graphs))
-        add_engine_variants(tec, fns, ("ours", "lnmlp"), device)
+        add_engine_variants(tec, fns, ("ours_overlap", "lnmlp_overlap"), device)
         if args.graphs:  # the same layers, captured (their communicators shared with the eager step)
             for name, graphed in (("ours", "ours_graphed_no_overlap"), ("ours_overlap", "ours_graphed_overlap")):
                 if name in layers:
@@ -451,7 +451,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
     # Our eager layers / steps against PyTorch's eager path, with either collectives
     base = "sequential" if case in ("ag_gemm", "gemm_rs") else "torch_mlp"
-    for mine in ("ours", "ours_engine", "lnmlp", "lnmlp_engine"):
+    for mine in ("ours_overlap", "ours_overlap_engine", "lnmlp_overlap", "lnmlp_overlap_engine"):
         if row.get(mine) and row.get(base):
             row[f"{base}_over_{mine}"] = row[base] / row[mine]
     return row
@@ -463,9 +463,9 @@ COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit
            "checker_overhead_pct", "lnmlp", "lnmlp_overlap", "lnmlp_speedup", "lnmlp_vs_two_layer",
            "torch_mlp", "speedup_vs_torch_mlp", "lnmlp_vs_torch_mlp", "ours_graphed_no_overlap",
            "ours_graphed_overlap", "graphed_overlap_speedup", "torch_mlp_graphed", "graphed_vs_torch_mlp",
-           "graphed_vs_torch_graphed", "ours_engine", "lnmlp_engine", "sequential_over_ours",
-           "sequential_over_ours_engine", "torch_mlp_over_ours", "torch_mlp_over_ours_engine",
-           "torch_mlp_over_lnmlp", "torch_mlp_over_lnmlp_engine")
+           "graphed_vs_torch_graphed", "ours_overlap_engine", "lnmlp_overlap_engine",
+           "sequential_over_ours_overlap_engine", "torch_mlp_over_ours_overlap_engine",
+           "torch_mlp_over_lnmlp_overlap_engine")
 
 
 def fmt(v):
@@ -532,6 +532,12 @@ def targets(rows):
               r.get("speedup_vs_torch_mlp"), 1.0)
         check(r, "eager: LayerNormMLP not slower than PyTorch's TP MLP (torch_mlp / lnmlp)",
               r.get("lnmlp_vs_torch_mlp"), 1.0)
+        # the same with the engine's own NCCL communicator (set_collectives("engine"))
+        for key, what in (("sequential_over_ours_overlap_engine", "layer or step / PyTorch's sequential path"),
+                          ("torch_mlp_over_ours_overlap_engine", "MLP step / PyTorch's TP MLP"),
+                          ("torch_mlp_over_lnmlp_overlap_engine", "LayerNormMLP / PyTorch's TP MLP")):
+            if r["case"] in ("ag_gemm", "gemm_rs") or key.startswith("torch_mlp"):
+                check(r, f"eager, engine collectives: {what} ({key})", r.get(key), 1.0)
         if r["case"] == "mlp" and r["tp"] == 2 and shape == SMALL:
             check(r, "TP=2: graphed MLP step against PyTorch's eager TP MLP "
                   "(torch_mlp / the faster of ours_graphed_*)", r.get("graphed_vs_torch_mlp"), 1.5)
