@@ -74,6 +74,35 @@ def collectives():
         torch.cuda.current_stream().wait_stream(s)
         assert torch.equal(out, x + 1), f"all-gather on a side stream {dtype}"
     assert len(distributed._engine_comms) == 1, distributed._engine_comms
+    # Two threads at once on one communicator (each on its own stream), as the
+    # forward's thread and autograd's may: every result right, nothing crashes.
+    distributed.set_collectives("engine")
+    errors = []
+
+    def worker(seed):
+        try:
+            s = torch.cuda.Stream()
+            g = torch.Generator(device=DEV).manual_seed(seed)
+            with torch.cuda.stream(s):
+                for i in range(200):
+                    src = torch.randn(32, 16, device=DEV, generator=g)
+                    out = torch.empty_like(src)
+                    work = distributed._all_gather_into(out, src, group, i % 2 == 1)
+                    if work is not None:
+                        work.wait()
+                    if not torch.equal(out, src):
+                        errors.append(f"thread {seed}, call {i}")
+            s.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+    import threading
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    distributed.set_collectives("torch")
+    assert not errors, errors[:5]
     # Bad input: named, before anything is enqueued.
     x = torch.randn(8, 16, device=DEV)
     for out, want in ((torch.empty(4, 16, device=DEV), "all-gather over 1 ranks"),

@@ -26,6 +26,16 @@ MLP step, PyTorch's 4); --ub is not available there (a communicator needs its
 peer). On CUDA the backward's host work runs on autograd's device thread:
 the wall time, not the main thread's CPU time, is the measure there.
 
+--loopback (CUDA) is --fake with real NCCL calls for every collective, on
+one GPU: each of them (ours and PyTorch's) runs on a one-rank NCCL
+communicator over this rank's share of the data (an all-gather fills the
+first half of its output, a reduce-scatter reads the first half of its
+input), so both sides pay NCCL's enqueue and what sits on top of it: the
+process group's methods for PyTorch's block and our default path, the
+engine's own communicator for the `*_engine` rows
+(tec.set_collectives("engine")). The values are meaningless, the host work
+real.
+
 The forward rows (every mode) compare the benchmark's no-grad forwards
 (layers without bias; with --ub also ub-flagged ones that fall back) with
 PyTorch's sequential path (layer_norm + all_gather + matmul; matmul +
@@ -60,6 +70,62 @@ def use_fast(layers, on):
         m.__dict__["_plan"] = None
 
 
+def is_forward(name, forwards):
+    base = name[:-7] if name.endswith("_engine") else name[:-6] if name.endswith("_torch") else name
+    return base in forwards
+
+
+def engine(fn):
+    """fn with the layers' collectives through the engine's communicator."""
+    from transformer_engine_c import distributed as d
+
+    def run():
+        d._collectives["engine"] = True
+        try:
+            return fn()
+        finally:
+            d._collectives["engine"] = False
+    return run
+
+
+class _Loopback:
+    """Stands in for the fake group's methods: each collective is a real
+    NCCL call on a one-rank process group over this rank's share."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def _allgather_base(self, out, x):
+        return self.pg._allgather_base(out.narrow(0, 0, x.shape[0]), x)
+
+    def _reduce_scatter_base(self, out, x):
+        return self.pg._reduce_scatter_base(out, x.narrow(0, 0, out.shape[0]))
+
+    def allreduce(self, tensors):
+        return self.pg.allreduce(tensors)
+
+
+def loopback(device):
+    """--loopback: the layers' process-group calls, PyTorch's block's and the
+    engine's communicator all become one-rank NCCL calls on `device`."""
+    from transformer_engine_c import _C, bench_mlp, distributed as d
+
+    store = dist.HashStore()
+    opts = dist.ProcessGroupNCCL.Options()
+    pg = dist.ProcessGroupNCCL(store, 0, 1, opts)
+    lb = _Loopback(pg)
+    d._process_group = lambda group: lb
+    ag = lambda out, x, group=None, async_op=False: lb._allgather_base(out, x).wait()  # noqa: E731
+    rs = lambda out, x, group=None, async_op=False: lb._reduce_scatter_base(out, x).wait()  # noqa: E731
+    bench_mlp.all_gather_flat = ag
+    bench_mlp.reduce_scatter_flat = rs
+    globals().update(all_gather_flat=ag, reduce_scatter_flat=rs)
+    tec._engine.device_code(device)
+    comm = _C.nccl_create(device.index or 0, _C.nccl_unique_id(), 1, 0, 600.0, "a one-rank loopback")
+    for group in (None, dist.group.WORLD):  # the layers' tp group (resolve_tp) and the default
+        d._engine_comms[(group, device.index or 0)] = (comm, 2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -72,7 +138,12 @@ def main():
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--profile", default=None)
     ap.add_argument("--fake", action="store_true", help="one process, a two-rank group of torch's fake backend")
+    ap.add_argument("--loopback", action="store_true", help="--fake, every collective a one-rank NCCL call (CUDA)")
     args = ap.parse_args()
+    if args.loopback:
+        if args.device != "cuda":
+            ap.error("--loopback needs --device cuda")
+        args.fake = True
     if args.fake:
         if args.ub:
             ap.error("--ub needs a peer: not with --fake")
@@ -83,6 +154,8 @@ def main():
     else:
         rank, size, device = init_rank(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.loopback:
+        loopback(device)
     torch.manual_seed(1 + rank)
     dt = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     h, f, t = args.hidden, args.ffn, args.tokens
@@ -114,6 +187,10 @@ def main():
         steps["mlp_ub_fallback"] = lambda: ub2(F.gelu(ub1(x), approximate="tanh")).backward(dy_mlp)
         steps["lnmlp_ub_fallback"] = lambda: ub3(x).backward(dy_mlp)
     variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
+    if args.loopback:  # our fast path again, its collectives through the engine's communicator
+        for name in ("mlp", "lnmlp"):
+            steps[name + "_engine"] = engine(steps[name])
+            variants.append((name + "_engine", True))
     # The no-grad forwards (name: (ours, PyTorch's sequential path)), without bias as that path
     nb1 = tec.LayerNormLinear(h, f, parallel_mode="column", bias=False, **kw)
     nb2 = tec.Linear(f, h, parallel_mode="row", bias=False, **kw)
@@ -141,6 +218,9 @@ def main():
     for name, (ours, seq) in forwards.items():
         variants += [(name, True), (name + "_torch", None)]
         steps[name], steps[name + "_torch"] = ours, seq
+        if args.loopback:
+            variants.append((name + "_engine", True))
+            steps[name + "_engine"] = engine(ours)
     times = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
     def torch_step():
@@ -154,7 +234,7 @@ def main():
             else:
                 use_fast(layers, fast)
                 fn = steps[name]
-            grad = torch.no_grad() if name in forwards or name[:-6] in forwards else contextlib.nullcontext()
+            grad = torch.no_grad() if is_forward(name, forwards) else contextlib.nullcontext()
             with grad:
                 for _ in range(5):
                     fn()
@@ -193,7 +273,7 @@ def main():
         for what, tab in (("main-thread CPU", cpu), ("wall", times)):
             print(f" {what}:")
             for name in steps:
-                if name in forwards or name[:-6] in forwards:
+                if is_forward(name, forwards) or name.endswith("_engine"):
                     continue
                 fa, ge = statistics.median(tab[(name, True)]), statistics.median(tab[(name, False)])
                 print(f"  {name:16s} fast {fa:8.1f}  general {ge:8.1f}  general/fast {ge / fa:5.2f}x")
@@ -202,9 +282,17 @@ def main():
             ln = statistics.median(tab[("lnmlp", True)])
             print(f"  mlp_torch        {tm:8.1f}  (torch / tec fast {tm / fa:5.2f}x, torch / LayerNormMLP fast "
                   f"{tm / ln:5.2f}x)")
+            if args.loopback:
+                fe, le = statistics.median(tab[("mlp_engine", True)]), statistics.median(tab[("lnmlp_engine", True)])
+                print(f"  engine           mlp {fe:8.1f}  lnmlp {le:8.1f}  (torch / tec {tm / fe:5.2f}x, "
+                      f"torch / LayerNormMLP {tm / le:5.2f}x)")
             for name in forwards:
                 ours, seq = statistics.median(tab[(name, True)]), statistics.median(tab[(name + "_torch", None)])
-                print(f"  {name:16s} ours {ours:8.1f}  PyTorch sequential {seq:8.1f}  (PyTorch / ours {seq / ours:5.2f}x)")
+                line = f"  {name:16s} ours {ours:8.1f}  PyTorch sequential {seq:8.1f}  (PyTorch / ours {seq / ours:5.2f}x"
+                if args.loopback:
+                    eng = statistics.median(tab[(name + "_engine", True)])
+                    line += f"; engine {eng:8.1f}, PyTorch / engine {seq / eng:5.2f}x"
+                print(line + ")")
     dist.destroy_process_group()
 
 

@@ -148,7 +148,8 @@ struct tec_nccl {
     cudaEvent_t fork;    /* the caller's stream -> side */
     slot ring[kRing];
     unsigned long long seq;
-    pthread_mutex_t lock; /* ring and stop, between the caller and the watchdog */
+    pthread_mutex_t lock; /* ring and stop, between the callers and the watchdog */
+    pthread_mutex_t issue; /* one enqueue at a time: an NCCL communicator is not thread-safe */
     pthread_cond_t wake;
     pthread_t watchdog;
     int watching, stop, closed;
@@ -372,6 +373,7 @@ tec_status tec_cuda_nccl_create(int device, const unsigned char *id, int nranks,
     c->timeout_s = timeout_s;
     snprintf(c->label, sizeof c->label, "%s", label && *label ? label : "a process group");
     pthread_mutex_init(&c->lock, NULL);
+    pthread_mutex_init(&c->issue, NULL);
     pthread_cond_init(&c->wake, NULL);
     TEC_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking), s, fail);
     TEC_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming), s, fail);
@@ -389,6 +391,7 @@ tec_status tec_cuda_nccl_create(int device, const unsigned char *id, int nranks,
 fail:
     release(c, 1);
     pthread_mutex_destroy(&c->lock);
+    pthread_mutex_destroy(&c->issue);
     pthread_cond_destroy(&c->wake);
     free(c);
     return s;
@@ -401,45 +404,60 @@ fail:
 tec_status tec_cuda_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dt,
                              void *stream, int async, int *ticket)
 {
-    if (c->closed)
-        return TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
     TEC_CUDA_ENTER(c->device);
     cudaStream_t st = (cudaStream_t)stream;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    TEC_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
-    if (async) {
-        TEC_CUDA_CHECK(cudaEventRecord(c->fork, st));
-        TEC_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->fork, 0));
-        st = c->side;
-    }
     const int t = nccl_dtype(dt);
     ncclResult_t r;
+    unsigned long long seq = 0;
+    tec_status s = TEC_OK;
+    /* One call at a time (the forward's thread and autograd's may both
+     * call): NCCL takes one call at a time on a communicator, the side
+     * stream's fork event is shared, a ring slot must follow the collective
+     * it was recorded after, and close() must not destroy the communicator
+     * under a call. */
+    pthread_mutex_lock(&c->issue);
+    if (c->closed) {
+        s = TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
+        goto out;
+    }
+    TEC_CUDA_CHECK_GOTO(cudaStreamIsCapturing(st, &cap), s, out);
+    if (async) {
+        TEC_CUDA_CHECK_GOTO(cudaEventRecord(c->fork, st), s, out);
+        TEC_CUDA_CHECK_GOTO(cudaStreamWaitEvent(c->side, c->fork, 0), s, out);
+        st = c->side;
+    }
     switch (op) {
     case TEC_NCCL_ALL_GATHER: r = c->lib->all_gather(send, recv, count, t, c->comm, st); break;
     case TEC_NCCL_REDUCE_SCATTER: r = c->lib->reduce_scatter(send, recv, count, t, kNcclSum, c->comm, st); break;
     default: r = c->lib->all_reduce(send, recv, count, t, kNcclSum, c->comm, st); break;
     }
-    if (r != 0)
-        return TEC_NCCL_FAIL(r, op == TEC_NCCL_ALL_GATHER ? "ncclAllGather"
-                                : op == TEC_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce");
+    if (r != 0) {
+        s = TEC_NCCL_FAIL(r, op == TEC_NCCL_ALL_GATHER ? "ncclAllGather"
+                             : op == TEC_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce");
+        goto out;
+    }
     pthread_mutex_lock(&c->lock);
-    const unsigned long long seq = ++c->seq;
-    slot *s = &c->ring[seq % kRing];
-    const cudaError_t e = cudaEventRecord(s->ev, st);
-    if (e == cudaSuccess) {
-        s->seq = seq;
-        s->op = op;
-        s->t = now_s();
-        s->pending = cap == cudaStreamCaptureStatusNone;
+    {
+        seq = ++c->seq;
+        slot *sl = &c->ring[seq % kRing];
+        const cudaError_t e = cudaEventRecord(sl->ev, st);
+        if (e == cudaSuccess) {
+            sl->seq = seq;
+            sl->op = op;
+            sl->t = now_s();
+            sl->pending = cap == cudaStreamCaptureStatusNone;
+        } else {
+            (void)cudaGetLastError();
+            s = TEC_CUDA_FAIL(tec_cuda_status(e), "engine collectives: cudaEventRecord: %s", cudaGetErrorString(e));
+        }
     }
     pthread_mutex_unlock(&c->lock);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return TEC_CUDA_FAIL(tec_cuda_status(e), "engine collectives: cudaEventRecord: %s", cudaGetErrorString(e));
-    }
-    if (ticket)
+out:
+    pthread_mutex_unlock(&c->issue);
+    if (s == TEC_OK && ticket)
         *ticket = (int)(seq % kRing);
-    return TEC_OK;
+    return s;
 }
 
 /* `stream` waits (on the device) for the asynchronous collective `ticket`. */
@@ -447,11 +465,16 @@ tec_status tec_cuda_nccl_join(tec_nccl *c, int ticket, void *stream)
 {
     if (ticket < 0 || ticket >= kRing)
         return TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG, "engine collectives: no such ticket %d", ticket);
-    if (c->closed)
-        return TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
     TEC_CUDA_ENTER(c->device);
-    TEC_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)stream, c->ring[ticket].ev, 0));
-    return TEC_OK;
+    tec_status s = TEC_OK;
+    pthread_mutex_lock(&c->issue); /* the event is re-recorded under it */
+    if (c->closed)
+        s = TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
+    else
+        TEC_CUDA_CHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)stream, c->ring[ticket].ev, 0), s, out);
+out:
+    pthread_mutex_unlock(&c->issue);
+    return s;
 }
 
 /* Destroy (or abort) the NCCL communicator and stop the watchdog (once);
@@ -459,11 +482,13 @@ tec_status tec_cuda_nccl_join(tec_nccl *c, int ticket, void *stream)
  * tec_cuda_nccl_free. */
 void tec_cuda_nccl_close(tec_nccl *c, int abort_comm)
 {
-    if (c->closed)
-        return;
-    c->closed = 1;
-    tec_cuda_device_scope scope(c->device);
-    release(c, abort_comm);
+    pthread_mutex_lock(&c->issue);
+    if (!c->closed) {
+        c->closed = 1;
+        tec_cuda_device_scope scope(c->device);
+        release(c, abort_comm);
+    }
+    pthread_mutex_unlock(&c->issue);
 }
 
 void tec_cuda_nccl_free(tec_nccl *c)
@@ -472,6 +497,7 @@ void tec_cuda_nccl_free(tec_nccl *c)
         return;
     tec_cuda_nccl_close(c, 0);
     pthread_mutex_destroy(&c->lock);
+    pthread_mutex_destroy(&c->issue);
     pthread_cond_destroy(&c->wake);
     free(c);
 }
