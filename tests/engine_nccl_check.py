@@ -7,6 +7,7 @@ Prints "PASS <mode>" on success.
 """
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -95,7 +96,6 @@ def collectives():
             s.synchronize()
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
-    import threading
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
     for t in threads:
         t.start()
