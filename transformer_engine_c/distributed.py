@@ -83,15 +83,25 @@ def _engine_comm(group, device):
     nranks, rank = dist.get_world_size(pg), dist.get_rank(pg)
     dev = torch.device("cuda", device)
     device_code(dev)  # loads the CUDA backend
-    uid = torch.zeros(128, dtype=torch.uint8, device=dev)
-    if rank == 0:
-        uid.copy_(torch.frombuffer(bytearray(_C.nccl_unique_id()), dtype=torch.uint8))
-    dist.broadcast(uid, src=dist.get_global_rank(pg, 0), group=pg)
+    uid = _shared_id(pg, dev, _C.nccl_unique_id)
     ranks = dist.get_process_group_ranks(pg)
     label = f"the {nranks}-rank group of global ranks {ranks}"
-    c = _C.nccl_create(device, bytes(uid.cpu().tolist()), nranks, rank, _collectives["timeout_s"], label)
+    c = _C.nccl_create(device, uid, nranks, rank, _collectives["timeout_s"], label)
     _engine_comms[key] = entry = (c, nranks)
     return entry
+
+
+def _shared_id(pg, device, make):
+    """Group rank 0's make() (128 bytes) on every rank of pg: broadcast as a
+    uint8 tensor on `device` (one the group's backend moves)."""
+    uid = torch.zeros(128, dtype=torch.uint8, device=device)
+    if dist.get_rank(pg) == 0:
+        made = make()
+        if len(made) != 128:
+            raise RuntimeError(f"a communicator id must be 128 bytes, got {len(made)}")
+        uid.copy_(torch.frombuffer(bytearray(made), dtype=torch.uint8))
+    dist.broadcast(uid, src=dist.get_global_rank(pg, 0), group=pg)
+    return bytes(uid.cpu().tolist())
 
 
 class _EngineWork:

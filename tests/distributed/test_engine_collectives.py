@@ -11,3 +11,9 @@ def test_engine_collectives_cuda():
     if gpu_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs (NCCL refuses two ranks on one), this machine has {gpu_count()}")
     run_torchrun("run_engine_collectives.py", 2)
+
+
+def test_engine_id_exchange_cpu():
+    """The part of making the engine's communicator that needs two ranks and
+    no GPU: every rank gets its group's rank 0 id (tests/distributed/run_engine_id.py)."""
+    run_torchrun("run_engine_id.py", 2)
