@@ -3,7 +3,7 @@ group): run by tests/test_engine_nccl.py, one mode per process, because the
 watchdog and the creation timeout end or strand the process by design.
 Prints "PASS <mode>" on success.
 
-    python tests/engine_nccl_check.py {collectives,capture,watchdog,init_timeout,exit_open}
+    python tests/engine_nccl_check.py {collectives,capture,capture_first,watchdog,init_timeout,exit_open}
 """
 import os
 import sys
@@ -103,6 +103,29 @@ def collectives():
         t.join()
     distributed.set_collectives("torch")
     assert not errors, errors[:5]
+    # A wait far too late (64 collectives later: its slot reused) is an
+    # error, not a wait on another collective.
+    distributed.set_collectives("engine")
+    src = torch.randn(8, 16, device=DEV)
+    out = torch.empty_like(src)
+    late = distributed._all_gather_into(out, src, group, True)
+    for _ in range(64):
+        distributed._all_gather_into(torch.empty_like(src), src, group, False)
+    try:
+        late.wait()
+    except ValueError as e:
+        assert "cannot be waited for any more" in str(e), e
+    else:
+        raise AssertionError("a wait on a reused slot passed")
+    # A work dropped without wait() waits then; its tensors lived until it did.
+    src = torch.randn(8, 16, device=DEV)
+    out = torch.empty_like(src)
+    torch.cuda._sleep(SPIN // 20)
+    distributed._all_gather_into(out, src.clone(), group, True)  # the input's only reference is the work's
+    torch.full_like(src, 7.0)  # takes the clone's block: after the collective only if the work waited
+    torch.cuda.synchronize()
+    assert torch.equal(out, src), "dropped async work"
+    distributed.set_collectives("torch")
     # Bad input: named, before anything is enqueued.
     x = torch.randn(8, 16, device=DEV)
     for out, want in ((torch.empty(4, 16, device=DEV), "all-gather over 1 ranks"),
@@ -166,6 +189,33 @@ def capture():
     print(f"PASS capture ({took:.2f} s with the watchdog polling)", flush=True)
 
 
+def capture_first():
+    """A group's first engine collective inside a CUDA graph capture: a clear
+    error (the communicator cannot be made there), and the next eager call
+    works."""
+    group = init()
+    distributed.set_collectives("engine", timeout_s=60)
+    x = torch.randn(8, 16, device=DEV)
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            distributed._all_gather_into(out, x, group, False)
+    except RuntimeError as e:
+        if "cannot be captured in a CUDA graph" not in str(e):
+            raise
+    else:
+        raise AssertionError("the communicator was made during a capture")
+    torch.cuda.synchronize()
+    assert not distributed._engine_comms
+    distributed._all_gather_into(out, x, group, False)
+    torch.cuda.synchronize()
+    assert torch.equal(out, x)
+    distributed.close_engine_collectives()
+    print("PASS capture_first", flush=True)
+
+
 def watchdog():
     """A collective that never finishes within the timeout: the watchdog
     names it on stderr and ends the process (exit 1)."""
@@ -198,8 +248,8 @@ def exit_open():
 
 def init_timeout():
     """Creating a communicator whose other rank never comes: a timeout error
-    naming the group, not a hang. (NCCL's init stays blocked on its helper
-    thread: the process ends with os._exit.)"""
+    naming the group, not a hang; the interpreter then exits normally while
+    NCCL's init stays blocked on its helper thread."""
     torch.cuda.set_device(DEV)
     tec._engine.device_code(DEV)  # loads the CUDA backend
     t0 = time.perf_counter()
@@ -210,13 +260,12 @@ def init_timeout():
         assert "not every rank joined within 2.0 s" in str(e) and "a test group of 2" in str(e), e
         assert took < 10, took
         print(f"PASS init_timeout ({took:.1f} s): {e}", flush=True)
-        sys.stdout.flush()
-        os._exit(0)
+        return  # a normal exit, with NCCL's init still blocked on its thread
     raise AssertionError("no timeout")
 
 
 if __name__ == "__main__":
     {"collectives": collectives, "capture": capture, "watchdog": watchdog,
-     "init_timeout": init_timeout, "exit_open": exit_open}[sys.argv[1]]()
+     "init_timeout": init_timeout, "exit_open": exit_open, "capture_first": capture_first}[sys.argv[1]]()
     if dist.is_initialized() and sys.argv[1] != "exit_open":
         dist.destroy_process_group()

@@ -5,8 +5,9 @@ CPU: the switch and its checks, the clear error without the CUDA backend,
 and CPU tensors still going through the process group. One GPU
 (tests/engine_nccl_check.py, a process per case): the collectives on a
 one-rank communicator against the process group's, ordered on the current
-stream, asynchronous ones joined back; captured in a CUDA graph and replayed
-while the watchdog polls; the watchdog ending a process whose collective
+stream, asynchronous ones joined back (a too-late wait refused, a dropped
+one waited for), two threads at once; captured in a CUDA graph and replayed
+while the watchdog polls; a first collective inside a capture refused; the watchdog ending a process whose collective
 never finishes, naming it; a creation whose peer never comes timing out;
 an interpreter exiting with a communicator open.
 Two ranks: tests/distributed/test_engine_collectives.py."""
@@ -109,9 +110,9 @@ def run_check(mode, timeout=240):
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", ["collectives", "capture", "init_timeout", "exit_open"])
+@pytest.mark.parametrize("mode", ["collectives", "capture", "capture_first", "init_timeout", "exit_open"])
 def test_engine_collectives_gpu(mode):
-    proc, _ = run_check(mode)
+    proc, _ = run_check(mode, timeout=90 if mode == "init_timeout" else 240)
     assert proc.returncode == 0 and f"PASS {mode}" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
     for bad in ("terminate called", "Segmentation", "has not finished", "Traceback"):
         assert bad not in proc.stderr, proc.stderr[-4000:]

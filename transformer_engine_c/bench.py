@@ -321,11 +321,11 @@ def engine_variant(tec, fn, device):
     flag = tec.distributed._collectives
 
     def run():
-        flag["engine"] = True
+        before, flag["engine"] = flag["engine"], True
         try:
             return fn()
         finally:
-            flag["engine"] = False
+            flag["engine"] = before
     return run
 
 

@@ -3,6 +3,7 @@ non-overlapped sequence-parallel collectives (along the first dimension of a
 2-D token-major tensor), through the process group or, for CUDA tensors with
 `set_collectives("engine")`, through the engine's own NCCL communicator."""
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ _KINDS = ("torch", "engine")
 _C_ALL_GATHER, _C_REDUCE_SCATTER, _C_ALL_REDUCE = 0, 1, 2  # tec.h's TEC_NCCL_*
 _collectives = {"engine": False, "timeout_s": 600.0}
 _engine_comms = {}  # (group, CUDA ordinal) -> (capsule of the engine's communicator, ranks)
+_engine_lock = threading.Lock()  # making one (the forward's and autograd's threads may both get there)
 
 
 def set_collectives(kind, timeout_s=None):
@@ -76,9 +78,19 @@ def _engine_comm(group, device):
     """(capsule, ranks) of the engine communicator of (group, CUDA ordinal),
     made on first use."""
     key = (group, device)
-    entry = _engine_comms.get(key)
-    if entry is not None:
-        return entry
+    with _engine_lock:
+        entry = _engine_comms.get(key)
+        if entry is None:
+            entry = _engine_comms[key] = _make_engine_comm(group, device)
+    return entry
+
+
+def _make_engine_comm(group, device):
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the engine's NCCL communicator of this group is made on its first collective, which cannot be "
+            "captured in a CUDA graph (it exchanges an id and connects the ranks): run the layers once "
+            "outside the capture first (as torch.cuda.make_graphed_callables' warm-up does)")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     nranks, rank = dist.get_world_size(pg), dist.get_rank(pg)
     dev = torch.device("cuda", device)
@@ -86,9 +98,7 @@ def _engine_comm(group, device):
     uid = _shared_id(pg, dev, _C.nccl_unique_id)
     ranks = dist.get_process_group_ranks(pg)
     label = f"the {nranks}-rank group of global ranks {ranks}"
-    c = _C.nccl_create(device, uid, nranks, rank, _collectives["timeout_s"], label)
-    _engine_comms[key] = entry = (c, nranks)
-    return entry
+    return _C.nccl_create(device, uid, nranks, rank, _collectives["timeout_s"], label), nranks
 
 
 def _shared_id(pg, device, make):
@@ -106,15 +116,28 @@ def _shared_id(pg, device, make):
 
 class _EngineWork:
     """An asynchronous engine collective: wait() makes the stream that issued
-    it wait (on the device) for it, as a process group's Work.wait() does."""
-    __slots__ = ("comm", "ticket", "stream")
+    it wait (on the device) for it, as a process group's Work.wait() does.
+    It holds the collective's tensors until then: the side stream reads and
+    writes them, which PyTorch's allocator does not know (a tensor freed
+    earlier could be handed to the issuing stream's next allocation while
+    the collective still uses it). Dropped without wait(), it waits then."""
+    __slots__ = ("comm", "ticket", "stream", "tensors")
 
-    def __init__(self, comm, ticket, stream):
-        self.comm, self.ticket, self.stream = comm, ticket, stream
+    def __init__(self, comm, ticket, stream, tensors):
+        self.comm, self.ticket, self.stream, self.tensors = comm, ticket, stream, tensors
 
     def wait(self):
-        _C.nccl_join(self.comm, self.ticket, self.stream)
+        if self.tensors is not None:
+            _C.nccl_join(self.comm, self.ticket, self.stream)
+            self.tensors = None
         return True
+
+    def __del__(self):
+        if self.tensors is not None:
+            try:
+                self.wait()
+            except Exception:  # noqa: BLE001 - a closed communicator: nothing runs any more
+                self.tensors = None
 
 
 def _engine_run(op, out, x, group, async_op):
@@ -141,7 +164,7 @@ def _engine_run(op, out, x, group, async_op):
                          f"{('output', 'input')[op]} {nranks} times the other")
     stream = _raw_stream(device) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
     ticket = _C.nccl_run(c, op, x.data_ptr(), out.data_ptr(), count, DTYPE_CODES[x.dtype], stream, async_op)
-    return _EngineWork(c, ticket, stream) if async_op else None
+    return _EngineWork(c, ticket, stream, (x, out)) if async_op else None
 
 
 def _process_group(group):

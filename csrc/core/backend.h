@@ -26,8 +26,8 @@ typedef struct tec_nccl_ops {
     tec_status (*create)(int device, const unsigned char *id, int nranks, int rank, double timeout_s,
                          const char *label, tec_nccl **out);
     tec_status (*run)(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
-                      void *stream, int async, int *ticket);
-    tec_status (*join)(tec_nccl *c, int ticket, void *stream);
+                      void *stream, int async, uint64_t *ticket);
+    tec_status (*join)(tec_nccl *c, uint64_t ticket, void *stream);
     void (*close)(tec_nccl *c, int abort);
     void (*free)(tec_nccl *c);
     int (*version)(void);

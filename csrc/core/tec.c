@@ -224,7 +224,7 @@ tec_status tec_nccl_create(int device, const unsigned char id[TEC_NCCL_ID_BYTES]
 }
 
 tec_status tec_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
-                        void *stream, int async, int *ticket)
+                        void *stream, int async, uint64_t *ticket)
 {
     const tec_nccl_ops *o;
     tec_status st = nccl_ops(&o);
@@ -239,7 +239,7 @@ tec_status tec_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_
     return o->run(c, op, send, recv, count, dtype, stream, async, ticket);
 }
 
-tec_status tec_nccl_join(tec_nccl *c, int ticket, void *stream)
+tec_status tec_nccl_join(tec_nccl *c, uint64_t ticket, void *stream)
 {
     const tec_nccl_ops *o;
     tec_status st = nccl_ops(&o);

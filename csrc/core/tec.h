@@ -299,10 +299,13 @@ tec_status tec_nccl_create(int device, const unsigned char id[TEC_NCCL_ID_BYTES]
                            double timeout_s, const char *label, tec_nccl **out);
 /* count: elements per rank (all-gather's input, reduce-scatter's output),
  * all of them for all-reduce (send may equal recv). ticket: written when
- * async (for tec_nccl_join). */
+ * async (for tec_nccl_join; valid for the next 63 collectives of the
+ * communicator). During CUDA graph capture an async call runs on the
+ * caller's stream. Calls from several threads are serialised; their order
+ * must still be the same on every rank. */
 tec_status tec_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dtype,
-                        void *stream, int async, int *ticket);
-tec_status tec_nccl_join(tec_nccl *c, int ticket, void *stream);
+                        void *stream, int async, uint64_t *ticket);
+tec_status tec_nccl_join(tec_nccl *c, uint64_t ticket, void *stream);
 /* Destroy the NCCL communicator (waiting for its unfinished collectives,
  * bounded by the watchdog) or, with `abort`, abort it (nothing waits: at
  * exit, or after a failure); later calls fail as closed. */

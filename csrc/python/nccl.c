@@ -67,7 +67,8 @@ static PyObject *py_create(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     return cap;
 }
 
-/* nccl_run(comm, op, send, recv, count, dtype, stream, async) -> ticket (async) or None */
+/* nccl_run(comm, op, send, recv, count, dtype, stream, async) -> ticket (async) or None.
+ * Without the GIL: NCCL may block on the host (connecting to peers). */
 static PyObject *py_run(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!tec_arg_count("nccl_run", nargs, 8))
@@ -81,12 +82,14 @@ static PyObject *py_run(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
         !tec_arg_int(args, 5, 0, TEC_ARG_DTYPE_MAX, "dtype", &dt) || !tec_arg_ptr(args, 6, &stream) ||
         !tec_arg_int(args, 7, 0, 1, "async", &async))
         return NULL;
-    int ticket = -1;
-    tec_status st = tec_nccl_run(c, op, send, recv, count, (tec_dtype)dt, stream, async, &ticket);
+    uint64_t ticket = 0;
+    tec_status st;
+    Py_BEGIN_ALLOW_THREADS st = tec_nccl_run(c, op, send, recv, count, (tec_dtype)dt, stream, async, &ticket);
+    Py_END_ALLOW_THREADS
     if (st)
         return tec_raise(m, st);
     if (async)
-        return PyLong_FromLong(ticket);
+        return PyLong_FromUnsignedLongLong((unsigned long long)ticket);
     Py_RETURN_NONE;
 }
 
@@ -96,11 +99,13 @@ static PyObject *py_join(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     if (!tec_arg_count("nccl_join", nargs, 3))
         return NULL;
     tec_nccl *c = get(args);
-    int ticket;
+    int64_t ticket;
     void *stream;
-    if (!c || !tec_arg_int(args, 1, 0, 1 << 20, "ticket", &ticket) || !tec_arg_ptr(args, 2, &stream))
+    if (!c || !tec_arg_range(args, 1, 1, INT64_MAX, "ticket", &ticket) || !tec_arg_ptr(args, 2, &stream))
         return NULL;
-    tec_status st = tec_nccl_join(c, ticket, stream);
+    tec_status st;
+    Py_BEGIN_ALLOW_THREADS st = tec_nccl_join(c, (uint64_t)ticket, stream);
+    Py_END_ALLOW_THREADS
     if (st)
         return tec_raise(m, st);
     Py_RETURN_NONE;

@@ -80,11 +80,11 @@ def engine(fn):
     from transformer_engine_c import distributed as d
 
     def run():
-        d._collectives["engine"] = True
+        before, d._collectives["engine"] = d._collectives["engine"], True
         try:
             return fn()
         finally:
-            d._collectives["engine"] = False
+            d._collectives["engine"] = before
     return run
 
 

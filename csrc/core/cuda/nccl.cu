@@ -14,7 +14,9 @@
  * GPU, where nothing on the host blocks: a watchdog thread per communicator
  * follows each enqueued collective by an event and, if one has not finished
  * `timeout_s` after it was enqueued, reports which collective (kind, number,
- * group) on stderr and ends the process (what PyTorch's NCCL process group
+ * group) on stderr and ends the process. It also follows each NCCL call
+ * itself, which can block on the host (NCCL connects to the peers on an
+ * algorithm's first use) and ends the process the same way (what PyTorch's NCCL process group
  * does by default: the results of a collective that never finished would be
  * wrong silently). Collectives enqueued during CUDA graph capture are not
  * followed (their events cannot be queried); the watchdog thread relaxes
@@ -22,7 +24,7 @@
  * capture.
  *
  * Exercised by tests/test_engine_nccl.py (one rank, one GPU) and, with two
- * ranks, by tests/distributed/run_fast_sp.py under TEC_COLLECTIVES=engine. */
+ * ranks, by tests/distributed/run_engine_collectives.py. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -92,8 +94,9 @@ void load_lib(void)
     TEC_NCCL_SYM(reduce_scatter, "ncclReduceScatter");
     TEC_NCCL_SYM(all_reduce, "ncclAllReduce");
 #undef TEC_NCCL_SYM
-    if (l.get_version(&l.version) != 0 || l.version < 20000) {
-        snprintf(g_lib_error, sizeof g_lib_error, "%s: NCCL version %d is older than 2.0", path, l.version);
+    /* 2.10 (code 21000; bfloat16). Codes before 2.9 were 2xyz: all smaller. */
+    if (l.get_version(&l.version) != 0 || l.version < 21000) {
+        snprintf(g_lib_error, sizeof g_lib_error, "%s: NCCL version code %d is older than 2.10", path, l.version);
         return;
     }
     g_lib = l;
@@ -116,6 +119,30 @@ double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A condition variable on CLOCK_MONOTONIC (a wall-clock jump moves no deadline). */
+void cond_init(pthread_cond_t *cv)
+{
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
+}
+
+struct timespec deadline(double after_s)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const double t = (double)ts.tv_nsec * 1e-9 + after_s;
+    ts.tv_sec += (time_t)t;
+    ts.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec += 1;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
 }
 
 const char *op_name(int op)
@@ -153,6 +180,8 @@ struct tec_nccl {
     pthread_cond_t wake;
     pthread_t watchdog;
     int watching, stop, closed;
+    double in_call_since; /* > 0 while an NCCL call runs (under lock) */
+    int in_call_op;
 };
 
 namespace {
@@ -177,15 +206,21 @@ void *watch(void *arg)
     const double period = c->timeout_s / 8 < 0.1 ? c->timeout_s / 8 : 0.1;
     pthread_mutex_lock(&c->lock);
     while (!c->stop) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        const double t = (double)until.tv_nsec * 1e-9 + period;
-        until.tv_sec += (time_t)t;
-        until.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
+        const struct timespec until = deadline(period);
         pthread_cond_timedwait(&c->wake, &c->lock, &until);
         if (c->stop)
             break;
         const double now = now_s();
+        if (c->in_call_since > 0 && now - c->in_call_since > c->timeout_s) {
+            fprintf(stderr,
+                    "transformer_engine_c: an NCCL %s call (#%llu) of %s (rank %d of %d, cuda:%d) has not returned "
+                    "%.1f s after it was made (timeout %.1f s): NCCL waits there for a peer rank to connect; a "
+                    "peer stopped, or called another collective. Ending this process.\n",
+                    op_name(c->in_call_op), c->seq + 1, c->label, c->rank, c->nranks, c->device,
+                    now - c->in_call_since, c->timeout_s);
+            fflush(stderr);
+            _exit(1);
+        }
         for (int i = 0; i < kRing; i++) {
             slot *s = &c->ring[i];
             if (!s->pending)
@@ -221,7 +256,10 @@ struct init_job {
 void *init_thread(void *arg)
 {
     init_job *j = (init_job *)arg;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed; /* its allocations must not break a capture */
     j->cuda = cudaSetDevice(j->device);
+    if (j->cuda == cudaSuccess)
+        j->cuda = cudaThreadExchangeStreamCaptureMode(&mode);
     ncclComm_t comm = NULL;
     ncclResult_t r = 1;
     if (j->cuda == cudaSuccess)
@@ -257,7 +295,7 @@ tec_status init_comm(const nccl_lib *l, int device, const unsigned char *id, int
     j->nranks = nranks;
     j->rank = rank;
     pthread_mutex_init(&j->lock, NULL);
-    pthread_cond_init(&j->done_cv, NULL);
+    cond_init(&j->done_cv);
     pthread_t th;
     if (pthread_create(&th, NULL, init_thread, j) != 0) {
         pthread_mutex_destroy(&j->lock);
@@ -266,14 +304,7 @@ tec_status init_comm(const nccl_lib *l, int device, const unsigned char *id, int
         return TEC_CUDA_FAIL(TEC_ERR_SYSTEM, "engine collectives: cannot start the NCCL init thread");
     }
     pthread_detach(th);
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += (time_t)timeout_s;
-    until.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec += 1;
-        until.tv_nsec -= 1000000000L;
-    }
+    const struct timespec until = deadline(timeout_s);
     pthread_mutex_lock(&j->lock);
     while (!j->done)
         if (pthread_cond_timedwait(&j->done_cv, &j->lock, &until) != 0 && !j->done)
@@ -374,7 +405,7 @@ tec_status tec_cuda_nccl_create(int device, const unsigned char *id, int nranks,
     snprintf(c->label, sizeof c->label, "%s", label && *label ? label : "a process group");
     pthread_mutex_init(&c->lock, NULL);
     pthread_mutex_init(&c->issue, NULL);
-    pthread_cond_init(&c->wake, NULL);
+    cond_init(&c->wake);
     TEC_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking), s, fail);
     TEC_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming), s, fail);
     for (int i = 0; i < kRing; i++)
@@ -399,10 +430,12 @@ fail:
 
 /* `count` elements: per rank for all-gather's input and reduce-scatter's
  * output, the whole tensor for all-reduce. With `async`, the collective
- * runs on the side stream after `stream`'s work so far; *ticket names the
- * event tec_cuda_nccl_join waits for. */
+ * runs on the side stream after `stream`'s work so far (on `stream` itself
+ * while it is being captured: the shared side stream must never join a
+ * capture another thread's calls could then fall into); *ticket names it
+ * for tec_cuda_nccl_join. */
 tec_status tec_cuda_nccl_run(tec_nccl *c, int op, const void *send, void *recv, size_t count, tec_dtype dt,
-                             void *stream, int async, int *ticket)
+                             void *stream, int async, uint64_t *ticket)
 {
     TEC_CUDA_ENTER(c->device);
     cudaStream_t st = (cudaStream_t)stream;
@@ -411,34 +444,34 @@ tec_status tec_cuda_nccl_run(tec_nccl *c, int op, const void *send, void *recv, 
     ncclResult_t r;
     unsigned long long seq = 0;
     tec_status s = TEC_OK;
-    /* One call at a time (the forward's thread and autograd's may both
-     * call): NCCL takes one call at a time on a communicator, the side
-     * stream's fork event is shared, a ring slot must follow the collective
-     * it was recorded after, and close() must not destroy the communicator
-     * under a call. */
+    /* One call at a time (a forward's thread and autograd's may both call;
+     * their order must still match across ranks): NCCL takes one call at a
+     * time on a communicator, the side stream's fork event is shared, a ring
+     * slot must follow the collective it was recorded after, and close()
+     * must not destroy the communicator under a call. */
     pthread_mutex_lock(&c->issue);
     if (c->closed) {
         s = TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
         goto out;
     }
     TEC_CUDA_CHECK_GOTO(cudaStreamIsCapturing(st, &cap), s, out);
-    if (async) {
+    if (async && cap == cudaStreamCaptureStatusNone) {
         TEC_CUDA_CHECK_GOTO(cudaEventRecord(c->fork, st), s, out);
         TEC_CUDA_CHECK_GOTO(cudaStreamWaitEvent(c->side, c->fork, 0), s, out);
         st = c->side;
     }
+    pthread_mutex_lock(&c->lock); /* the watchdog follows the call itself too */
+    c->in_call_since = now_s();
+    c->in_call_op = op;
+    pthread_mutex_unlock(&c->lock);
     switch (op) {
     case TEC_NCCL_ALL_GATHER: r = c->lib->all_gather(send, recv, count, t, c->comm, st); break;
     case TEC_NCCL_REDUCE_SCATTER: r = c->lib->reduce_scatter(send, recv, count, t, kNcclSum, c->comm, st); break;
     default: r = c->lib->all_reduce(send, recv, count, t, kNcclSum, c->comm, st); break;
     }
-    if (r != 0) {
-        s = TEC_NCCL_FAIL(r, op == TEC_NCCL_ALL_GATHER ? "ncclAllGather"
-                             : op == TEC_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce");
-        goto out;
-    }
     pthread_mutex_lock(&c->lock);
-    {
+    c->in_call_since = 0;
+    if (r == 0) {
         seq = ++c->seq;
         slot *sl = &c->ring[seq % kRing];
         const cudaError_t e = cudaEventRecord(sl->ev, st);
@@ -449,29 +482,40 @@ tec_status tec_cuda_nccl_run(tec_nccl *c, int op, const void *send, void *recv, 
             sl->pending = cap == cudaStreamCaptureStatusNone;
         } else {
             (void)cudaGetLastError();
+            sl->seq = 0; /* no ticket names this slot now */
+            sl->pending = 0;
             s = TEC_CUDA_FAIL(tec_cuda_status(e), "engine collectives: cudaEventRecord: %s", cudaGetErrorString(e));
         }
     }
     pthread_mutex_unlock(&c->lock);
+    if (r != 0)
+        s = TEC_NCCL_FAIL(r, op == TEC_NCCL_ALL_GATHER ? "ncclAllGather"
+                             : op == TEC_NCCL_REDUCE_SCATTER ? "ncclReduceScatter" : "ncclAllReduce");
 out:
     pthread_mutex_unlock(&c->issue);
     if (s == TEC_OK && ticket)
-        *ticket = (int)(seq % kRing);
+        *ticket = seq;
     return s;
 }
 
-/* `stream` waits (on the device) for the asynchronous collective `ticket`. */
-tec_status tec_cuda_nccl_join(tec_nccl *c, int ticket, void *stream)
+/* `stream` waits (on the device) for the asynchronous collective `ticket`,
+ * which must be one of the communicator's last kRing collectives (its slot
+ * not yet reused: an error otherwise, not a wait on another collective). */
+tec_status tec_cuda_nccl_join(tec_nccl *c, uint64_t ticket, void *stream)
 {
-    if (ticket < 0 || ticket >= kRing)
-        return TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG, "engine collectives: no such ticket %d", ticket);
     TEC_CUDA_ENTER(c->device);
     tec_status s = TEC_OK;
-    pthread_mutex_lock(&c->issue); /* the event is re-recorded under it */
+    pthread_mutex_lock(&c->issue); /* the slot's event is re-recorded under it */
+    const slot *sl = &c->ring[ticket % kRing];
     if (c->closed)
         s = TEC_CUDA_FAIL(TEC_ERR_CLOSED, "engine collectives: the communicator of %s is closed", c->label);
+    else if (ticket == 0 || sl->seq != ticket)
+        s = TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG,
+                          "engine collectives: collective #%llu of %s cannot be waited for any more (%d or more "
+                          "collectives were issued after it, or it never ran)",
+                          (unsigned long long)ticket, c->label, kRing);
     else
-        TEC_CUDA_CHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)stream, c->ring[ticket].ev, 0), s, out);
+        TEC_CUDA_CHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)stream, sl->ev, 0), s, out);
 out:
     pthread_mutex_unlock(&c->issue);
     return s;
