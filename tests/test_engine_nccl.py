@@ -30,17 +30,20 @@ needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the CUDA ba
 
 
 def test_set_collectives_checks():
-    assert distributed.collectives() == "torch"
-    with pytest.raises(ValueError, match="collectives must be one of"):
-        distributed.set_collectives("nccl")
-    with pytest.raises(ValueError, match="timeout_s must be in"):
-        distributed.set_collectives("engine", timeout_s=0)
-    assert distributed.collectives() == "torch"
-    distributed.set_collectives("engine", timeout_s=5)
+    if os.environ.get("TEC_COLLECTIVES", "") in ("", "torch"):
+        assert distributed.collectives() == "torch"  # the default
+    before, timeout = distributed.collectives(), distributed._collectives["timeout_s"]
     try:
+        distributed.set_collectives("torch")
+        with pytest.raises(ValueError, match="collectives must be one of"):
+            distributed.set_collectives("nccl")
+        with pytest.raises(ValueError, match="timeout_s must be in"):
+            distributed.set_collectives("engine", timeout_s=0)
+        assert distributed.collectives() == "torch"
+        distributed.set_collectives("engine", timeout_s=5)
         assert distributed.collectives() == "engine" and distributed._collectives["timeout_s"] == 5.0
     finally:
-        distributed.set_collectives("torch", timeout_s=600)
+        distributed.set_collectives(before, timeout_s=timeout)
 
 
 def test_environment_sets_collectives():
@@ -84,6 +87,7 @@ def test_cpu_tensors_take_the_process_group():
     try:
         group = dist.new_group([0])
         x = torch.randn(4, 8)
+        before = distributed.collectives()
         distributed.set_collectives("engine")
         try:
             assert torch.equal(distributed.all_gather_rows(x, group, 1), x)
@@ -93,7 +97,7 @@ def test_cpu_tensors_take_the_process_group():
             distributed._reduce_scatter_into(out, x * 3, group)
             assert torch.equal(out, x * 3)
         finally:
-            distributed.set_collectives("torch")
+            distributed.set_collectives(before)
         assert not distributed._engine_comms
     finally:
         if fresh:
