@@ -279,7 +279,7 @@ def all_reduce_coalesced(tensors, group, dtype=None):
     flattened together (in `dtype` when given, e.g. float32 for 16-bit
     gradients; else torch's promotion of theirs)."""
     flat = torch.cat([t.reshape(-1) if dtype is None else t.reshape(-1).to(dtype) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    all_reduce(flat, group, dist.get_world_size(group))
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
