@@ -129,3 +129,28 @@ def test_watchdog_ends_a_stuck_collective_gpu():
     assert "enqueued" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
     assert "NCCL all-gather #2 of the 1-rank group" in proc.stderr and "timeout 1.0 s" in proc.stderr, proc.stderr
     assert took < 30, f"the watchdog took {took:.1f} s for a 1 s timeout (the stuck kernel spins ~60 s)"
+
+
+def test_engine_work_holds_its_tensors_until_waited(monkeypatch):
+    """An asynchronous engine collective's work keeps its tensors alive until
+    wait() (the side stream uses them behind the allocator's back), joins
+    once, and joins by itself when dropped unwaited (the join recorded here
+    instead of made)."""
+    import gc
+    import weakref
+
+    joins = []
+    monkeypatch.setattr(distributed._C, "nccl_join", lambda comm, ticket, stream: joins.append((comm, ticket, stream)))
+    x, out = torch.randn(4), torch.empty(8)
+    ref = weakref.ref(x)
+    work = distributed._EngineWork("comm", 7, 99, (x, out))
+    del x
+    gc.collect()
+    assert ref() is not None, "the work let its input go before wait()"
+    assert work.wait() and work.wait()
+    assert joins == [("comm", 7, 99)], joins
+    gc.collect()
+    assert ref() is None, "the work kept its input after wait()"
+    distributed._EngineWork("comm", 8, 5, (torch.empty(1),))  # dropped at once
+    gc.collect()
+    assert joins[-1] == ("comm", 8, 5), joins
