@@ -30,11 +30,7 @@ def init():
 
 
 def through(engine, fn):
-    distributed.set_collectives("engine" if engine else "torch")
-    try:
-        return fn()
-    finally:
-        distributed.set_collectives("torch")
+    return distributed.with_collectives("engine" if engine else "torch", fn)()
 
 
 def collectives():

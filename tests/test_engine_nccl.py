@@ -29,6 +29,20 @@ GPU = torch.cuda.is_available() and tec._engine.cuda_backend_built()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the CUDA backend (this machine has none)")
 
 
+def test_with_collectives_restores_the_setting():
+    calls = []
+    before = distributed.collectives()
+    run = distributed.with_collectives("engine", lambda a, b=0: calls.append((distributed.collectives(), a, b)))
+    run(1, b=2)
+    assert calls == [("engine", 1, 2)] and distributed.collectives() == before
+    boom = distributed.with_collectives("engine", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        boom()
+    assert distributed.collectives() == before
+    with pytest.raises(ValueError, match="collectives must be one of"):
+        distributed.with_collectives("nccl", print)
+
+
 def test_set_collectives_checks():
     if os.environ.get("TEC_COLLECTIVES", "") in ("", "torch"):
         assert distributed.collectives() == "torch"  # the default
@@ -128,6 +142,7 @@ def test_watchdog_ends_a_stuck_collective_gpu():
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
     assert "enqueued" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
     assert "NCCL all-gather #2 of the 1-rank group" in proc.stderr and "timeout 1.0 s" in proc.stderr, proc.stderr
+    assert "has not finished, enqueued" in proc.stderr, proc.stderr
     assert took < 30, f"the watchdog took {took:.1f} s for a 1 s timeout (the stuck kernel spins ~60 s)"
 
 

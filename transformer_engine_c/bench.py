@@ -316,17 +316,9 @@ def engine_variant(tec, fn, device):
     """fn with the layers' collectives through the engine's own NCCL
     communicator (tec.distributed.set_collectives), for the `*_engine` rows:
     the same layers, compared in the same run. None off CUDA."""
-    if device.type != "cuda" or not hasattr(tec.distributed, "set_collectives"):
+    if device.type != "cuda" or not hasattr(tec.distributed, "with_collectives"):
         return None
-    flag = tec.distributed._collectives
-
-    def run():
-        before, flag["engine"] = flag["engine"], True
-        try:
-            return fn()
-        finally:
-            flag["engine"] = before
-    return run
+    return tec.distributed.with_collectives("engine", fn)
 
 
 def add_engine_variants(tec, fns, names, device):

@@ -63,6 +63,24 @@ def collectives():
     return "engine" if _collectives["engine"] else "torch"
 
 
+def with_collectives(kind, fn):
+    """fn, made to run with the layers' CUDA collectives through `kind`
+    ("torch" or "engine") and the setting found restored afterwards (for
+    comparing the two in one process: the benchmark, the tests). The switch
+    is a dict store each way, cheap enough for timed loops."""
+    if kind not in _KINDS:
+        raise ValueError(f"collectives must be one of {_KINDS}, got {kind!r}")
+    engine = kind == "engine"
+
+    def run(*args, **kw):
+        before, _collectives["engine"] = _collectives["engine"], engine
+        try:
+            return fn(*args, **kw)
+        finally:
+            _collectives["engine"] = before
+    return run
+
+
 def close_engine_collectives(abort=False):
     """Destroy the engine's NCCL communicators (each is made again on its group's
     next collective): call it on every rank, with no collective in flight that

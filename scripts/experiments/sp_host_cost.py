@@ -77,15 +77,7 @@ def is_forward(name, forwards):
 
 def engine(fn):
     """fn with the layers' collectives through the engine's communicator."""
-    from transformer_engine_c import distributed as d
-
-    def run():
-        before, d._collectives["engine"] = d._collectives["engine"], True
-        try:
-            return fn()
-        finally:
-            d._collectives["engine"] = before
-    return run
+    return tec.distributed.with_collectives("engine", fn)
 
 
 class _Loopback:

@@ -21,14 +21,7 @@ from common import setup  # noqa: E402
 
 def both(fn):
     """fn() with the process group's collectives, then with the engine's."""
-    out = []
-    for kind in ("torch", "engine"):
-        distributed.set_collectives(kind)
-        try:
-            out.append(fn())
-        finally:
-            distributed.set_collectives("torch")
-    return out
+    return [distributed.with_collectives(kind, fn)() for kind in ("torch", "engine")]
 
 
 def collectives(rank, size, group):

@@ -186,13 +186,16 @@ struct tec_nccl {
 
 namespace {
 
-void fire(tec_nccl *c, const slot *s, double waited)
+/* The watchdog's end of the process (justified in the header comment):
+ * `what` says whether the collective never finished on the GPU or its NCCL
+ * call never returned on the host. */
+void fire(tec_nccl *c, const char *what, int op, unsigned long long seq, double waited)
 {
     fprintf(stderr,
-            "transformer_engine_c: NCCL %s #%llu of %s (rank %d of %d, cuda:%d) has not finished %.1f s after it "
-            "was enqueued (timeout %.1f s): a peer rank stopped, or called another collective. Ending this "
-            "process: the collective's results would be wrong.\n",
-            op_name(s->op), s->seq, c->label, c->rank, c->nranks, c->device, waited, c->timeout_s);
+            "transformer_engine_c: NCCL %s #%llu of %s (rank %d of %d, cuda:%d): %s %.1f s ago (timeout %.1f s): a "
+            "peer rank stopped, or called another collective. Ending this process: the collective's results "
+            "would be wrong.\n",
+            op_name(op), seq, c->label, c->rank, c->nranks, c->device, what, waited, c->timeout_s);
     fflush(stderr);
     _exit(1);
 }
@@ -211,16 +214,9 @@ void *watch(void *arg)
         if (c->stop)
             break;
         const double now = now_s();
-        if (c->in_call_since > 0 && now - c->in_call_since > c->timeout_s) {
-            fprintf(stderr,
-                    "transformer_engine_c: an NCCL %s call (#%llu) of %s (rank %d of %d, cuda:%d) has not returned "
-                    "%.1f s after it was made (timeout %.1f s): NCCL waits there for a peer rank to connect; a "
-                    "peer stopped, or called another collective. Ending this process.\n",
-                    op_name(c->in_call_op), c->seq + 1, c->label, c->rank, c->nranks, c->device,
-                    now - c->in_call_since, c->timeout_s);
-            fflush(stderr);
-            _exit(1);
-        }
+        if (c->in_call_since > 0 && now - c->in_call_since > c->timeout_s)
+            fire(c, "its NCCL call has not returned (NCCL waits there for the peers to connect), made", c->in_call_op,
+                 c->seq + 1, now - c->in_call_since);
         for (int i = 0; i < kRing; i++) {
             slot *s = &c->ring[i];
             if (!s->pending)
@@ -228,7 +224,7 @@ void *watch(void *arg)
             cudaError_t e = cudaEventQuery(s->ev);
             if (e == cudaErrorNotReady) {
                 if (now - s->t > c->timeout_s)
-                    fire(c, s, now - s->t);
+                    fire(c, "has not finished, enqueued", s->op, s->seq, now - s->t);
                 continue;
             }
             tec_cuda_ignore(e); /* done (or failed: the next CUDA call reports it) */
