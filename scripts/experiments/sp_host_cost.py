@@ -16,7 +16,12 @@ min_chunk_flops) is timed too.
 With --device cuda (one GPU per rank, NCCL) the same comparison runs where
 the benchmark's small shapes are host-bound; the GPU is synchronised before
 each timed stretch, not inside it. --profile writes rank 0's cProfile of the
-fast MLP step and of PyTorch's (sorted by own time) to FILE.
+fast MLP step and of PyTorch's (sorted by own time) to FILE. --trace DIR
+writes, for the MLP steps and the row forwards (ours, with --loopback ours
+through the engine too, and PyTorch's), a torch.profiler chrome trace of a
+few steps and a table of the operators' own host time (DIR/NAME.json, .txt):
+where a step's wall time goes (scripts/trace_summary.py gives the GPU's
+busy time per stream).
 
 --fake runs one process as rank 0 of a two-rank group of torch's "fake"
 backend, whose collectives return at once without moving data: the host work
@@ -118,6 +123,33 @@ def loopback(device):
         d._engine_comms[(group, device.index or 0)] = (comm, 2)
 
 
+def trace(where, steps, forwards, sync, rank, n=20):
+    """--trace: a profiler trace and an operator table per variant (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(where, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for name in ("mlp", "mlp_engine", "mlp_torch", "lnmlp", "lnmlp_engine", "row_fwd", "row_fwd_engine", "row_fwd_torch"):
+        fn = steps.get(name)
+        if fn is None:
+            continue
+        grad = torch.no_grad() if is_forward(name, forwards) else contextlib.nullcontext()
+        with grad:
+            for _ in range(5):
+                fn()
+            sync()
+            with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                sync()
+                wall = (time.perf_counter() - t0) / n * 1e6
+        if rank == 0:
+            prof.export_chrome_trace(os.path.join(where, name + ".json"))
+            with open(os.path.join(where, name + ".txt"), "w") as fh:
+                fh.write(f"{name}: {n} steps, {wall:.1f} µs per step under the profiler\n")
+                fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -129,6 +161,7 @@ def main():
     ap.add_argument("--ub", action="store_true")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--trace", default=None, help="directory for torch.profiler traces (see the docstring)")
     ap.add_argument("--fake", action="store_true", help="one process, a two-rank group of torch's fake backend")
     ap.add_argument("--loopback", action="store_true", help="--fake, every collective a one-rank NCCL call (CUDA)")
     args = ap.parse_args()
@@ -258,6 +291,8 @@ def main():
         if rank == 0:
             with open(args.profile, "w") as fh:
                 fh.write("\n".join(profiles))
+    if args.trace:
+        trace(args.trace, dict(steps, mlp_torch=torch_step), forwards, sync, rank)
     if rank == 0:
         print(f"{dist.get_backend()}{' (one process)' if args.fake else ''}, {size} ranks, {args.dtype}, {t} rows/rank, hidden {h}, ffn {f}: median µs per fwd+bwd step "
               f"over {args.reps} interleaved repetitions of {args.iters}; main-thread CPU µs (the host work; "

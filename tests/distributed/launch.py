@@ -6,6 +6,8 @@ import sys
 
 import torch
 
+from transformer_engine_c._launch import shared_gpu_ranks
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -17,7 +19,11 @@ def free_port():
 
 
 def gpu_count():
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """How many CUDA ranks the tests may start: the GPUs present or, with
+    TEC_SHARE_GPU=N and a GPU present, N ranks sharing them
+    (transformer_engine_c._launch.cuda_index)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(count, shared_gpu_ranks()) if count else 0
 
 
 def run_torchrun(script, nproc, args=(), timeout=300, pass_line=None):
