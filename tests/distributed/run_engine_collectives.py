@@ -72,7 +72,7 @@ def graphed(rank, size, group):
     distributed.set_collectives("engine")
     x = torch.randn(4 * size, 16)
     ag = torch.empty(size * x.shape[0], 16)
-    rs = torch.empty(x.shape[0] // size, 16)
+    rs = torch.empty(x.shape[0], 16)  # this rank's share of ag's sum
 
     def step():
         distributed._all_gather_into(ag, x, group, True).wait()
@@ -89,10 +89,12 @@ def graphed(rank, size, group):
         torch.manual_seed(1000 * i + rank)
         x.copy_(torch.randn_like(x))
         g.replay()
-        want_ag = torch.empty_like(ag)
-        distributed._all_gather_into(want_ag, x, group, False)
-        want_rs = torch.empty_like(rs)
-        distributed._reduce_scatter_into(want_rs, want_ag, group)
+        want_ag, want_rs = torch.empty_like(ag), torch.empty_like(rs)
+
+        def reference():  # eager, through the process group
+            distributed._all_gather_into(want_ag, x, group, False)
+            distributed._reduce_scatter_into(want_rs, want_ag, group)
+        distributed.with_collectives("torch", reference)()
         assert torch.equal(ag, want_ag) and torch.equal(rs, want_rs), f"rank {rank}: replay {i}"
     distributed.set_collectives("torch")
 

@@ -212,11 +212,11 @@ def check_mlp_model(tp, dtype):
                          (fc2.bias, mlp.mlp.fc2_bias)):
             src.add_(torch.randn_like(src) * 0.1)
             dst.copy_(src)
-    x = torch.randn(SEQ, BATCH, HID, generator=torch.Generator().manual_seed(3 + dist.get_rank())).to(dtype)
+    x = torch.randn(SEQ, BATCH, HID, generator=torch.Generator().manual_seed(3 + dist.get_rank()), device="cpu").to(dtype)
     x1, x2 = x.clone().to(common.DEV).requires_grad_(), x.clone().to(common.DEV).requires_grad_()
     y1 = mlp(x1)
     y2 = fc2(torch.nn.functional.gelu(fc1(x2), approximate="tanh")) + x2
-    dy = torch.randn(y1.shape, generator=torch.Generator().manual_seed(5)).to(dtype).to(common.DEV)
+    dy = torch.randn(y1.shape, generator=torch.Generator().manual_seed(5), device="cpu").to(dtype).to(common.DEV)
     y1.backward(dy)
     y2.backward(dy)
     close(y1, y2, f"LayerNormMLP against LayerNormLinear + gelu + Linear {dtype}", True)

@@ -98,6 +98,9 @@ def main():
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
         torch.set_default_device(dev)
+        # gloo's own path: with TEC_COLLECTIVES=engine the layers would make an NCCL
+        # communicator, which two ranks on one GPU cannot have without TEC_SHARE_GPU
+        tec.distributed.set_collectives("torch")
     else:
         rank, size, dev = setup(args.device)
     assert size >= 2, "run_temporaries needs 2 or more ranks"
