@@ -4,7 +4,8 @@ reduce-scatter) give the bits fresh allocations give when calls follow each
 other without synchronising: back to back, on CUDA on three streams in
 turn, and from two threads at once, each with layers on its own process
 group (two threads' collectives on one group would pair up differently on
-the ranks) and, on CUDA, its own stream. Sequence-parallel Linear (column,
+the ranks) and, on CUDA, its own stream (with NCCL taking turns call by
+call: Turns). Sequence-parallel Linear (column,
 row), LayerNormLinear and LayerNormMLP, no-grad forwards and forward +
 backward (torch.autograd.grad, so nothing accumulates). The references run
 with the temporaries off. Needs 2 or more ranks (with one, nothing is
@@ -15,6 +16,7 @@ gathered). Prints "PASS run_temporaries".
         (gloo's collectives on CUDA tensors: both ranks may share one GPU)
 """
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -63,22 +65,49 @@ def call(m, x, dy):
     return [y0, y.detach()] + list(grads)
 
 
-def run_all(ms, work, stream_of):
-    """Every (layer, input) of `work` in order, call i on stream_of(i)."""
+def run_all(ms, work, stream_of, turn=contextlib.nullcontext):
+    """Every (layer, input) of `work` in order, call i on stream_of(i) and
+    inside turn()."""
     out = []
     for i, (name, x, dy) in enumerate(work):
         s = stream_of(i)
         if s is None:
-            out.append(call(ms[name], x, dy))
-        else:
+            with turn():
+                out.append(call(ms[name], x, dy))
+            continue
+        with turn():
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 res = call(ms[name], x, dy)
             for t in res:  # the results are read on the current stream below
                 t.record_stream(torch.cuda.current_stream())
             torch.cuda.current_stream().wait_stream(s)
-            out.append(res)
+        out.append(res)
     return out
+
+
+class Turns:
+    """Threads 0..n-1 take turns, one call each in a round. NCCL needs the
+    collectives of two communicators issued in the same order on every rank
+    (its kernels block until their peers join): two threads issuing them
+    freely can deadlock the ranks (seen with two ranks sharing one GPU).
+    Their calls still interleave, each thread with its own stream and
+    temporaries."""
+
+    def __init__(self, n):
+        self.cv, self.turn, self.n = threading.Condition(), 0, n
+
+    @contextlib.contextmanager
+    def of(self, t):
+        with self.cv:
+            if not self.cv.wait_for(lambda: self.turn == t, timeout=300):
+                raise TimeoutError(f"thread {t} waited 300 s for its turn (the other thread failed?)")
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.turn = (t + 1) % self.n
+                self.cv.notify_all()
 
 
 def same(a, b, what):
@@ -125,11 +154,13 @@ def main():
         streams = [torch.cuda.Stream() for _ in range(3)]
         checks.append(("three streams in turn", run_all(ms, work, lambda i: streams[i % 3])))
     results, errors = [None, None], []
+    turns = Turns(2) if cuda and not args.gloo else None  # NCCL (gloo's collectives do not block the GPU)
 
     def thread(t):
         try:
             s = torch.cuda.Stream() if cuda else None
-            results[t] = run_all((ms, ms_other)[t], work, lambda i: s)
+            turn = (lambda: turns.of(t)) if turns else contextlib.nullcontext
+            results[t] = run_all((ms, ms_other)[t], work, lambda i: s, turn)
         except BaseException as e:  # re-raised below, in the main thread
             errors.append(e)
     ts = [threading.Thread(target=thread, args=(t,)) for t in range(2)]
