@@ -15,10 +15,13 @@
 #      and the no-grad forwards against PyTorch's sequential path, with a cProfile of
 #      ours and PyTorch's; then the same on the fake process group, to compare the
 #      one-GPU proxy with NCCL; MAINJOB=0 skips the main job)
-#   TEC_COLLECTIVES=engine bash scripts/gpu_validate.sh tests/distributed -k cuda
-#     (every test and runner with the layers' CUDA collectives through the engine's
-#      own NCCL communicator instead of the process group: the environment reaches
-#      pytest, torchrun's ranks and the benchmark's)
+#   TEC_COLLECTIVES=torch bash scripts/gpu_validate.sh tests/distributed -k cuda
+#     (every test and runner with the layers' CUDA collectives through the process
+#      group instead of the engine's own NCCL communicator, the default "auto": the
+#      environment reaches pytest, torchrun's ranks and the benchmark's)
+#   TEC_SHARE_GPU=2 bash scripts/gpu_validate.sh tests/distributed -k cuda
+#     (with one GPU: the 2-rank tests with both ranks on it, NCCL through its socket
+#      transport; correctness only, see transformer_engine_c/_launch.py)
 #   SANITIZE=1 bash scripts/gpu_validate.sh ...
 #     (also runs compute-sanitizer memcheck, racecheck and synccheck over the CUDA
 #      transport test, the single-GPU CUDA kernel/layer tests ($SANITIZE_TESTS) and,
@@ -32,7 +35,7 @@ log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 date -u | tee "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' | tee -a "$OUT/summary.txt"
-echo "layers' CUDA collectives: ${TEC_COLLECTIVES:-torch} (TEC_COLLECTIVES)" | tee -a "$OUT/summary.txt"
+echo "layers' CUDA collectives: ${TEC_COLLECTIVES:-auto} (TEC_COLLECTIVES); ranks sharing a GPU: ${TEC_SHARE_GPU:-no} (TEC_SHARE_GPU)" | tee -a "$OUT/summary.txt"
 t0=$(date +%s)
 TEC_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 log "build ok in $(( $(date +%s) - t0 )) s"

@@ -1,8 +1,9 @@
 """The engine's own NCCL communicator (csrc/core/cuda/nccl.cu,
-transformer_engine_c/distributed.py: set_collectives("engine")).
+transformer_engine_c/distributed.py: set_collectives, "auto" by default).
 
-CPU: the switch and its checks, the clear error without the CUDA backend,
-and CPU tensors still going through the process group. One GPU
+CPU: the switch and its checks, "auto"'s choice per group, the clear error
+without the CUDA backend, and CPU tensors still going through the process
+group. One GPU
 (tests/engine_nccl_check.py, a process per case): the collectives on a
 one-rank communicator against the process group's, ordered on the current
 stream, asynchronous ones joined back (a too-late wait refused, a dropped
@@ -44,8 +45,8 @@ def test_with_collectives_restores_the_setting():
 
 
 def test_set_collectives_checks():
-    if os.environ.get("TEC_COLLECTIVES", "") in ("", "torch"):
-        assert distributed.collectives() == "torch"  # the default
+    if os.environ.get("TEC_COLLECTIVES", "") in ("", "auto"):
+        assert distributed.collectives() == "auto"  # the default
     before, timeout = distributed.collectives(), distributed._collectives["timeout_s"]
     try:
         distributed.set_collectives("torch")
@@ -56,6 +57,8 @@ def test_set_collectives_checks():
         assert distributed.collectives() == "torch"
         distributed.set_collectives("engine", timeout_s=5)
         assert distributed.collectives() == "engine" and distributed._collectives["timeout_s"] == 5.0
+        distributed.set_collectives("auto")
+        assert distributed.collectives() == "auto" and distributed._collectives["engine"]
     finally:
         distributed.set_collectives(before, timeout_s=timeout)
 
@@ -69,6 +72,42 @@ def test_environment_sets_collectives():
     env["TEC_COLLECTIVES"] = "bogus"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "collectives must be one of" in out.stderr
+
+
+class _CudaLike:
+    """What _engine_for reads of a tensor, as a CUDA bf16 tensor has it."""
+    is_cuda, dtype = True, torch.bfloat16
+
+    @staticmethod
+    def get_device():
+        return 0
+
+
+@pytest.mark.parametrize("backend, version, engine", [
+    ("nccl", 22809, True), ("cpu:gloo,cuda:nccl", 21000, True),  # NCCL moves CUDA tensors: the engine
+    ("nccl", 20900, False), ("nccl", 0, False),  # NCCL too old, or not loadable: the process group
+    ("gloo", 22809, False), ("fake", 22809, False)])  # CUDA tensors through another backend: its own way
+def test_auto_chooses_per_group(monkeypatch, backend, version, engine):
+    seen = []
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda pg: seen.append(pg) or backend)
+    monkeypatch.setattr(distributed, "device_code", lambda device: 0)
+    monkeypatch.setattr(distributed._C, "nccl_version", lambda: version)
+    monkeypatch.setattr(distributed, "_auto_groups", {})
+    monkeypatch.setattr(distributed.torch.cuda, "is_current_stream_capturing", lambda: False)
+    group = object()
+    x = _CudaLike()
+    for kind, want in (("auto", engine), ("engine", True), ("torch", False)):
+        assert distributed.with_collectives(kind, distributed._engine_for)(x, group) is want, kind
+    assert distributed.with_collectives("auto", distributed._engine_for)(x, group) is engine
+    assert seen == [group]  # decided once per group
+    if engine:  # a capture before the group's communicator exists: "auto" keeps the process group
+        monkeypatch.setattr(distributed.torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert not distributed.with_collectives("auto", distributed._engine_for)(x, group)
+        assert distributed.with_collectives("engine", distributed._engine_for)(x, group)  # refused at creation
+        monkeypatch.setattr(distributed, "_engine_comms", {(group, 0): ("comm", 2)})
+        assert distributed.with_collectives("auto", distributed._engine_for)(x, group)  # made: captured too
+    x.is_cuda = False  # CPU tensors: the process group, whatever the setting
+    assert not any(distributed.with_collectives(k, distributed._engine_for)(x, group) for k in ("auto", "engine"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: this machine has a GPU, whose backend loads")

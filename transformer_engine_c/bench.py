@@ -312,21 +312,22 @@ def ours_fns(make, w, x):
     return fns
 
 
-def engine_variant(tec, fn, device):
-    """fn with the layers' collectives through the engine's own NCCL
-    communicator (tec.distributed.set_collectives), for the `*_engine` rows:
-    the same layers, compared in the same run. None off CUDA."""
+def pg_variant(tec, fn, device):
+    """fn with the layers' collectives through the process group
+    (tec.set_collectives("torch")), for the `*_pg` rows: the same layers, the
+    route before the engine's own NCCL communicator became the default, in
+    the same run. None off CUDA (CPU tensors always take the process group)."""
     if device.type != "cuda" or not hasattr(tec.distributed, "with_collectives"):
         return None
-    return tec.distributed.with_collectives("engine", fn)
+    return tec.distributed.with_collectives("torch", fn)
 
 
-def add_engine_variants(tec, fns, names, device):
+def add_pg_variants(tec, fns, names, device):
     for name in names:
         if name in fns:
-            run = engine_variant(tec, fns[name], device)
+            run = pg_variant(tec, fns[name], device)
             if run is not None:
-                fns[name + "_engine"] = run
+                fns[name + "_pg"] = run
 
 
 def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
@@ -357,7 +358,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 F.layer_norm(x, (H,), gamma, beta), [wt], gather_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[0], w, x))
         fns["ours_gemm"] = lambda: tec._engine.gemm(ln_total, w, transb=True)
-        add_engine_variants(tec, fns, ("ours_overlap",), device)
+        add_pg_variants(tec, fns, ("ours_overlap",), device)
         time_row(tec, row, timer, fns)
         row["limit"] = row["norm"] + max(row["comm"], row["gemm"])
         # Bandwidths from the GPU's time alone: issuing a norm call takes the
@@ -387,7 +388,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             fns["async_tp"] = lambda: symm.fused_matmul_reduce_scatter(
                 x, wt, "sum", scatter_dim=0, group_name=group.group_name)
         fns.update(ours_fns(lambda ov: _ub_layers(tec, case, size, group, T, H, N, dtype, device, ov)[1], w, x))
-        add_engine_variants(tec, fns, ("ours_overlap",), device)
+        add_pg_variants(tec, fns, ("ours_overlap",), device)
         time_row(tec, row, timer, fns)
         row["limit"] = max(row["gemm"], row["comm"])
     else:  # mlp / mlp_bulk forward + backward
@@ -406,7 +407,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             fns[name] = step
         fns.update(_lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, "ours_overlap" in fns))
         fns.update(torch_mlp_fns(H, N, group, dtype, device, x, dy, args.graphs))
-        add_engine_variants(tec, fns, ("ours_overlap", "lnmlp_overlap"), device)
+        add_pg_variants(tec, fns, ("ours_overlap", "lnmlp_overlap"), device)
         if args.graphs:  # the same layers, captured (their communicators shared with the eager step)
             for name, graphed in (("ours", "ours_graphed_no_overlap"), ("ours_overlap", "ours_graphed_overlap")):
                 if name in layers:
@@ -443,7 +444,7 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             row[f"speedup_vs_{base}"] = row[base] / row["ours_overlap"]
     # Our eager layers / steps against PyTorch's eager path, with either collectives
     base = "sequential" if case in ("ag_gemm", "gemm_rs") else "torch_mlp"
-    for mine in ("ours_overlap", "ours_overlap_engine", "lnmlp_overlap", "lnmlp_overlap_engine"):
+    for mine in ("ours_overlap", "ours_overlap_pg", "lnmlp_overlap", "lnmlp_overlap_pg"):
         if row.get(mine) and row.get(base):
             row[f"{base}_over_{mine}"] = row[base] / row[mine]
     return row
@@ -455,9 +456,9 @@ COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit
            "checker_overhead_pct", "lnmlp", "lnmlp_overlap", "lnmlp_speedup", "lnmlp_vs_two_layer",
            "torch_mlp", "speedup_vs_torch_mlp", "lnmlp_vs_torch_mlp", "ours_graphed_no_overlap",
            "ours_graphed_overlap", "graphed_overlap_speedup", "torch_mlp_graphed", "graphed_vs_torch_mlp",
-           "graphed_vs_torch_graphed", "ours_overlap_engine", "lnmlp_overlap_engine",
-           "sequential_over_ours_overlap_engine", "torch_mlp_over_ours_overlap_engine",
-           "torch_mlp_over_lnmlp_overlap_engine")
+           "graphed_vs_torch_graphed", "ours_overlap_pg", "lnmlp_overlap_pg",
+           "sequential_over_ours_overlap_pg", "torch_mlp_over_ours_overlap_pg",
+           "torch_mlp_over_lnmlp_overlap_pg")
 
 
 def fmt(v):
@@ -524,12 +525,12 @@ def targets(rows):
               r.get("speedup_vs_torch_mlp"), 1.0)
         check(r, "eager: LayerNormMLP not slower than PyTorch's TP MLP (torch_mlp / lnmlp)",
               r.get("lnmlp_vs_torch_mlp"), 1.0)
-        # the same with the engine's own NCCL communicator (set_collectives("engine"))
-        for key, what in (("sequential_over_ours_overlap_engine", "layer or step / PyTorch's sequential path"),
-                          ("torch_mlp_over_ours_overlap_engine", "MLP step / PyTorch's TP MLP"),
-                          ("torch_mlp_over_lnmlp_overlap_engine", "LayerNormMLP / PyTorch's TP MLP")):
+        # the same with the layers' collectives through the process group (set_collectives("torch"))
+        for key, what in (("sequential_over_ours_overlap_pg", "layer or step / PyTorch's sequential path"),
+                          ("torch_mlp_over_ours_overlap_pg", "MLP step / PyTorch's TP MLP"),
+                          ("torch_mlp_over_lnmlp_overlap_pg", "LayerNormMLP / PyTorch's TP MLP")):
             if r["case"] in ("ag_gemm", "gemm_rs") or key.startswith("torch_mlp"):
-                check(r, f"eager, engine collectives: {what} ({key})", r.get(key), 1.0)
+                check(r, f"eager, process-group collectives: {what} ({key})", r.get(key), 1.0)
         if r["case"] == "mlp" and r["tp"] == 2 and shape == SMALL:
             check(r, "TP=2: graphed MLP step against PyTorch's eager TP MLP "
                   "(torch_mlp / the faster of ours_graphed_*)", r.get("graphed_vs_torch_mlp"), 1.5)
@@ -572,12 +573,18 @@ def targets_table(checks):
     return "\n".join(lines)
 
 
+def tec_collectives():
+    """The layers' collectives setting (tec.set_collectives) this run had."""
+    from transformer_engine_c import distributed
+    return distributed.collectives()
+
+
 def write(rows, checks, args, out):
     os.makedirs(out, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "warmup": args.warmup, "iters": args.iters, "batch": args.batch,
-            "graphs": args.graphs}
+            "graphs": args.graphs, "collectives": tec_collectives()}
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "targets": checks}, f, indent=1)
     with open(os.path.join(out, "bench.md"), "w") as f:

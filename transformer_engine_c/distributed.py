@@ -23,31 +23,39 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 # ---------------------------------------------------------------- engine collectives
 #
-# "torch" (the default): the layers' collectives go through the process group.
-# "engine": on CUDA tensors, through an NCCL communicator of the engine's own
-# per (group, device), created on the group's first such collective (every
-# rank gets there in the same order: its unique id is broadcast over the
-# group) and enqueued on the current stream from C (csrc/core/cuda/nccl.cu):
-# no process-group work object, stream hand-off or tensor bookkeeping per
-# call. An asynchronous one runs on the communicator's side stream after the
-# current stream's work so far; its wait() makes the current stream wait.
-# A collective unfinished `timeout_s` after it was enqueued ends the process
-# with a message naming it (the watchdog; as PyTorch's NCCL process group
-# does by default). CPU tensors always take the process group.
-_KINDS = ("torch", "engine")
+# "auto" (the default): the layers' collectives on CUDA tensors go through
+# the engine's own NCCL communicator when their group's process group is
+# NCCL's (and the engine can load NCCL >= 2.10), else through the process
+# group. "engine": every CUDA collective through the engine. "torch": all
+# through the process group.
+# The engine keeps one communicator per (group, device), created on the
+# group's first such collective (every rank gets there in the same order: its
+# unique id is broadcast over the group) and enqueued on the current stream
+# from C (csrc/core/cuda/nccl.cu): no process-group work object, stream
+# hand-off or tensor bookkeeping per call. An asynchronous one runs on the
+# communicator's side stream after the current stream's work so far; its
+# wait() makes the current stream wait. A collective unfinished `timeout_s`
+# after it was enqueued ends the process with a message naming it (the
+# watchdog; as PyTorch's NCCL process group does by default). CPU tensors
+# always take the process group.
+_KINDS = ("auto", "torch", "engine")
 _C_ALL_GATHER, _C_REDUCE_SCATTER, _C_ALL_REDUCE = 0, 1, 2  # tec.h's TEC_NCCL_*
-_collectives = {"engine": False, "timeout_s": 600.0}
+_collectives = {"kind": "auto", "engine": True, "timeout_s": 600.0}  # engine: "auto" or "engine"
 _engine_comms = {}  # (group, CUDA ordinal) -> (capsule of the engine's communicator, ranks)
+_auto_groups = {}  # group -> whether "auto" sends its CUDA collectives to the engine
 _engine_lock = threading.Lock()  # making one (the forward's and autograd's threads may both get there)
 
 
 def set_collectives(kind, timeout_s=None):
-    """Route the layers' sequence-parallel collectives on CUDA tensors through
-    the process group ("torch", the default) or the engine's own NCCL
-    communicator ("engine"); `timeout_s` bounds each engine collective and the
-    communicator's creation (default 600). Call it the same way on every rank,
-    before the layers run (the TEC_COLLECTIVES and TEC_COLLECTIVES_TIMEOUT
-    environment variables set the same at import)."""
+    """Route the layers' collectives on CUDA tensors (sequence parallelism's
+    all-gathers and reduce-scatters, the row layers' all-reduce,
+    allreduce_sequence_parallel_grads): "auto" (the default) through the
+    engine's own NCCL communicator where the group's process group is NCCL's,
+    "engine" always through it, "torch" through the process group.
+    `timeout_s` bounds each engine collective and the communicator's creation
+    (default 600). Call it the same way on every rank, before the layers run
+    (the TEC_COLLECTIVES and TEC_COLLECTIVES_TIMEOUT environment variables set
+    the same at import)."""
     if kind not in _KINDS:
         raise ValueError(f"collectives must be one of {_KINDS}, got {kind!r}")
     if timeout_s is not None:
@@ -55,30 +63,66 @@ def set_collectives(kind, timeout_s=None):
         if not 0 < timeout_s <= 1e6:
             raise ValueError(f"timeout_s must be in (0, 1e6] seconds, got {timeout_s}")
         _collectives["timeout_s"] = timeout_s
-    _collectives["engine"] = kind == "engine"
+    _collectives["kind"], _collectives["engine"] = kind, kind != "torch"
 
 
 def collectives():
-    """"torch" or "engine": where the layers' CUDA collectives go (set_collectives)."""
-    return "engine" if _collectives["engine"] else "torch"
+    """"auto", "torch" or "engine": where the layers' CUDA collectives go (set_collectives)."""
+    return _collectives["kind"]
 
 
 def with_collectives(kind, fn):
     """fn, made to run with the layers' CUDA collectives through `kind`
-    ("torch" or "engine") and the setting found restored afterwards (for
-    comparing the two in one process: the benchmark, the tests). The switch
-    is a dict store each way, cheap enough for timed loops."""
+    ("auto", "torch" or "engine") and the setting found restored afterwards
+    (for comparing them in one process: the benchmark, the tests). The
+    switch is two dict stores each way, cheap enough for timed loops."""
     if kind not in _KINDS:
         raise ValueError(f"collectives must be one of {_KINDS}, got {kind!r}")
-    engine = kind == "engine"
+    engine = kind != "torch"
 
     def run(*args, **kw):
-        before, _collectives["engine"] = _collectives["engine"], engine
+        before = _collectives["kind"], _collectives["engine"]
+        _collectives["kind"], _collectives["engine"] = kind, engine
         try:
             return fn(*args, **kw)
         finally:
-            _collectives["engine"] = before
+            _collectives["kind"], _collectives["engine"] = before
     return run
+
+
+def _engine_for(x, group):
+    """Whether a collective of x over `group` goes to the engine's communicator.
+    "auto" leaves a group whose communicator does not exist yet on the process
+    group while a CUDA graph is being captured (the creation exchanges an id
+    and connects the ranks: not capturable); "engine" refuses then
+    (_make_engine_comm)."""
+    if not (_collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES):
+        return False
+    if _collectives["kind"] == "engine":
+        return True
+    use = _auto_groups.get(group)
+    if use is None:
+        use = _auto_groups[group] = _nccl_group(group, x.get_device())
+    if use and (group, x.get_device()) not in _engine_comms and torch.cuda.is_current_stream_capturing():
+        return False  # its creation cannot be captured: this graph keeps the process group's collectives
+    return use
+
+
+def _nccl_group(group, device):
+    """"auto"'s choice for `group` (None: the default group): its process
+    group moves CUDA tensors with NCCL (backend "nccl", or "cuda:nccl" among
+    several), and the engine can load NCCL >= 2.10 (the copy PyTorch loaded)
+    on CUDA device `device`. Decided once per group, the same on every rank of
+    a uniform installation."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = str(dist.get_backend(pg)).lower()
+    except (RuntimeError, ValueError):  # not a group this rank knows
+        return False
+    if "nccl" not in backend:
+        return False
+    device_code(torch.device("cuda", device))  # loads the CUDA backend
+    return _C.nccl_version() >= 21000
 
 
 def close_engine_collectives(abort=False):
@@ -193,7 +237,7 @@ def _process_group(group):
 
 
 def _all_gather_into(out, x, group, async_op):
-    if _collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES:
+    if _engine_for(x, group):
         return _engine_run(_C_ALL_GATHER, out, x, group, async_op)
     pg = _process_group(group)
     if pg is None:
@@ -206,7 +250,7 @@ def _all_gather_into(out, x, group, async_op):
 
 
 def _reduce_scatter_into(out, x, group):
-    if _collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES:
+    if _engine_for(x, group):
         _engine_run(_C_REDUCE_SCATTER, out, x, group, False)
         return
     pg = _process_group(group)
@@ -258,7 +302,7 @@ def reduce_scatter_rows(x, group, size):
 
 
 def all_reduce(x, group, size):
-    if size > 1 and _collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES:
+    if size > 1 and _engine_for(x, group):
         _engine_run(_C_ALL_REDUCE, x, x, group, False)
     elif size > 1:
         pg = _process_group(group)
@@ -304,5 +348,5 @@ def all_reduce_coalesced(tensors, group, dtype=None):
         offset += t.numel()
 
 
-set_collectives(os.environ.get("TEC_COLLECTIVES", "torch") or "torch",
+set_collectives(os.environ.get("TEC_COLLECTIVES", "auto") or "auto",
                 os.environ.get("TEC_COLLECTIVES_TIMEOUT") or None)

@@ -66,7 +66,7 @@ def layer_rows(pg, out, x):
 
     def via(kind, fn):
         def run():
-            d._collectives["engine"] = kind == "engine"
+            d.set_collectives(kind)
             fn()
         return run
     rows = {}
