@@ -28,6 +28,17 @@ def gpu_count():
 
 def run_torchrun(script, nproc, args=(), timeout=300, pass_line=None):
     """Run tests/distributed/<script> on nproc ranks; return its stdout."""
+    proc = torchrun(script, nproc, args, timeout)
+    out = proc.stdout
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-6000:]}"
+    want = pass_line or f"PASS {os.path.splitext(script)[0]}"
+    assert want in out, f"{script} printed no '{want}' line:\n{out[-6000:]}"
+    return out
+
+
+def torchrun(script, nproc, args=(), timeout=300):
+    """Run tests/distributed/<script> on nproc ranks; the finished process
+    (stdout and stderr together in its stdout), whatever its exit status."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -36,10 +47,5 @@ def run_torchrun(script, nproc, args=(), timeout=300, pass_line=None):
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(HERE, script), *args]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
-    out = proc.stdout
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-6000:]}"
-    want = pass_line or f"PASS {os.path.splitext(script)[0]}"
-    assert want in out, f"{script} printed no '{want}' line:\n{out[-6000:]}"
-    return out
