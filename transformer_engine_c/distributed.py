@@ -40,7 +40,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # always take the process group.
 _KINDS = ("auto", "torch", "engine")
 _C_ALL_GATHER, _C_REDUCE_SCATTER, _C_ALL_REDUCE = 0, 1, 2  # tec.h's TEC_NCCL_*
-_collectives = {"kind": "auto", "engine": True, "timeout_s": 600.0}  # engine: "auto" or "engine"
+_collectives = {"kind": "auto", "timeout_s": 600.0}
 _engine_comms = {}  # (group, CUDA ordinal) -> (capsule of the engine's communicator, ranks)
 _auto_groups = {}  # group -> whether "auto" sends its CUDA collectives to the engine
 _engine_lock = threading.Lock()  # making one (the forward's and autograd's threads may both get there)
@@ -63,7 +63,7 @@ def set_collectives(kind, timeout_s=None):
         if not 0 < timeout_s <= 1e6:
             raise ValueError(f"timeout_s must be in (0, 1e6] seconds, got {timeout_s}")
         _collectives["timeout_s"] = timeout_s
-    _collectives["kind"], _collectives["engine"] = kind, kind != "torch"
+    _collectives["kind"] = kind
 
 
 def collectives():
@@ -75,18 +75,16 @@ def with_collectives(kind, fn):
     """fn, made to run with the layers' CUDA collectives through `kind`
     ("auto", "torch" or "engine") and the setting found restored afterwards
     (for comparing them in one process: the benchmark, the tests). The
-    switch is two dict stores each way, cheap enough for timed loops."""
+    switch is a dict store each way, cheap enough for timed loops."""
     if kind not in _KINDS:
         raise ValueError(f"collectives must be one of {_KINDS}, got {kind!r}")
-    engine = kind != "torch"
 
     def run(*args, **kw):
-        before = _collectives["kind"], _collectives["engine"]
-        _collectives["kind"], _collectives["engine"] = kind, engine
+        before, _collectives["kind"] = _collectives["kind"], kind
         try:
             return fn(*args, **kw)
         finally:
-            _collectives["kind"], _collectives["engine"] = before
+            _collectives["kind"] = before
     return run
 
 
@@ -96,9 +94,10 @@ def _engine_for(x, group):
     group while a CUDA graph is being captured (the creation exchanges an id
     and connects the ranks: not capturable); "engine" refuses then
     (_make_engine_comm)."""
-    if not (_collectives["engine"] and x.is_cuda and x.dtype in DTYPE_CODES):
+    kind = _collectives["kind"]
+    if kind == "torch" or not x.is_cuda or x.dtype not in DTYPE_CODES:
         return False
-    if _collectives["kind"] == "engine":
+    if kind == "engine":
         return True
     use = _auto_groups.get(group)
     if use is None:
