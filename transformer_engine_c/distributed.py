@@ -3,6 +3,7 @@ non-overlapped sequence-parallel collectives (along the first dimension of a
 2-D token-major tensor), through the process group or, for CUDA tensors with
 `set_collectives("engine")`, through the engine's own NCCL communicator."""
 import os
+import pickle
 import threading
 
 import torch
@@ -173,6 +174,29 @@ def _shared_id(pg, device, make):
         uid.copy_(torch.frombuffer(bytearray(made), dtype=torch.uint8))
     dist.broadcast(uid, src=dist.get_global_rank(pg, 0), group=pg)
     return bytes(uid.cpu().tolist())
+
+
+def all_gather_pickled(obj, group):
+    """Every rank's `obj` (picklable), in group rank order. The bytes travel as
+    uint8 tensors on a device the group's backend moves (CPU for gloo, the
+    current CUDA device for NCCL), so, unlike all_gather_object on some
+    PyTorch releases, this needs no numpy."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = str(dist.get_backend(pg)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if "gloo" not in backend and "nccl" in backend \
+        else torch.device("cpu")
+    blob = pickle.dumps(obj)
+    size = dist.get_world_size(pg)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(blob)], dtype=torch.int64, device=device), group=pg)
+    lengths = [int(n.item()) for n in lengths]
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if blob:
+        mine[:len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    dist.all_gather(parts, mine, group=pg)
+    return [pickle.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(parts, lengths)]
 
 
 class _EngineWork:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from . import _C, debug
-from ._comm_guard import _BUFFER_BYTES_MAX, _TIMEOUT_MAX, _CreateFailed, _int_shape, _serialised, release_at_exit
+from ._comm_guard import _BUFFER_BYTES_MAX, _TIMEOUT_MAX, _CreateFailed, _OneThread, _int_shape, _serialised, release_at_exit
+from .distributed import all_gather_pickled
 from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of, workspace
 
 __all__ = ["CommOverlap", "CommTimeoutError", "initialize_ub", "get_ub", "destroy_ub", "LAYER_NAMES"]
@@ -222,7 +223,7 @@ class CommOverlap(_C.CommOverlap):
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
                  transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
                  gemm_sm_margin=None, _exchange=True):
-        self._lock = threading.RLock()  # _serialised; exclusive()
+        self._lock = _OneThread()  # _serialised; exclusive()
         shape = _int_shape(shape, "shape")
         if not shape or any(s <= 0 for s in shape):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
@@ -269,6 +270,7 @@ class CommOverlap(_C.CommOverlap):
                              f"{_BUFFER_BYTES_MAX} bytes")
         self.nbytes = nbytes  # the engine rounds its buffer up; checks use this
         name = name or f"comm{next(_counter)}"
+        self._lock.name = name
         try:
             self._create(_TRANSPORTS[transport], device_code(device), rank, size, nbytes, name, timeout)
             ws_bytes = _C.gemm_workspace_bytes(device_code(device))
@@ -298,8 +300,7 @@ class CommOverlap(_C.CommOverlap):
         if size == 1:
             everyone = [mine]
         else:
-            everyone = [None] * size
-            dist.all_gather_object(everyone, mine, group=tp_group)
+            everyone = all_gather_pickled(mine, tp_group)
         if failed is not None:
             raise failed
         bad = [(r, m) for r, m in enumerate(everyone) if isinstance(m, _CreateFailed)]
@@ -320,9 +321,7 @@ class CommOverlap(_C.CommOverlap):
         except Exception as e:  # every rank learns of it instead of waiting at a barrier
             error = e
         if size > 1:
-            errors = [None] * size
-            dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
-                                   group=tp_group)
+            errors = all_gather_pickled(None if error is None else f"{type(error).__name__}: {error}", tp_group)
             failed = [(r, m) for r, m in enumerate(errors) if m is not None]
             if failed and error is None:
                 r, m = failed[0]
@@ -652,12 +651,12 @@ class CommOverlap(_C.CommOverlap):
         st[_SCHEDULES["gemm_rs"]] = st["rs_overlap"]
         return st
 
-    @_serialised
     def close(self):
         """Release the communicator (idempotent); the saved-tensor checker
         stops watching its ranges."""
-        debug.unregister_comm(self)
-        super().close()
+        with self._lock.closing():
+            debug.unregister_comm(self)
+            super().close()
 
     @_serialised
     def synchronize(self):

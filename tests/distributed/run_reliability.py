@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import transformer_engine_c as tec
 from transformer_engine_c._launch import init_rank
+from run_threads_layer import Turns
 
 ROWS, K, N = 4, 8, 6
 
@@ -99,24 +100,25 @@ def main():
         dist.barrier()
         comm.ag_gemm(a, w)
     check_usable(comm, tp, 5)
-    # Two threads sharing the communicator through the Python class: every
-    # call serialises (inputs identical across the threads of a rank, so the
-    # order in which the ranks' threads pair up does not matter).
+    # Two threads sharing the communicator through the Python class, taking
+    # turns in the same order on every rank (run_threads_layer.py: at once,
+    # they are refused).
     g = torch.Generator().manual_seed(7)
     wt = torch.randn(N, K, generator=g)
     at = torch.randn(ROWS, K, generator=g) + rank
     want = gathered(at, tp) @ wt.t()
     bad, errors = [], []
+    turns = Turns(2)
 
-    def worker():
+    def worker(t):
         try:
             for _ in range(40):
-                yy = comm.ag_gemm(at, wt)
+                yy = turns.take(t, lambda: comm.ag_gemm(at, wt))
                 if not torch.allclose(yy, want, rtol=1e-5, atol=1e-5):
                     bad.append(1)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
-    ths = [threading.Thread(target=worker) for _ in range(2)]
+    ths = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
     for t_ in ths:
         t_.start()
     for t_ in ths:
