@@ -29,7 +29,16 @@ def _f64(name):
     if name == "glu":
         return torch.sigmoid
     assert name == "clamped_swiglu"
-    return lambda x: torch.clamp(x, max=LIMIT) * torch.sigmoid(ALPHA * torch.clamp(x, max=LIMIT))
+    return lambda x: te_clamp(x, hi=LIMIT) * torch.sigmoid(ALPHA * te_clamp(x, hi=LIMIT))
+
+
+def te_clamp(x, lo=-float("inf"), hi=float("inf")):
+    """clamp(x, lo, hi) whose gradient passes where lo <= x <= hi, bounds
+    included, as TransformerEngine defines the clamped swiglu's derivatives
+    (its activation's at x <= limit, its gate's at -limit <= g <= limit).
+    torch.clamp's own gradient at a bound is 1 up to PyTorch 2.13 and 0 from
+    2.14, so the reference does not use it."""
+    return torch.where(x > hi, torch.full_like(x, hi), torch.where(x < lo, torch.full_like(x, lo), x))
 
 
 def act_ref(name, x, swap_halves=False):
@@ -42,7 +51,7 @@ def act_ref(name, x, swap_halves=False):
     if swap_halves:
         a, g = g, a
     if name == "clamped_swiglu":
-        g = torch.clamp(g, -LIMIT, LIMIT) + OFFSET
+        g = te_clamp(g, -LIMIT, LIMIT) + OFFSET
     return f(a) * g
 
 
@@ -99,6 +108,32 @@ def test_act_bwd(device, dtype, name, shape, with_dbias):
         # float32 column sums of the unrounded dx, rounded once
         assert db.shape == (in_cols,)
         assert rel_err(db, x64.grad.sum(0)) < max(TOL[dtype], 1e-5), name
+
+
+def test_clamped_swiglu_gradient_at_the_limits(device):
+    """At x == limit and g == +-limit exactly the gradients pass (TE's
+    definition), just inside they pass, just outside they are zero:
+    against values written out by hand."""
+    out = 1.0 + 2 ** -10
+    a = torch.tensor([[LIMIT, LIMIT, LIMIT * out, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    g = torch.tensor([[0.5, LIMIT, 0.5, -LIMIT, -LIMIT * out, LIMIT * out]], dtype=torch.float64)
+    x = torch.cat([a, g], 1).to(device=device, dtype=torch.float32)
+    dx = _engine.act_bwd(torch.ones(1, 6, device=device), x, "clamped_swiglu", **kw("clamped_swiglu")).cpu().double()
+
+    def silu(v):
+        return v * torch.sigmoid(ALPHA * v)
+
+    def dsilu(v):
+        s = torch.sigmoid(ALPHA * v)
+        return ALPHA * v * s * (1 - s) + s
+    a0, g0 = a[0], g[0]
+    gate = g0.clamp(-LIMIT, LIMIT) + OFFSET
+    want_da = torch.where(a0 <= LIMIT, dsilu(a0.clamp(max=LIMIT)), torch.zeros_like(a0)) * gate
+    want_dg = silu(a0.clamp(max=LIMIT)) * ((g0 >= -LIMIT) & (g0 <= LIMIT)).double()
+    assert want_da[0] != 0 and want_dg[1] != 0 and want_dg[3] != 0  # the bounds themselves pass
+    assert want_da[2] == 0 and want_dg[4] == 0 and want_dg[5] == 0  # just outside does not
+    torch.testing.assert_close(dx[0, :6], want_da, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx[0, 6:], want_dg, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["gelu", "swiglu"])

@@ -145,7 +145,6 @@ def _comm_name(comm):
 _local = threading.local()      # .stack: modules and layer names being run in this thread
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
-_FUNCTION_PY = os.path.join(_TORCH_DIR, "autograd", "function.py")
 
 
 def _stack():
@@ -195,28 +194,53 @@ def _layer_name(entry, names):
     return f"module '{qual}' ({kind})" if qual else f"module {kind}"
 
 
-def _c_apply_callers():
-    from .module import _fast
-    return _fast.C_APPLY_CALLERS
+# Which autograd.Function is saving. Its saved tensors are packed inside
+# Function.apply after forward returns, and apply has no Python frame from
+# PyTorch 2.14 on, so while a checker is active Function.apply is wrapped to
+# note the class (a per-thread stack: a Function may apply others in its
+# forward). Code that enters its Functions through the C apply directly
+# registers its calling functions instead (register_apply_callers).
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+_apply_callers = {}  # code object of a function that calls a Function's C apply -> that Function
+
+
+def register_apply_callers(callers):
+    """callers: {function: autograd.Function class} of functions that enter
+    the Function through `torch._C._FunctionBase.apply` directly; checker
+    messages then name the Function when it saves from such a call."""
+    for caller, fn in callers.items():
+        _apply_callers[caller.__code__] = fn
+
+
+def _applying():
+    s = getattr(_local, "applying", None)
+    if s is None:
+        s = _local.applying = []
+    return s
+
+
+def _apply_noting(cls, *args, **kwargs):
+    s = _applying()
+    s.append(cls)
+    try:
+        return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
+    finally:
+        s.pop()
 
 
 def _describe_saver(names):
     """Who is saving right now: the custom autograd.Function (if any), the
     innermost module / named layer, and the innermost source line outside
     torch and this file. Runs only when a violation was found."""
-    fn = user = None
+    applying = _applying()
+    fn = applying[-1].__name__ if applying else None
+    user = None
     f = sys._getframe(1)
     while f is not None:
         path = f.f_code.co_filename
-        if fn is None and f.f_code.co_name == "apply" and path == _FUNCTION_PY:
-            cls = f.f_locals.get("cls")
-            if isinstance(cls, type):
-                fn = cls.__name__
-        elif fn is None and f.f_code in _c_apply_callers():
-            # The layers' fast path enters its Functions through their C
-            # apply (no Python apply frame): its calling frame names them.
-            fn = _c_apply_callers()[f.f_code].__name__
-        elif user is None and not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
+        if fn is None and f.f_code in _apply_callers:
+            fn = _apply_callers[f.f_code].__name__
+        if user is None and not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
             user = f
         f = f.f_back
     who = f"{fn} (autograd.Function)" if fn else "an autograd op"
@@ -259,6 +283,7 @@ def _acquire(track_modules):
     with _global_lock:
         if _active == 0:
             torch._C._autograd._push_saved_tensors_default_hooks = _push_composing
+            torch.autograd.Function.apply = classmethod(_apply_noting)
         _active += 1
         if track_modules:
             if _tracking == 0:
@@ -274,6 +299,8 @@ def _release(track_modules):
         _active -= 1
         if _active == 0 and torch._C._autograd._push_saved_tensors_default_hooks is _push_composing:
             torch._C._autograd._push_saved_tensors_default_hooks = _push_hooks
+        if _active == 0:
+            torch.autograd.Function.apply = _ORIGINAL_APPLY
         if track_modules:
             _tracking -= 1
             if _tracking == 0:

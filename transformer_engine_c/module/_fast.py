@@ -26,7 +26,7 @@ from math import prod as _prod
 
 import torch
 
-from .. import _C, _engine
+from .. import _C, _engine, debug
 from ..distributed import _all_gather_into, _reduce_scatter_into, all_reduce
 from . import _common
 from ._common import NO_UB, Wgrad
@@ -1108,6 +1108,6 @@ _mlp_sp_apply = _function_apply.__get__(None, _LayerNormMLPSPFn)
 
 
 # The functions that call a Function's C apply, and the Function: what
-# tec.debug names as the saver (it finds a Python apply frame otherwise).
-C_APPLY_CALLERS = {linear.__code__: _LinearFn, layernorm_linear.__code__: _LayerNormLinearFn,
-                   layernorm_mlp.__code__: _LayerNormMLPFn, _layernorm_mlp_sp.__code__: _LayerNormMLPSPFn}
+# tec.debug names as the saver.
+debug.register_apply_callers({linear: _LinearFn, layernorm_linear: _LayerNormLinearFn,
+                              layernorm_mlp: _LayerNormMLPFn, _layernorm_mlp_sp: _LayerNormMLPSPFn})
