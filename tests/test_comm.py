@@ -5,7 +5,6 @@ import functools
 import gc
 import os
 import re
-import stat
 
 import pytest
 import torch
@@ -58,8 +57,7 @@ def test_create_destroy_200_no_leak():
         _cycle(i)
     gc.collect()
     assert _fds() == fds, f"file descriptors: {fds} -> {_fds()}"
-    # nothing new (a creation may also remove names of dead processes: see shm_transport.c)
-    assert set(_shm()) <= set(shm), f"/dev/shm entries: {shm} -> {_shm()}"
+    assert set(_shm()) == set(shm), f"/dev/shm entries: {shm} -> {_shm()}"
     assert _threads() == threads, f"threads: {threads} -> {_threads()}"
     assert _rss_kb() - rss < 8 * 1024, f"RSS grew {rss} -> {_rss_kb()} kB"
 
@@ -79,29 +77,51 @@ def test_several_communicators_coexist():
     a.close()
 
 
-def test_shm_names_private_and_unlinked():
-    before = set(_shm())
+def _region_fds():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:tec-region"):
+                out.append(int(fd))
+        except OSError:  # closed since listed
+            pass
+    return out
+
+
+def test_shm_regions_have_no_names():
+    """Regions are memfds: nothing appears in /dev/shm, so nothing can be left
+    there; each region's descriptor stays open until every rank has mapped it
+    (release_handle), and the mapping outlives it."""
+    before, fds = set(_shm()), set(_region_fds())
     objs = []
     for _ in range(2):
         c = _C.CommOverlap()
         c._create(_C.TRANSPORT_SHM, -1, 0, 1, 4096, "naming", 5.0)
         objs.append(c)
-    new = sorted(set(_shm()) - before)
-    assert len(new) == 2, new
-    for n in new:
-        ns = os.stat("/proc/self/ns/pid").st_ino  # the pid namespace: stale names are swept per namespace
-        m = re.fullmatch(rf"tec-{ns:x}-{os.getpid()}-([0-9a-f]{{32}})", n)
-        assert m, f"{n} does not end in 128 random bits"
-        st = os.stat(f"/dev/shm/{n}")
-        assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
-    suffixes = {n.rsplit("-", 1)[1] for n in new}
-    assert len(suffixes) == 2
+    assert set(_shm()) == before, sorted(set(_shm()) - before)
+    assert len(set(_region_fds()) - fds) == 2, _region_fds()
     for c in objs:
         c._open_peers([c._local_handle()])
-        c._release_handle()  # every rank has mapped it: the name goes
-    assert set(_shm()) <= before
+        c._release_handle()  # every rank has mapped it: the descriptor goes
+    assert set(_region_fds()) == fds
+    with open("/proc/self/maps") as f:
+        assert f.read().count("/memfd:tec-region") >= 2
     for c in objs:
         c.close()
+
+
+def test_shm_handle_of_another_file_is_refused():
+    """A handle whose descriptor is not the region it names (here: the inode
+    changed) is refused with an error naming the rank, not mapped."""
+    a, b = _C.CommOverlap(), _C.CommOverlap()
+    a._create(_C.TRANSPORT_SHM, -1, 0, 2, 4096, "mine", 5.0)
+    b._create(_C.TRANSPORT_SHM, -1, 1, 2, 4096, "peer", 5.0)
+    h = bytearray(b._local_handle())
+    h[len(h) - 56 + 40] ^= 1  # the inode: the transport's 56 bytes (bytes, uid, pid, pid_ns, dev, ino, fd) end it
+    with pytest.raises(ValueError, match="is not rank 1's region of"):
+        a._open_peers([a._local_handle(), bytes(h)])
+    a.close()
+    b.close()
 
 
 def test_buffer_views_and_ranges():

@@ -3,7 +3,6 @@ and their failure paths. Run under torchrun (gloo on CPU):
   torchrun --nproc_per_node=2 tests/distributed/run_gemm_with_overlap.py --check numerics
 Prints "PASS run_gemm_with_overlap" and exits 0 when every check passed."""
 import argparse
-import glob
 import os
 import sys
 import time
@@ -90,10 +89,17 @@ def check_numerics(rank, tp):
         r = comm.buffer_ranges()
         assert len(r) == tp and r[0][0] == comm.buffer_ptr and all(n >= comm.buffer_bytes for _, n in r), r
         comm.close()
-    # names unlinked once every rank mapped them
+    # every region's descriptor closed once every rank mapped it (regions are memfds)
     dist.barrier()
-    mine = glob.glob(f"/dev/shm/tec-{os.getpid()}-*")
-    assert not mine, f"shared-memory names left behind: {mine}"
+    held = [fd for fd in os.listdir("/proc/self/fd") if _is_region(fd)]
+    assert not held, f"region descriptors still open: {held}"
+
+
+def _is_region(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:tec-region")
+    except OSError:
+        return False
 
 
 def check_registry(rank, tp):

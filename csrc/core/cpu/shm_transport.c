@@ -1,14 +1,13 @@
-/* shm_transport.c - the CPU transport of tec_comm: POSIX shared memory
- * regions (random names, mode 0600, unlinked once every rank mapped them;
- * reserved at creation so a full /dev/shm is an error, not a SIGBUS; names
- * left by dead processes removed at the next creation),
+/* shm_transport.c - the CPU transport of tec_comm: shared memory regions
+ * without names (memfd_create: nothing in /dev/shm, so nothing can outlive
+ * the processes however they end; peers open them through /proc/<pid>/fd
+ * while the owner keeps the descriptor open; reserved at creation so a lack
+ * of memory is an error, not a SIGBUS),
  * flags as C11 atomics in the region, and a comm thread as the "copy
  * engine" executing the comm stream's FIFO. Exercised by tests/test_comm*.py
  * and tests/distributed/run_gemm_with_overlap.py. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -17,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,17 +44,23 @@ typedef struct {
     const void *bias;
 } op_t;
 
+/* What a peer needs to open a region: the owner's pid and descriptor, and
+ * what identifies the file (its inode), checked after opening. */
 typedef struct {
-    char name[64];
     uint64_t bytes;
     int64_t uid;
+    int64_t pid;
+    uint64_t pid_ns;
+    uint64_t dev, ino;
+    int32_t fd;
+    int32_t pad;
 } shm_handle;
 
 struct tec_transport {
     int rank, size;
     size_t bytes;
-    char name[64];
-    int named; /* the name still exists in /dev/shm */
+    int fd; /* the region's descriptor, open until every peer opened it (-1 after) */
+    uint64_t dev, ino;
     void *base;
     void *peer[TEC_COMM_MAX_RANKS];
 
@@ -294,8 +298,8 @@ static void shm_destroy(tec_transport *t)
     shm_unmap_peers(t);
     if (t->base)
         munmap(t->base, t->bytes);
-    if (t->named)
-        shm_unlink(t->name);
+    if (t->fd >= 0)
+        close(t->fd);
     pthread_cond_destroy(&t->work);
     pthread_cond_destroy(&t->idle);
     pthread_mutex_destroy(&t->mu);
@@ -303,16 +307,14 @@ static void shm_destroy(tec_transport *t)
     free(t);
 }
 
-/* ----------------------------------------------------- names in /dev/shm
+/* ----------------------------------------------------- regions
  *
- * A region is named /tec-<pid namespace>-<pid>-<128 random bits>: the
- * random part keeps it unguessable (with mode 0600), the rest says whose it
- * is. A process killed between creating its region and the moment every
- * peer mapped it (when the name is unlinked) leaves the name behind; the
- * next creation in any process of this user removes the names of processes
- * of the same pid namespace that no longer exist. */
-
-#define SHM_DIR "/dev/shm"
+ * A region is a memfd: it has no name, so no process that dies, however it
+ * dies and at whatever point of the set-up, leaves anything behind; the
+ * kernel frees it with the last mapping or descriptor. Peers open it as
+ * /proc/<owner pid>/fd/<fd> while the owner holds the descriptor (until
+ * tec_comm_release_handle, after every peer mapped it), which needs the
+ * ranks in one pid namespace under one user, as a job's local ranks are. */
 
 static unsigned long long pid_namespace(void)
 {
@@ -320,51 +322,45 @@ static unsigned long long pid_namespace(void)
     return stat("/proc/self/ns/pid", &sb) == 0 ? (unsigned long long)sb.st_ino : 0ull;
 }
 
-static int shm_name_prefix(char *buf, size_t cap, unsigned long long ns, long pid)
+/* Bytes this process may still take: MemAvailable, and the room left under
+ * the cgroup's memory.max where there is one; 0 where neither is known. */
+static unsigned long long memory_room(void)
 {
-    return snprintf(buf, cap, "tec-%llx-%ld-", ns, pid);
-}
-
-/* Remove this user's region names whose process (same pid namespace) is gone. */
-static void sweep_stale(void)
-{
-    const unsigned long long ns = pid_namespace();
-    if (!ns)
-        return;
-    char mine[48];
-    const int plen = snprintf(mine, sizeof mine, "tec-%llx-", ns);
-    DIR *d = opendir(SHM_DIR);
-    if (!d)
-        return;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        if (strncmp(e->d_name, mine, (size_t)plen) != 0)
-            continue;
-        char *end;
-        long pid = strtol(e->d_name + plen, &end, 10);
-        if (pid <= 0 || *end != '-' || strlen(end + 1) != 32)
-            continue;
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH)
-            continue; /* alive (or not ours to signal: alive) */
-        struct stat sb;
-        if (fstatat(dirfd(d), e->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 || sb.st_uid != getuid() ||
-            !S_ISREG(sb.st_mode))
-            continue;
-        char name[300];
-        snprintf(name, sizeof name, "/%s", e->d_name);
-        shm_unlink(name);
+    unsigned long long room = 0, kb, lim, cur;
+    char line[256];
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1)
+                room = kb * 1024ull;
+        fclose(f);
     }
-    closedir(d);
+    f = fopen("/sys/fs/cgroup/memory.max", "r");
+    if (f) {
+        if (fscanf(f, "%llu", &lim) == 1) {
+            FILE *g = fopen("/sys/fs/cgroup/memory.current", "r");
+            if (g) {
+                if (fscanf(g, "%llu", &cur) == 1) {
+                    unsigned long long left = lim > cur ? lim - cur : 0;
+                    if (!room || left < room)
+                        room = left;
+                }
+                fclose(g);
+            }
+        }
+        fclose(f);
+    }
+    return room;
 }
 
 static tec_status shm_create(tec_transport **out, int device, int rank, int size, size_t bytes)
 {
     *out = NULL;
     tec_status st = TEC_OK;
-    int fd = -1;
     tec_transport *t = calloc(1, sizeof *t);
     if (!t)
         return tec_set_error(TEC_ERR_NO_MEMORY, "shm transport: no memory");
+    t->fd = -1;
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->work, NULL);
     pthread_cond_init(&t->idle, NULL);
@@ -376,48 +372,40 @@ static tec_status shm_create(tec_transport **out, int device, int rank, int size
         st = tec_set_error(TEC_ERR_NO_MEMORY, "shm transport: no memory for the comm queue");
         goto fail;
     }
-    sweep_stale();
-    const unsigned long long ns = pid_namespace();
-    unsigned char rnd[16];
-    for (int tries = 0;; tries++) {
-        TEC_ERRNO_CHECK_GOTO(getrandom(rnd, sizeof rnd, 0) == (ssize_t)sizeof rnd, st, fail,
-                             "shm transport: getrandom");
-        int n = 1;
-        t->name[0] = '/';
-        n += shm_name_prefix(t->name + 1, sizeof t->name - 1, ns, (long)getpid());
-        for (int i = 0; i < 16; i++)
-            n += snprintf(t->name + n, sizeof t->name - (size_t)n, "%02x", rnd[i]);
-        fd = shm_open(t->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd >= 0 || errno != EEXIST || tries > 8)
-            break;
+    /* Reserving the pages of a region larger than the memory left would
+     * first push everything else out (or call the OOM killer): refuse it. */
+    const unsigned long long room = memory_room();
+    if (room && bytes > room) {
+        st = tec_set_error(TEC_ERR_NO_MEMORY,
+                           "shm transport: a region of %zu bytes (%.1f MiB) is more than the memory available "
+                           "(%.1f MiB): use a smaller buffer",
+                           bytes, (double)bytes / (1024.0 * 1024.0), (double)room / (1024.0 * 1024.0));
+        goto fail;
     }
-    TEC_ERRNO_CHECK_GOTO(fd >= 0, st, fail, "shm transport: shm_open(%s)", t->name);
-    t->named = 1;
-    TEC_ERRNO_CHECK_GOTO(fchmod(fd, 0600) == 0 && ftruncate(fd, (off_t)bytes) == 0, st, fail,
-                         "shm transport: sizing %s to %zu bytes", t->name, bytes);
-    /* Reserve the pages now: a sparse region on a full tmpfs is "created"
-     * and then kills the first process that writes past the free space
-     * with SIGBUS. posix_fallocate returns its error number. */
+    t->fd = memfd_create("tec-region", MFD_CLOEXEC);
+    TEC_ERRNO_CHECK_GOTO(t->fd >= 0, st, fail, "shm transport: memfd_create");
+    TEC_ERRNO_CHECK_GOTO(ftruncate(t->fd, (off_t)bytes) == 0, st, fail, "shm transport: sizing a region to %zu bytes",
+                         bytes);
+    /* Reserve the pages now: a sparse region that later finds no memory
+     * kills the first process that writes to it with SIGBUS.
+     * posix_fallocate returns its error number. */
     {
-        int e = posix_fallocate(fd, 0, (off_t)bytes);
+        int e = posix_fallocate(t->fd, 0, (off_t)bytes);
         if (e) {
-            if (e == ENOSPC || e == EFBIG || e == ENOMEM)
-                st = tec_set_error(TEC_ERR_NO_MEMORY,
-                                   "shm transport: " SHM_DIR " has no room for a region of %zu bytes (%.1f MiB): %s; "
-                                   "enlarge " SHM_DIR " (e.g. docker run --shm-size) or use a smaller buffer",
-                                   bytes, (double)bytes / (1024.0 * 1024.0), strerror(e));
-            else
-                st = tec_set_error(tec_errno_status(e), "shm transport: reserving %zu bytes for %s in " SHM_DIR ": %s",
-                                   bytes, t->name, strerror(e));
+            st = tec_set_error(e == ENOSPC || e == EFBIG || e == ENOMEM ? TEC_ERR_NO_MEMORY : tec_errno_status(e),
+                               "shm transport: reserving a region of %zu bytes (%.1f MiB): %s", bytes,
+                               (double)bytes / (1024.0 * 1024.0), strerror(e));
             goto fail;
         }
     }
-    t->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    struct stat sb;
+    TEC_ERRNO_CHECK_GOTO(fstat(t->fd, &sb) == 0, st, fail, "shm transport: fstat of a region");
+    t->dev = (uint64_t)sb.st_dev;
+    t->ino = (uint64_t)sb.st_ino;
+    t->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, t->fd, 0);
     if (t->base == MAP_FAILED)
         t->base = NULL;
     TEC_ERRNO_CHECK_GOTO(t->base, st, fail, "shm transport: mmap of %zu bytes", bytes);
-    close(fd);
-    fd = -1;
     t->peer[rank] = t->base;
     errno = pthread_create(&t->thread, NULL, comm_thread, t); /* returns its error number */
     TEC_ERRNO_CHECK_GOTO(errno == 0, st, fail, "shm transport: cannot start the comm thread");
@@ -425,19 +413,23 @@ static tec_status shm_create(tec_transport **out, int device, int rank, int size
     *out = t;
     return TEC_OK;
 fail:
-    if (fd >= 0)
-        close(fd);
     shm_destroy(t);
     return st;
 }
 
 static tec_status shm_local_handle(tec_transport *t, void *out, size_t *len)
 {
+    if (t->fd < 0)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: the region's handle was released already");
     shm_handle h;
     memset(&h, 0, sizeof h);
-    snprintf(h.name, sizeof h.name, "%s", t->name);
     h.bytes = t->bytes;
     h.uid = (int64_t)getuid();
+    h.pid = (int64_t)getpid();
+    h.pid_ns = pid_namespace();
+    h.dev = t->dev;
+    h.ino = t->ino;
+    h.fd = t->fd;
     memcpy(out, &h, sizeof h);
     *len = sizeof h;
     return TEC_OK;
@@ -445,6 +437,7 @@ static tec_status shm_local_handle(tec_transport *t, void *out, size_t *len)
 
 static tec_status shm_map_peers(tec_transport *t, const void *const *handles, const size_t *lens, void **bases)
 {
+    const unsigned long long ns = pid_namespace();
     for (int i = 0; i < t->size; i++) {
         if (i == t->rank) {
             bases[i] = t->base;
@@ -456,21 +449,29 @@ static tec_status shm_map_peers(tec_transport *t, const void *const *handles, co
             return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: rank %d's handle has %zu bytes", i, lens[i]);
         }
         memcpy(&h, handles[i], sizeof h);
-        h.name[sizeof h.name - 1] = 0;
-        int fd = shm_open(h.name, O_RDWR | O_CLOEXEC, 0);
+        if (h.pid_ns != ns || h.uid != (int64_t)getuid()) {
+            shm_unmap_peers(t);
+            return tec_set_error(TEC_ERR_INVALID_ARG,
+                                 "shm transport: rank %d runs in another pid namespace or as another user; the CPU "
+                                 "transport needs the ranks of a group on one host, in one pid namespace, as one user",
+                                 i);
+        }
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%lld/fd/%d", (long long)h.pid, (int)h.fd);
+        int fd = open(path, O_RDWR | O_CLOEXEC);
         if (fd < 0) {
             int e = errno;
             shm_unmap_peers(t);
-            return tec_set_error(tec_errno_status(e), "shm transport: opening rank %d's region: %s (not on this host?)",
-                                 i, strerror(e));
+            return tec_set_error(tec_errno_status(e), "shm transport: opening rank %d's region (%s): %s (not on this "
+                                 "host, or not allowed to read that process's descriptors?)", i, path, strerror(e));
         }
         struct stat sb;
-        if (fstat(fd, &sb) != 0 || (size_t)sb.st_size < t->bytes || sb.st_uid != getuid() ||
-            (sb.st_mode & 0077)) {
+        if (fstat(fd, &sb) != 0 || (uint64_t)sb.st_dev != h.dev || (uint64_t)sb.st_ino != h.ino ||
+            (size_t)sb.st_size < t->bytes) {
             close(fd);
             shm_unmap_peers(t);
             return tec_set_error(TEC_ERR_INVALID_ARG,
-                                 "shm transport: rank %d's region is not a private region of %zu bytes", i, t->bytes);
+                                 "shm transport: %s is not rank %d's region of %zu bytes", path, i, t->bytes);
         }
         void *p = mmap(NULL, t->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         int e = errno;
@@ -487,9 +488,9 @@ static tec_status shm_map_peers(tec_transport *t, const void *const *handles, co
 
 static tec_status shm_release_handle(tec_transport *t)
 {
-    if (t->named)
-        TEC_ERRNO_CHECK(shm_unlink(t->name) == 0 || errno == ENOENT, "shm transport: shm_unlink(%s)", t->name);
-    t->named = 0;
+    if (t->fd >= 0)
+        close(t->fd);
+    t->fd = -1;
     return TEC_OK;
 }
 
