@@ -229,3 +229,14 @@ def test_activation_recompute_forward_and_gather():
     assert out is x and work is None
     with pytest.raises(NotImplementedError, match="quantizer"):
         d.gather_along_first_dim(x, None, quantizer=object())
+
+
+def test_dummy_wgrad_and_all_rng_states():
+    from transformer_engine_c.module.base import get_dummy_wgrad
+    a = get_dummy_wgrad([3, 4], torch.float32, device="cpu")
+    b = get_dummy_wgrad([3, 4], torch.float32, zero=True, device="cpu")
+    assert a.data_ptr() == b.data_ptr() and b.abs().sum() == 0 and b.shape == (3, 4)
+    assert get_dummy_wgrad([3, 4], torch.bfloat16, device="cpu").data_ptr() != a.data_ptr()
+    tr = te.distributed.CudaRNGStatesTracker(device="cpu")
+    tr.add("all-states-check", 77)
+    assert torch.equal(te.distributed.get_all_rng_states()["all-states-check"], tr.get_states()["all-states-check"])

@@ -156,8 +156,8 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         self.num_attention_heads, self.num_gqa_groups, self.tp_size, self.tp_group = heads, groups, tp_size, tp_group
         self.num_attention_heads_per_partition = heads // tp_size
         self.num_gqa_groups_per_partition = groups // tp_size
-        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = (
-            (int(kv_channels), int(kv_channels)) if isinstance(kv_channels, int) else tuple(int(c) for c in kv_channels))
+        channels = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = (int(c) for c in channels)
         self.kv_channels = kv_channels
         self.qkv_format, self.attn_mask_type, self.attention_type = qkv_format, attn_mask_type, attention_type
         self.window_size = window_size

@@ -354,5 +354,5 @@ set_collectives(os.environ.get("TEC_COLLECTIVES", "auto") or "auto",
 # TE's transformer_engine.pytorch.distributed names beyond the plumbing above
 from .checkpoint import checkpoint  # noqa: E402,F401
 from .te_distributed import (  # noqa: E402,F401
-    CudaRNGStatesTracker, activation_recompute_forward, gather_along_first_dim, in_fp8_activation_recompute_phase,
-    is_fp8_activation_recompute_enabled, reduce_scatter_along_first_dim)
+    CudaRNGStatesTracker, activation_recompute_forward, gather_along_first_dim, get_all_rng_states,
+    in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled, reduce_scatter_along_first_dim)

@@ -13,10 +13,18 @@ import torch.distributed as dist
 
 from .quantization import FP8GlobalStateManager
 
-__all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "is_fp8_activation_recompute_enabled",
+__all__ = ["CudaRNGStatesTracker", "get_all_rng_states", "activation_recompute_forward",
+           "is_fp8_activation_recompute_enabled",
            "in_fp8_activation_recompute_phase", "gather_along_first_dim", "reduce_scatter_along_first_dim"]
 
 _recompute = {"region": False, "phase": False}
+_all_states = {}  # name -> state of every tracker's named states (TE's get_all_rng_states)
+
+
+def get_all_rng_states():
+    """The named states of the trackers (the latest of each name), as TE
+    keeps them for CUDA graph capture."""
+    return _all_states
 
 
 class activation_recompute_forward(contextlib.AbstractContextManager, contextlib.ContextDecorator):
@@ -94,6 +102,7 @@ class CudaRNGStatesTracker:
         if not isinstance(states, dict):
             raise TypeError(f"set_states: states must be a dict name -> state, got {type(states).__name__}")
         self.states_ = states
+        _all_states.update(states)
 
     def add(self, name, seed):
         if not isinstance(name, str):
@@ -111,6 +120,7 @@ class CudaRNGStatesTracker:
                 with torch.cuda.device(self._device):
                     torch.cuda.manual_seed(seed)
             self.states_[name] = _get_state(self._device)
+            _all_states[name] = self.states_[name]
         finally:
             _set_state(before, self._device)
 

@@ -114,6 +114,25 @@ def destroy_ub():
     _ub.destroy_ub()
 
 
+_dummy_wgrads = {}
+
+
+def get_dummy_wgrad(shape, dtype, zero=False, device=None):
+    """TE's shared placeholder weight gradient (what a layer hands autograd
+    after accumulating into main_grad itself): one cached tensor per shape,
+    dtype and device (the current CUDA device, else the CPU; `device=` is
+    ours), zeroed when `zero`."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None and torch.cuda.is_available() \
+        else torch.device(device or "cpu")
+    key = (tuple(int(n) for n in shape), dtype, dev)
+    t = _dummy_wgrads.get(key)
+    if t is None:
+        t = _dummy_wgrads[key] = torch.empty(key[0], dtype=dtype, device=dev)
+    if zero:
+        t.zero_()
+    return t.detach()
+
+
 # ------------------------------------------------------ the module base
 
 
