@@ -218,3 +218,41 @@ def test_dot_product_attention_refusals():
     with pytest.raises(ValueError, match="attention_mask is required"):
         te.DotProductAttention(2, 8, attn_mask_type="padding")(q, q, q)
     assert "_extra_state" in attn.state_dict() and attn.state_dict()["_extra_state"].numel() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_norms_attention_grouped(dtype):
+    """The engine's CUDA norm kernels, PyTorch's fused attention kernels and
+    the grouped GEMMs on the GPU against the float64 references."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rms in (False, True):
+        m = (te.RMSNorm if rms else te.LayerNorm)(64, params_dtype=dtype, device="cuda")
+        x = torch.randn(7, 64, device="cuda", dtype=dtype, requires_grad=True)
+        y = m(x)
+        ref = ref_norm(x.detach().cpu(), m.weight.detach().cpu(), None if rms else m.bias.detach().cpu(), 1e-5,
+                       False, rms)
+        assert rel_err(y, ref) < tol
+        y.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    for mask_type in ("causal", "no_mask", "padding_causal"):
+        attn = te.DotProductAttention(4, 64, num_gqa_groups=2, attn_mask_type=mask_type)
+        q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in make_qkv(2, 16, 16, 4, 2, 64, "sbhd"))
+        mask = None
+        allowed = tri(16, 16).view(1, 1, 16, 16) if "causal" in mask_type else None
+        if mask_type == "padding_causal":
+            pad = torch.stack([torch.arange(16) >= n for n in (16, 11)]).view(2, 1, 1, 16)
+            mask = pad.cuda()
+            allowed = allowed & (~pad).view(2, 1, 16, 1) & (~pad).view(2, 1, 1, 16)
+        out = attn(q, k, v, attention_mask=mask)
+        ref = from_bhsd(ref_attention(*(to_bhsd(t.detach().double().cpu(), "sbhd") for t in (q, k, v)), allowed,
+                                      1 / 8), "sbhd")
+        assert rel_err(out, ref) < (2e-5 if dtype == torch.float32 else 2e-2), mask_type
+        out.float().sum().backward()
+        assert torch.isfinite(q.grad).all()
+    g = te.GroupedLinear(3, 32, 16, bias=False, params_dtype=dtype, device="cuda")
+    x = torch.randn(9, 32, device="cuda", dtype=dtype)
+    y = g(x, [2, 3, 4])
+    ref = torch.cat([F.linear(xi.double().cpu(), getattr(g, f"weight{i}").double().cpu())
+                     for i, xi in enumerate(torch.split(x, [2, 3, 4]))])
+    assert rel_err(y, ref) < tol
