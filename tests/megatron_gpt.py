@@ -22,6 +22,9 @@ def cpu_workarounds():
         torch.cuda.Stream / torch.cuda.stream() around the gradient
         reduction and torch.cuda.current_device() for the buffers' device;
         torch.cuda.synchronize() in the reductions' and timers' paths;
+      * megatron/core/transformer/moe/token_dispatcher.py: a CUDA event
+        recorded on the current stream and synchronised for the
+        device-to-host copy of the token counts;
       * megatron/core/tensor_parallel/random.py: torch.cuda.manual_seed /
         get_rng_state / set_rng_state for the default generator (the CPU's
         here; the TE tracker, this package's CudaRNGStatesTracker, follows
@@ -60,8 +63,27 @@ def cpu_workarounds():
     cuda = torch.cuda
     cuda.is_available = lambda: False
 
+    class _Event:
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+        def query(self):
+            return True
+
     class _Stream:
         def __init__(self, *a, **k):
+            pass
+
+        def wait_event(self, event):
             pass
 
         def wait_stream(self, other):
@@ -71,11 +93,12 @@ def cpu_workarounds():
             pass
 
         def record_event(self, event=None):
-            return None
+            return event or _Event()
 
     cuda.current_stream = lambda device=None: _Stream()
     cuda.default_stream = lambda device=None: _Stream()
     cuda.Stream = _Stream
+    cuda.Event = _Event
     cuda.stream = lambda s=None: contextlib.nullcontext()
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda device=None: None

@@ -32,6 +32,16 @@ def test_megatron_gpt_checker_catches_a_wrong_gradient():
 
 
 @needs_megatron
+def test_megatron_moe_grouped_experts_and_fused_router():
+    """TEGroupedMLP over GroupedLinear and the fused router (this package's
+    router functions) against Megatron's own sequential experts and PyTorch
+    router, same weights; the negative case doubles the fused aux loss."""
+    run_torchrun("run_megatron_moe.py", 2, timeout=600, pass_line="PASS run_megatron_moe (TP=EP=2)")
+    proc = torchrun("run_megatron_moe.py", 2, ["--break-aux-loss"], timeout=600)
+    assert proc.returncode != 0 and "mlp.router.weight: gradient relative error" in proc.stdout, proc.stdout[-3000:]
+
+
+@needs_megatron
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU")
 def test_megatron_gpt_cuda():
     """TP=1 on one GPU, or TP=N with TEC_SHARE_GPU=N ranks sharing it."""
