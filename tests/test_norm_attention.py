@@ -158,6 +158,27 @@ def test_dot_product_attention(fmt, mask_type, sq, skv, window):
         assert rel_err(t.grad, from_bhsd(r.grad, fmt).view(t.shape)) < 1e-5, n
 
 
+@pytest.mark.parametrize("bottom_right", [None, False, True])
+def test_dot_product_attention_window_alignment(bottom_right):
+    """TE's bottom_right_diagonal: None aligns a no_mask window bottom-right
+    (causal's top-left); False / True choose."""
+    sq, skv, d = 4, 7, 8
+    attn = te.DotProductAttention(2, d, attn_mask_type="no_mask", window_size=(1, 1), attention_type="cross",
+                                  bottom_right_diagonal=bottom_right)
+    q, k, v = make_qkv(1, sq, skv, 2, 2, d, "sbhd")
+    off = 0 if bottom_right is False else skv - sq
+    i, j = torch.arange(sq).view(-1, 1) + off, torch.arange(skv).view(1, -1)
+    allowed = ((j <= i + 1) & (j >= i - 1)).view(1, 1, sq, skv)
+    ref = from_bhsd(ref_attention(*(to_bhsd(t.detach().double(), "sbhd") for t in (q, k, v)), allowed,
+                                  1 / math.sqrt(d)), "sbhd")
+    assert rel_err(attn(q, k, v), ref) < 1e-5
+    i2 = torch.arange(sq).view(-1, 1) + (skv - sq - off)  # the other alignment: must differ
+    wrong = ((j <= i2 + 1) & (j >= i2 - 1)).view(1, 1, sq, skv)
+    bad = from_bhsd(ref_attention(*(to_bhsd(t.detach().double(), "sbhd") for t in (q, k, v)), wrong,
+                                  1 / math.sqrt(d)), "sbhd")
+    assert rel_err(attn(q, k, v), bad) > 1e-3
+
+
 def test_dot_product_attention_thd_and_scale():
     h, d = 2, 8
     attn = te.DotProductAttention(h, d, qkv_format="thd", attn_mask_type="padding_causal", softmax_scale=0.3)

@@ -15,7 +15,9 @@ element True is masked out):
     padding_causal_bottom_right add the causal mask;
   * arbitrary: `attention_mask` broadcastable to [b, heads, s_q, s_kv].
 `window_size` (left, right) limits each query to keys i - left .. i + right
-(-1: unbounded), aligned as the mask type's diagonal. Query rows with no key
+(-1: unbounded); its diagonal is top-left aligned for causal and
+padding_causal, bottom-right for the other types, unless
+`bottom_right_diagonal` says. Query rows with no key
 left produce zeros. Heads are split over the tensor-parallel group: the
 inputs hold this rank's num_attention_heads / tp_size heads (and
 num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
@@ -60,14 +62,18 @@ def _window(window_size, mask_type):
     return (left, 0) if causal else (left, right)
 
 
-def _band(sq, skv, mask_type, window, device):
+def _band(sq, skv, mask_type, window, device, bottom_right=None):
     """[sq, skv] allowed-mask of the causal diagonal and the window, or None
-    if every pair is allowed."""
+    if every pair is allowed. The diagonal is bottom-right aligned for the
+    *_bottom_right and non-causal mask types, top-left for causal and
+    padding_causal (TE's bottom_right_diagonal=None), or as `bottom_right`
+    says."""
     left, right = window
     if left == -1 and right == -1:
         return None
-    offset = skv - sq if mask_type.endswith("bottom_right") or "causal" not in mask_type and sq != skv \
-        else 0
+    if bottom_right is None:
+        bottom_right = mask_type not in ("causal", "padding_causal")
+    offset = skv - sq if bottom_right else 0
     i = torch.arange(sq, device=device).view(sq, 1) + offset
     j = torch.arange(skv, device=device).view(1, skv)
     allowed = torch.ones(sq, skv, dtype=torch.bool, device=device)
@@ -137,9 +143,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                                       "(only 'vanilla')")
         if return_max_logit:
             raise NotImplementedError("DotProductAttention: return_max_logit (qk-clip) is not supported")
-        if bottom_right_diagonal is not None:
-            raise NotImplementedError("DotProductAttention: bottom_right_diagonal is not supported (use the "
-                                      "*_bottom_right mask types)")
+        self.bottom_right_diagonal = None if bottom_right_diagonal is None else bool(bottom_right_diagonal)
         if tp_group is not None and dist.is_initialized():
             tp_size = dist.get_world_size(tp_group)
         tp_size = int(tp_size)
@@ -206,8 +210,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                            (alibi_slopes is not None or core_attention_bias_type == "alibi", "ALiBi"),
                            (inference_params is not None, "inference_params (KV-cache inference)"),
                            (score_mod is not None or score_mod_bprop is not None, "score_mod"),
-                           (qkv_layer is not None, "qkv_layer"), (bottom_right_diagonal is not None,
-                                                                  "bottom_right_diagonal")):
+                           (qkv_layer is not None, "qkv_layer")):
             if flag:
                 raise NotImplementedError(f"DotProductAttention: {what} is not supported")
         _check_choice("core_attention_bias_type", core_attention_bias_type, ("no_bias", "pre_scale_bias",
@@ -225,8 +228,11 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"DotProductAttention: {n} must be a tensor, got {type(t).__name__}")
         self._check_heads(q, k, v, fmt)
+        br = self.bottom_right_diagonal if bottom_right_diagonal is None else bool(bottom_right_diagonal)
+        if mask_type.endswith("bottom_right"):
+            br = True  # the causal diagonal of these types is bottom-right by definition
         args = (q, k, v, attention_mask, fmt, mask_type, window, bias, cu_seqlens_q, cu_seqlens_kv,
-                cu_seqlens_q_padded, cu_seqlens_kv_padded)
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, br)
         if checkpoint_core_attention and torch.is_grad_enabled():
             from .checkpoint import checkpoint
             tracker = self.rng_states_tracker
@@ -254,19 +260,19 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             return self.rng_states_tracker.fork()
         return contextlib.nullcontext()
 
-    def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad):
+    def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, br):
         p = self.attention_dropout if self.training else 0.0
         with self._dropout_ctx():
             if fmt == "thd":
-                return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p)
+                return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
             if fmt == "sbhd":
                 q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             else:
                 q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             b, h, sq, _ = q.shape
             skv = k.shape[2]
-            allowed = _band(sq, skv, mask_type, window, q.device)
-            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0)
+            allowed = _band(sq, skv, mask_type, window, q.device, br)
+            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br
             if plain_causal:
                 allowed = None
             if allowed is not None:
@@ -275,7 +281,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 pad = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
                 allowed = pad if allowed is None else allowed & pad
                 if plain_causal:
-                    allowed = allowed & _band(sq, skv, "causal", (-1, 0), q.device)
+                    allowed = allowed & _band(sq, skv, "causal", (-1, 0), q.device, br)
                 plain_causal = False
             elif mask_type == "arbitrary":
                 if attention_mask is None:
@@ -286,7 +292,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
             return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p):
+    def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br):
         if cu_q is None or cu_kv is None:
             raise ValueError("DotProductAttention: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
         if bias is not None:
@@ -310,8 +316,8 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 continue
             a, c = int(start_q[i]), int(start_kv[i])
             qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[a:a + lq], k[c:c + lk], v[c:c + lk]))
-            allowed = _band(lq, lk, mt, window, q.device)
-            causal = mt == "causal" and lq == lk and window == (-1, 0)
+            allowed = _band(lq, lk, mt, window, q.device, br)
+            causal = mt == "causal" and lq == lk and window == (-1, 0) and not br
             if causal:
                 allowed = None
             oi = _attend(qi, ki, vi, allowed if allowed is None else allowed.view(1, 1, lq, lk), causal,
