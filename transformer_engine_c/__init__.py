@@ -10,17 +10,21 @@ from . import _C
 
 _C._init(torch.Tensor, torch.nn.Parameter)
 
-from . import debug, fp8, module, quantization, recipe  # noqa: E402,F401
+from . import debug, fp8, module, ops, quantization, recipe, router, tensor  # noqa: E402,F401
 from ._C import CommTimeoutError, EngineError  # noqa: E402
 from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_saved  # noqa: E402
+from .alias import install_as_transformer_engine  # noqa: E402
+from .attention import DotProductAttention  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .distributed import allreduce_sequence_parallel_grads, set_collectives  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
 from .graph import make_graphed_callables  # noqa: E402
 from .module.base import UserBufferQuantizationMode, destroy_ub, get_ub, initialize_ub  # noqa: E402
+from .module.grouped_linear import GroupedLinear  # noqa: E402
 from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.layernorm_mlp import LayerNormMLP  # noqa: E402
 from .module.linear import Linear  # noqa: E402
+from .module.normalization import LayerNorm, RMSNorm  # noqa: E402
 from .quantization import autocast, fp8_autocast, fp8_model_init, quantized_model_init  # noqa: E402
 from .userbuffers import LAYER_NAMES, CommOverlap, close_comms  # noqa: E402
 
@@ -28,4 +32,5 @@ __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTime
            "restore_from_saved", "restore_from_func_ctx", "DistributedWeight", "checkpoint", "CommOverlap",
            "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
            "allreduce_sequence_parallel_grads", "set_collectives", "autocast", "fp8_autocast", "fp8_model_init",
-           "quantized_model_init", "make_graphed_callables"]
+           "quantized_model_init", "make_graphed_callables", "install_as_transformer_engine", "LayerNorm",
+           "RMSNorm", "DotProductAttention", "GroupedLinear"]

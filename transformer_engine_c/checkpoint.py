@@ -11,14 +11,27 @@ layers' backward gets the original weight object from restore_from_saved
     when backward unpacks them.
 Collectives inside the checkpointed function (gathers, TP all-reduces) run
 again in the recomputation, in the same order on every rank.
+
+TE's arguments: `get_rng_state_tracker` (the tracker's named states are
+those of the forward again while the recomputation runs, so dropout under
+its fork() draws the same masks; the states after backward are those
+before the recomputation), `tp_group`, and `distribute_saved_activations`
+(not supported with use_reentrant=True: NotImplementedError; with
+use_reentrant=False it has no effect, as in TE, and warns). The function
+runs under `activation_recompute_forward` (recompute_phase in backward).
 """
+import warnings
+
 import torch
 import torch.utils.checkpoint
+
+from .te_distributed import activation_recompute_forward
 
 __all__ = ["checkpoint"]
 
 
-def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, **kwargs):
+def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, distribute_saved_activations=False,
+               get_rng_state_tracker=None, tp_group=None, **kwargs):
     """Run ``function(*args, **kwargs)`` without keeping its activations; they are
     recomputed in backward. ``use_reentrant`` defaults to True as in TE's
     ``te.checkpoint``. In reentrant mode tensors that need gradients must be
@@ -29,6 +42,16 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, **k
         raise TypeError(f"checkpoint: function must be callable, got {type(function).__name__}")
     if not isinstance(use_reentrant, bool):
         raise TypeError(f"checkpoint: use_reentrant must be a bool, got {type(use_reentrant).__name__}")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError("checkpoint: get_rng_state_tracker must be a callable returning the tracker, got "
+                        f"{type(get_rng_state_tracker).__name__}")
+    if distribute_saved_activations:
+        if use_reentrant:
+            raise NotImplementedError("checkpoint: distribute_saved_activations=True (the saved input split "
+                                      "over tp_group) is not supported; pass False")
+        warnings.warn("checkpoint: distribute_saved_activations=True has no effect with use_reentrant=False",
+                      stacklevel=2)
+    function = _recomputable(function, get_rng_state_tracker)
     if use_reentrant:
         if kwargs:
             bad = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -69,6 +92,36 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, **k
         return res
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _copy_states(states):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else
+                v.clone_state() if isinstance(v, torch.Generator) else v) for k, v in states.items()}
+
+
+def _recomputable(function, get_rng_state_tracker):
+    """function, run under activation_recompute_forward: its first call is the
+    forward, later ones recomputations, which see the tracker's states as the
+    forward saw them."""
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    forward_states = []
+
+    def run(*a, **kw):
+        if not forward_states:
+            forward_states.append(_copy_states(tracker.get_states()) if tracker is not None else None)
+            with activation_recompute_forward(activation_recompute=True, recompute_phase=False):
+                return function(*a, **kw)
+        now = None
+        if tracker is not None:
+            now = tracker.get_states()
+            tracker.set_states(_copy_states(forward_states[0]))
+        try:
+            with activation_recompute_forward(activation_recompute=True, recompute_phase=True):
+                return function(*a, **kw)
+        finally:
+            if tracker is not None:
+                tracker.set_states(now)
+    return run
 
 
 def _grad_leaf(t):

@@ -373,3 +373,10 @@ def all_reduce_coalesced(tensors, group, dtype=None):
 
 set_collectives(os.environ.get("TEC_COLLECTIVES", "auto") or "auto",
                 os.environ.get("TEC_COLLECTIVES_TIMEOUT") or None)
+
+
+# TE's transformer_engine.pytorch.distributed names beyond the plumbing above
+from .checkpoint import checkpoint  # noqa: E402,F401
+from .te_distributed import (  # noqa: E402,F401
+    CudaRNGStatesTracker, activation_recompute_forward, gather_along_first_dim, get_all_rng_states,
+    in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled, reduce_scatter_along_first_dim)

@@ -16,6 +16,8 @@ layer module shares:
 The autograd Functions' GEMM steps live in module/_common.py.
 """
 import enum
+import io
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -112,6 +114,25 @@ def destroy_ub():
     _ub.destroy_ub()
 
 
+_dummy_wgrads = {}
+
+
+def get_dummy_wgrad(shape, dtype, zero=False, device=None):
+    """TE's shared placeholder weight gradient (what a layer hands autograd
+    after accumulating into main_grad itself): one cached tensor per shape,
+    dtype and device (the current CUDA device, else the CPU; `device=` is
+    ours), zeroed when `zero`."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None and torch.cuda.is_available() \
+        else torch.device(device or "cpu")
+    key = (tuple(int(n) for n in shape), dtype, dev)
+    t = _dummy_wgrads.get(key)
+    if t is None:
+        t = _dummy_wgrads[key] = torch.empty(key[0], dtype=dtype, device=dev)
+    if zero:
+        t.zero_()
+    return t.detach()
+
+
 # ------------------------------------------------------ the module base
 
 
@@ -151,7 +172,31 @@ def _set_tp_attributes(t, is_parallel, dim):
     t.partition_stride = 1
 
 
-class TransformerEngineBaseModule(torch.nn.Module):
+class ExtraStateMixin:
+    """TransformerEngine's `_extra_state` entry of a module's state_dict, so
+    that TE's state_dicts and ours load into each other with strict=True.
+    TE's modules save their FP8 metadata there as a pickled uint8 CPU tensor,
+    and an empty uint8 tensor when there is none (every non-FP8 model); this
+    package has no FP8 state and always saves the empty tensor. On load: None
+    or an empty tensor is nothing to restore; a non-empty tensor (or TE 1.x's
+    io.BytesIO) is FP8 scaling metadata, which is not read (it is not
+    unpickled) and is ignored with a warning; anything else is a TypeError."""
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        if state is None or isinstance(state, torch.Tensor) and state.numel() == 0:
+            return
+        if isinstance(state, (torch.Tensor, io.BytesIO)):
+            warnings.warn(f"{type(self).__name__}: the checkpoint's _extra_state holds TransformerEngine FP8 "
+                          "metadata, which this package does not use; it is ignored", stacklevel=3)
+            return
+        raise TypeError(f"{type(self).__name__}: _extra_state must be a uint8 tensor (TransformerEngine's format), "
+                        f"got {type(state).__name__}")
+
+
+class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
     """Base of this package's layers (see the module docstring)."""
 
     # The fast path's plan (module/_fast.py), made on the first call and kept

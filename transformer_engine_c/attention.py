@@ -1,0 +1,331 @@
+"""TransformerEngine's `DotProductAttention` on PyTorch's
+scaled_dot_product_attention (its flash and memory-efficient kernels where
+they apply: no mask or plain causal attention of equal lengths; an explicit
+boolean mask otherwise).
+
+Layouts `sbhd`, `bshd` ([s, b, heads, d] / [b, s, heads, d], output
+[s, b, heads * d_v] / [b, s, heads * d_v]) and `thd` (sequences packed
+along the first dimension, delimited by `cu_seqlens_q` / `cu_seqlens_kv`,
+output [t, heads * d_v]). Mask types, TE's meaning (an `attention_mask`
+element True is masked out):
+  * no_mask; causal (top-left aligned: query i sees keys j <= i) and
+    causal_bottom_right (j <= i + s_kv - s_q);
+  * padding: `attention_mask` [b, 1, 1, s] (self-attention) or a pair
+    ([b, 1, 1, s_q], [b, 1, 1, s_kv]); padding_causal and
+    padding_causal_bottom_right add the causal mask;
+  * arbitrary: `attention_mask` broadcastable to [b, heads, s_q, s_kv].
+`window_size` (left, right) limits each query to keys i - left .. i + right
+(-1: unbounded); its diagonal is top-left aligned for causal and
+padding_causal, bottom-right for the other types, unless
+`bottom_right_diagonal` says. Query rows with no key
+left produce zeros. Heads are split over the tensor-parallel group: the
+inputs hold this rank's num_attention_heads / tp_size heads (and
+num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
+the RNG tracker's fork() when one is given and sequence_parallel is off, as
+TE does.
+
+Raises NotImplementedError naming the feature: context parallelism (a
+cp_group of more than one rank), FP8 attention (fp8_output, FP8 autocast),
+softmax types other than vanilla, return_max_logit, ALiBi, KV-cache
+inference (inference_params), score_mod."""
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .module.base import ExtraStateMixin
+from .quantization import FP8GlobalStateManager
+
+__all__ = ["DotProductAttention"]
+
+MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+              "padding_causal_bottom_right", "arbitrary")
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _window(window_size, mask_type):
+    causal = "causal" in mask_type
+    if window_size is None:
+        return (-1, 0) if causal else (-1, -1)
+    left, right = (int(v) for v in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
+    if causal and right not in (0, -1):
+        raise ValueError(f"window_size={window_size}: a causal mask type needs right = 0 (or -1)")
+    return (left, 0) if causal else (left, right)
+
+
+def _band(sq, skv, mask_type, window, device, bottom_right=None):
+    """[sq, skv] allowed-mask of the causal diagonal and the window, or None
+    if every pair is allowed. The diagonal is bottom-right aligned for the
+    *_bottom_right and non-causal mask types, top-left for causal and
+    padding_causal (TE's bottom_right_diagonal=None), or as `bottom_right`
+    says."""
+    left, right = window
+    if left == -1 and right == -1:
+        return None
+    if bottom_right is None:
+        bottom_right = mask_type not in ("causal", "padding_causal")
+    offset = skv - sq if bottom_right else 0
+    i = torch.arange(sq, device=device).view(sq, 1) + offset
+    j = torch.arange(skv, device=device).view(1, skv)
+    allowed = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if right != -1:
+        allowed &= j <= i + right
+    if left != -1:
+        allowed &= j >= i - left
+    return allowed
+
+
+def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
+    """q [b, h, sq, d], k/v [b, hk, skv, d]; allowed broadcastable to
+    [b, h, sq, skv] (True: attend) or None. Returns [b, h, sq, dv]."""
+    h, hk = q.shape[1], k.shape[1]
+    if hk != h:
+        k = k.repeat_interleave(h // hk, dim=1)
+        v = v.repeat_interleave(h // hk, dim=1)
+    empty_rows = None
+    mask = allowed
+    if allowed is not None:
+        allowed = allowed.expand(q.shape[0], h, q.shape[2], k.shape[2])
+        empty_rows = ~allowed.any(-1, keepdim=True)
+        mask = allowed | empty_rows  # rows with no key attend anywhere, then are zeroed
+    if bias is not None:
+        bias = bias.to(q.dtype)
+        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=is_causal and mask is None, scale=scale)
+    if empty_rows is not None and bool(empty_rows.any()):
+        out = out.masked_fill(empty_rows, 0.0)
+    return out
+
+
+def _padding_allowed(attention_mask, b, sq, skv, self_attention):
+    """Allowed-mask [b, 1, sq, skv] of TE's padding masks (True: padded)."""
+    if isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError("attention_mask: a padding mask pair must be (q_mask, kv_mask)")
+        q_mask, kv_mask = attention_mask
+    else:
+        if attention_mask is None:
+            raise ValueError("attention_mask is required with a padding mask type (True: padded position)")
+        q_mask = kv_mask = attention_mask
+        if not self_attention or sq != skv:
+            raise ValueError("attention_mask: cross-attention padding needs the pair (q_mask, kv_mask)")
+    q_ok = ~q_mask.to(torch.bool).reshape(b, 1, sq, 1)
+    kv_ok = ~kv_mask.to(torch.bool).reshape(b, 1, 1, skv)
+    return q_ok & kv_ok
+
+
+class DotProductAttention(ExtraStateMixin, torch.nn.Module):
+    """TransformerEngine's DotProductAttention (constructor and forward
+    arguments in TE's order; see the module docstring for what each
+    supports)."""
+
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
+                 qkv_format="sbhd", attn_mask_type="causal", window_size=None, bottom_right_diagonal=None,
+                 sequence_parallel=False, tp_size=1, get_rng_state_tracker=None, tp_group=None, layer_number=None,
+                 attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p",
+                 softmax_scale=None, softmax_type="vanilla", return_max_logit=False, name=None):
+        super().__init__()
+        _check_choice("qkv_format", qkv_format, QKV_FORMATS)
+        _check_choice("attn_mask_type", attn_mask_type, MASK_TYPES)
+        _check_choice("attention_type", attention_type, ("self", "cross"))
+        if softmax_type != "vanilla":
+            raise NotImplementedError(f"DotProductAttention: softmax_type={softmax_type!r} is not supported "
+                                      "(only 'vanilla')")
+        if return_max_logit:
+            raise NotImplementedError("DotProductAttention: return_max_logit (qk-clip) is not supported")
+        self.bottom_right_diagonal = None if bottom_right_diagonal is None else bool(bottom_right_diagonal)
+        if tp_group is not None and dist.is_initialized():
+            tp_size = dist.get_world_size(tp_group)
+        tp_size = int(tp_size)
+        heads = int(num_attention_heads)
+        groups = heads if num_gqa_groups is None else int(num_gqa_groups)
+        if heads <= 0 or groups <= 0 or heads % groups:
+            raise ValueError(f"num_attention_heads ({heads}) must be a positive multiple of num_gqa_groups "
+                             f"({groups})")
+        if heads % tp_size or groups % tp_size:
+            raise ValueError(f"num_attention_heads ({heads}) and num_gqa_groups ({groups}) must be divisible "
+                             f"by the tensor-parallel size {tp_size}")
+        if not 0.0 <= float(attention_dropout) < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.num_attention_heads, self.num_gqa_groups, self.tp_size, self.tp_group = heads, groups, tp_size, tp_group
+        self.num_attention_heads_per_partition = heads // tp_size
+        self.num_gqa_groups_per_partition = groups // tp_size
+        channels = (kv_channels, kv_channels) if isinstance(kv_channels, int) else tuple(kv_channels)
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = (int(c) for c in channels)
+        self.kv_channels = kv_channels
+        self.qkv_format, self.attn_mask_type, self.attention_type = qkv_format, attn_mask_type, attention_type
+        self.window_size = window_size
+        _window(window_size, attn_mask_type)
+        self.attention_dropout = float(attention_dropout)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.layer_number, self.name = layer_number, name
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k) if softmax_scale is None
+                              else float(softmax_scale))
+        self.softmax_type = softmax_type
+        self.rng_states_tracker = None
+        if not self.sequence_parallel and get_rng_state_tracker is not None:
+            self.rng_states_tracker = get_rng_state_tracker()
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
+        """TE's setter; a group of more than one rank is context parallelism."""
+        groups = cp_group if isinstance(cp_group, (list, tuple)) else [cp_group]
+        for g in groups:
+            if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1:
+                raise NotImplementedError("DotProductAttention: context parallelism (a cp_group of "
+                                          f"{dist.get_world_size(g)} ranks) is not supported")
+        self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = (
+            cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def set_tensor_parallel_group(self, tp_group):
+        self.tp_group = tp_group
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None, cu_seqlens_q=None,
+                cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
+                max_seqlen_kv=None, attn_mask_type=None, window_size=None, bottom_right_diagonal=None,
+                checkpoint_core_attention=False, core_attention_bias_type="no_bias", core_attention_bias=None,
+                alibi_slopes=None, fast_zero_fill=True, inference_params=None, pad_between_seqs=None,
+                fp8_output=False, bf16_backward=False, num_splits=None, score_mod=None, score_mod_bprop=None,
+                score_mod_tensors=None, score_mod_bprop_tensors=None, qkv_layer=None):
+        """q/k/v in `qkv_format` (default the constructor's); `attn_mask_type`
+        and `window_size` default to the constructor's. num_splits (a
+        flash-decoding knob) does not change the result and is ignored."""
+        fmt = self.qkv_format if qkv_format is None else qkv_format
+        _check_choice("qkv_format", fmt, QKV_FORMATS)
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        _check_choice("attn_mask_type", mask_type, MASK_TYPES)
+        window = _window(self.window_size if window_size is None else window_size, mask_type)
+        for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
+                           (FP8GlobalStateManager.is_fp8_enabled(), "FP8 attention (fp8_autocast)"),
+                           (alibi_slopes is not None or core_attention_bias_type == "alibi", "ALiBi"),
+                           (inference_params is not None, "inference_params (KV-cache inference)"),
+                           (score_mod is not None or score_mod_bprop is not None, "score_mod"),
+                           (qkv_layer is not None, "qkv_layer")):
+            if flag:
+                raise NotImplementedError(f"DotProductAttention: {what} is not supported")
+        _check_choice("core_attention_bias_type", core_attention_bias_type, ("no_bias", "pre_scale_bias",
+                                                                            "post_scale_bias", "alibi"))
+        bias = None
+        if core_attention_bias_type != "no_bias":
+            if core_attention_bias is None:
+                raise ValueError(f"core_attention_bias is required with core_attention_bias_type="
+                                 f"{core_attention_bias_type!r}")
+            bias = core_attention_bias
+            if core_attention_bias_type == "pre_scale_bias":
+                bias = bias * self.softmax_scale
+        q, k, v = query_layer, key_layer, value_layer
+        for t, n in ((q, "query_layer"), (k, "key_layer"), (v, "value_layer")):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"DotProductAttention: {n} must be a tensor, got {type(t).__name__}")
+        self._check_heads(q, k, v, fmt)
+        br = self.bottom_right_diagonal if bottom_right_diagonal is None else bool(bottom_right_diagonal)
+        if mask_type.endswith("bottom_right"):
+            br = True  # the causal diagonal of these types is bottom-right by definition
+        args = (q, k, v, attention_mask, fmt, mask_type, window, bias, cu_seqlens_q, cu_seqlens_kv,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, br)
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            from .checkpoint import checkpoint
+            tracker = self.rng_states_tracker
+            return checkpoint(self._forward, *args, use_reentrant=False,
+                              get_rng_state_tracker=(lambda: tracker) if tracker is not None else None)
+        return self._forward(*args)
+
+    def _check_heads(self, q, k, v, fmt):
+        need = 3 if fmt == "thd" else 4
+        for t, n in ((q, "query_layer"), (k, "key_layer"), (v, "value_layer")):
+            if t.dim() != need:
+                raise ValueError(f"DotProductAttention: {n} must be {need}-D in {fmt}, got {tuple(t.shape)}")
+        hd = -2
+        hq, hk = q.shape[hd], k.shape[hd]
+        if hq != self.num_attention_heads_per_partition or hk != self.num_gqa_groups_per_partition \
+                or v.shape[hd] != hk:
+            raise ValueError(f"DotProductAttention: this rank holds {self.num_attention_heads_per_partition} "
+                             f"query and {self.num_gqa_groups_per_partition} key/value heads; got query "
+                             f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)} ({fmt})")
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"DotProductAttention: query and key head sizes differ ({q.shape[-1]} vs {k.shape[-1]})")
+
+    def _dropout_ctx(self):
+        if self.training and self.attention_dropout > 0 and self.rng_states_tracker is not None:
+            return self.rng_states_tracker.fork()
+        return contextlib.nullcontext()
+
+    def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, br):
+        p = self.attention_dropout if self.training else 0.0
+        with self._dropout_ctx():
+            if fmt == "thd":
+                return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
+            if fmt == "sbhd":
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            else:
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            b, h, sq, _ = q.shape
+            skv = k.shape[2]
+            allowed = _band(sq, skv, mask_type, window, q.device, br)
+            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br
+            if plain_causal:
+                allowed = None
+            if allowed is not None:
+                allowed = allowed.view(1, 1, sq, skv)
+            if mask_type.startswith("padding"):
+                pad = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+                allowed = pad if allowed is None else allowed & pad
+                if plain_causal:
+                    allowed = allowed & _band(sq, skv, "causal", (-1, 0), q.device, br)
+                plain_causal = False
+            elif mask_type == "arbitrary":
+                if attention_mask is None:
+                    raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
+                am = ~attention_mask.to(torch.bool)
+                allowed = am if allowed is None else allowed & am
+            out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
+            out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
+            return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br):
+        if cu_q is None or cu_kv is None:
+            raise ValueError("DotProductAttention: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+        if bias is not None:
+            raise NotImplementedError("DotProductAttention: core_attention_bias with qkv_format='thd' is not "
+                                      "supported")
+        if mask_type == "arbitrary":
+            raise NotImplementedError("DotProductAttention: attn_mask_type='arbitrary' with qkv_format='thd' is "
+                                      "not supported")
+        lens_q = torch.diff(cu_q).tolist()
+        lens_kv = torch.diff(cu_kv).tolist()
+        if len(lens_q) != len(lens_kv):
+            raise ValueError(f"cu_seqlens_q ({len(lens_q) + 1} entries) and cu_seqlens_kv ({len(lens_kv) + 1}) "
+                             "must describe the same number of sequences")
+        start_q = (cu_q if cu_q_pad is None else cu_q_pad).tolist()
+        start_kv = (cu_kv if cu_kv_pad is None else cu_kv_pad).tolist()
+        mt = mask_type.replace("padding_", "").replace("padding", "no_mask")
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        pieces = []
+        for i, (lq, lk) in enumerate(zip(lens_q, lens_kv)):
+            if lq == 0:
+                continue
+            a, c = int(start_q[i]), int(start_kv[i])
+            qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[a:a + lq], k[c:c + lk], v[c:c + lk]))
+            allowed = _band(lq, lk, mt, window, q.device, br)
+            causal = mt == "causal" and lq == lk and window == (-1, 0) and not br
+            if causal:
+                allowed = None
+            oi = _attend(qi, ki, vi, allowed if allowed is None else allowed.view(1, 1, lq, lk), causal,
+                         self.softmax_scale, p, None)
+            pieces.append((a, lq, oi[0].transpose(0, 1)))
+        if cu_q_pad is None and pieces and sum(n for _, n, _ in pieces) == q.shape[0]:
+            out = torch.cat([o for _, _, o in pieces])
+        else:
+            for a, n, o in pieces:
+                out = out.index_copy(0, torch.arange(a, a + n, device=q.device), o)
+        return out.reshape(out.shape[0], -1)
