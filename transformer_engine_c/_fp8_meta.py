@@ -14,7 +14,8 @@ module's device: scale [n], scale_inv [n] and amax_history
 Float8Quantizer of role i maxes into amax_history[0][i]).
 
 The update (amax_and_scale_update), run once per step for every meta that
-took part, is TE's: amax = max over the history (or its row 0 with
+took part, is TE's: amax = max over the history, NaN entries skipped as
+TE's fmaxf does (or its row 0 with
 "most_recent", or the recipe's callable); scale = fp8_max / amax /
 2^margin (or the recipe's scaling_factor_compute_algo), the old scale kept
 where amax is 0, inf or NaN, FLT_MAX where the quotient overflows;
@@ -108,7 +109,8 @@ def _amax_from_history(history, algo):
         return algo(history)
     if algo == "most_recent":
         return history[0]
-    return history.max(dim=0).values
+    # TE's fused update takes the max with fmaxf: NaN entries are skipped.
+    return torch.where(history.isnan(), torch.zeros_like(history), history).max(dim=0).values
 
 
 def default_scale_from_amax(amax, scale, fp8_max, recipe):
