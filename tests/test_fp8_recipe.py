@@ -52,6 +52,12 @@ def test_delayed_scaling_refuses_bad_fields(kwargs, match):
         DelayedScaling(**kwargs)
 
 
+def test_fp8_torch_dtypes():
+    dt = te.quantization.get_fp8_torch_dtype
+    assert dt(DelayedScaling(), True) is torch.float8_e4m3fn and dt(DelayedScaling(), False) is torch.float8_e5m2
+    assert dt(DelayedScaling(fp8_format=Format.E4M3), False) is torch.float8_e4m3fn
+
+
 def test_current_scaling_refuses_e5m2():
     with pytest.raises(ValueError, match="pure E5M2"):
         Float8CurrentScaling(fp8_format=Format.E5M2)
@@ -227,6 +233,14 @@ def test_scales_update_at_the_outermost_exit():
     assert meta["scaling_bwd"].scale.tolist() == [1.0, 1.0]  # backward: updated by the first module's backward
     G.reduce_and_update_fp8_tensors(forward=False)
     assert meta["scaling_bwd"].scale.tolist() == [1.0, 1.0]  # amax 0: kept
+
+
+def test_autocast_keys_tell_recipes_apart():
+    key = G.get_unique_autocast_key
+    assert key(DelayedScaling(), None) == key(DelayedScaling(), None)
+    assert key(DelayedScaling(), None) != key(DelayedScaling(reduce_amax=False), None)
+    assert key(DelayedScaling(), None) != key(DelayedScaling(amax_compute_algo="most_recent"), None)
+    assert key(DelayedScaling(), None) != key(Float8CurrentScaling(), None)
 
 
 def test_module_called_twice_maxes_into_one_row():

@@ -12,6 +12,7 @@ The layers (Linear, LayerNormLinear, LayerNormMLP) do not compute in FP8
 yet: calling one inside an enabled autocast raises NotImplementedError, and
 so do fp8_model_init / quantized_model_init with enabled=True."""
 import contextlib
+import dataclasses
 
 import torch
 
@@ -20,7 +21,7 @@ from .recipe import DelayedScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "get_default_fp8_recipe",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available", "check_fp8_support"]
+           "is_nvfp4_available", "check_fp8_support", "get_fp8_torch_dtype"]
 
 _LAYERS_NOT_YET = ("the transformer_engine_c layers do not compute in FP8 yet (the FP8 layer integration is "
                    "still to come); the recipes, quantizers, Float8Tensor and FP8 GEMM are usable standalone")
@@ -52,6 +53,12 @@ def is_fp8_available(return_reason=False):
 
 def _block_scaling_unavailable():
     return False, "Float8BlockScaling is not implemented by transformer_engine_c yet"
+
+
+def get_fp8_torch_dtype(fp8_recipe, fprop_tensor=True):
+    """torch's float8 dtype of a recipe's forward (fprop_tensor) or backward
+    tensors: E4M3, or E5M2 for HYBRID's backward."""
+    return _fp8_meta.fp8_dtype_of(fp8_recipe.fp8_format, fprop_tensor)
 
 
 def get_default_fp8_recipe():
@@ -180,7 +187,11 @@ class FP8GlobalStateManager:
 
     @classmethod
     def get_unique_autocast_key(cls, recipe=None, group=None):
-        return f"{recipe!r}:{_group_key(group)}"
+        """Recipes equal in every field, and groups of the same ranks, share
+        one key (and so one buffer and one reduction)."""
+        fields = [(f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe)] \
+            if dataclasses.is_dataclass(recipe) else recipe
+        return f"{type(recipe).__name__}{fields!r}:{_group_key(group)}"
 
     # ---- autocast state
 
