@@ -133,3 +133,53 @@ def test_bad_input():
                      fp8_dtype=E4M3)
     with pytest.raises(TypeError, match="expected a tensor"):
         Float8CurrentScalingQuantizer(E4M3, "cpu")([1.0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine (GPU tests run on the GPU machines)")
+def test_casts_and_scale_updates_replay_in_a_cuda_graph():
+    """Delayed scaling's casts and update and current scaling's casts hold
+    no host synchronisation: captured once, replayed, they match eager steps."""
+    from transformer_engine_c import _fp8_meta as M
+    from transformer_engine_c.recipe import DelayedScaling
+    recipe = DelayedScaling(amax_history_len=3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(64, 64, device="cuda", generator=gen) * (1 + 3 * i) for i in range(4)]
+
+    def build():
+        meta = M.make_fp8_meta(recipe, device="cuda")["scaling_fwd"]
+        q = Float8Quantizer(meta.scale[0:1], meta.amax_history[0][0:1], E4M3)
+        cs = Float8CurrentScalingQuantizer(E4M3, "cuda")
+        return meta, q, q.make_empty((64, 64), device="cuda"), cs, cs.make_empty((64, 64), device="cuda")
+
+    def body(x, meta, q, out, cs, cout):
+        q.update_quantized(x, out)
+        cs.update_quantized(x, cout)
+        M.amax_and_scale_update(meta, 448.0, recipe)
+
+    eager = build()
+    eager_out = []
+    for x in inputs:
+        body(x, *eager)
+        eager_out.append((eager[2]._data.clone(), eager[4]._data.clone(), eager[0].scale.clone()))
+
+    graphed = build()
+    x = torch.empty(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        body(x.zero_(), *graphed)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body(x, *graphed)
+    meta = graphed[0]
+    meta.scale.fill_(1.0)
+    meta.scale_inv.fill_(1.0)
+    meta.amax_history.zero_()
+    for i, xi in enumerate(inputs):
+        x.copy_(xi)
+        g.replay()
+        d, c, s = eager_out[i]
+        assert torch.equal(graphed[2]._data, d) and torch.equal(graphed[4]._data, c)
+        assert torch.equal(meta.scale, s), f"step {i}: {meta.scale.tolist()} vs {s.tolist()}"
+    assert eager_out[1][2][0].item() != 1.0  # the scales did move

@@ -36,11 +36,12 @@ def hard_values(n, dtype, gen):
     return x.to(dtype)
 
 
-def assert_same_fp8(got, want):
-    """Equal bytes where the value is not NaN, NaN at the same places."""
+def assert_same_fp8(got, want, fp8_dtype=E4M3):
+    """Equal bytes where the value is not NaN, NaN at the same places (any
+    of the format's NaN codes)."""
     assert got.shape == want.shape
-    gnan = (got & 0x7F) == 0x7F
-    wnan = (want & 0x7F) == 0x7F
+    gnan = got.view(fp8_dtype).float().isnan()
+    wnan = want.view(fp8_dtype).float().isnan()
     assert torch.equal(gnan, wnan), "NaN positions differ"
     diff = (got != want) & ~wnan
     assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}: " \
@@ -62,8 +63,8 @@ def test_quantize_bit_exact(device, fp8_dtype, dtype, scale):
     x = x.to(device)
     sc = torch.tensor([scale], device=device)
     data, data_t, scale_inv = F.quantize(x, fp8_dtype, sc, columnwise=True)
-    assert_same_fp8(data.cpu(), want)
-    assert_same_fp8(data_t.cpu(), want.t().contiguous())
+    assert_same_fp8(data.cpu(), want, fp8_dtype)
+    assert_same_fp8(data_t.cpu(), want.t().contiguous(), fp8_dtype)
     assert scale_inv.item() == struct.unpack("f", struct.pack("f", 1.0 / struct.unpack("f", struct.pack("f", scale))[0]))[0]
 
 
@@ -72,6 +73,9 @@ def test_quantize_checker_catches_a_wrong_byte():
     want = torch_quantize(x, E4M3, 1.0)
     got = want.clone()
     got[3, 5] ^= 1
+    assert_fp8_differs(got, want)
+    got = want.clone()
+    got[0, 0] = 0x7F  # a NaN where there was none
     assert_fp8_differs(got, want)
 
 
@@ -84,9 +88,9 @@ def test_quantize_shapes_and_fused_amax(device, shape, columnwise):
     amax = torch.tensor([1.0], device=device)  # smaller than max|x|: replaced
     data, data_t, _ = F.quantize(x.to(device), E5M2, torch.tensor([0.5], device=device), amax=amax,
                                  columnwise=columnwise)
-    assert_same_fp8(data.cpu(), want)
+    assert_same_fp8(data.cpu(), want, E5M2)
     if columnwise:
-        assert_same_fp8(data_t.cpu(), want.reshape(-1, shape[-1]).t().contiguous())
+        assert_same_fp8(data_t.cpu(), want.reshape(-1, shape[-1]).t().contiguous(), E5M2)
     assert amax.item() == x.float().abs().max().item()
 
 
