@@ -1,89 +1,367 @@
-"""TransformerEngine's quantization entry points, for code that calls them
-with quantization off: `fp8_autocast` / `autocast` and `fp8_model_init` /
-`quantized_model_init` are no-op context managers with enabled=False and
-raise NotImplementedError with enabled=True (the default, as in TE): this
-package computes in fp32, bf16 and fp16. FP8GlobalStateManager answers TE's
-queries (nothing is available, nothing is enabled)."""
-import contextlib
+"""TransformerEngine's quantization entry points with TE 2.x semantics.
 
-from .recipe import DelayedScaling
+`autocast` / `fp8_autocast` set the global FP8 state that
+FP8GlobalStateManager answers (enabled, recipe, group, calibrating, depth,
+first module) and, for DelayedScaling, run the amax reduction and scale
+update of every fp8_meta registered during the block when the outermost
+autocast exits with grad enabled. The recipes (recipe.py), quantizers and
+Float8Tensor (tensor/float8_tensor.py) and the FP8 engine operations
+(_fp8_engine.py) are usable on their own.
+
+The layers (Linear, LayerNormLinear, LayerNormMLP) do not compute in FP8
+yet: calling one inside an enabled autocast raises NotImplementedError, and
+so do fp8_model_init / quantized_model_init with enabled=True."""
+import contextlib
+import dataclasses
+
+import torch
+
+from . import _fp8_meta
+from .recipe import DelayedScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "get_default_fp8_recipe",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available"]
+           "is_nvfp4_available", "check_fp8_support", "get_fp8_torch_dtype"]
 
-_NO_FP8 = "FP8 and other quantized compute are not supported by transformer_engine_c"
+_LAYERS_NOT_YET = ("the transformer_engine_c layers do not compute in FP8 yet (the FP8 layer integration is "
+                   "still to come); the recipes, quantizers, Float8Tensor and FP8 GEMM are usable standalone")
 
 
-def _refuse(what, enabled):
-    if enabled:
-        raise NotImplementedError(f"{what}(enabled=True): {_NO_FP8}; use enabled=False or torch.autocast")
+def check_fp8_support():
+    """(available, reason). On CUDA: compute capability 8.9 or newer (Ada,
+    Hopper). Without CUDA, FP8 is emulated exactly on the CPU."""
+    if not torch.cuda.is_available():
+        return True, "no CUDA device: FP8 is emulated on the CPU (float32 arithmetic on the FP8 values)"
+    cc = torch.cuda.get_device_capability()
+    if cc < (8, 9):
+        return False, (f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                       f"{torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}")
+    return True, ""
+
+
+def _blackwell_only(name):
+    def check():
+        return False, f"{name} needs a Blackwell GPU (sm_100) and is not offered by transformer_engine_c"
+    return check
+
+
+def is_fp8_available(return_reason=False):
+    """TE's module-level form: a bool, or (bool, reason)."""
+    ok, reason = check_fp8_support()
+    return (ok, reason) if return_reason else ok
+
+
+def _block_scaling_unavailable():
+    return False, "Float8BlockScaling is not implemented by transformer_engine_c yet"
+
+
+def get_fp8_torch_dtype(fp8_recipe, fprop_tensor=True):
+    """torch's float8 dtype of a recipe's forward (fprop_tensor) or backward
+    tensors: E4M3, or E5M2 for HYBRID's backward."""
+    return _fp8_meta.fp8_dtype_of(fp8_recipe.fp8_format, fprop_tensor)
+
+
+def get_default_fp8_recipe():
+    """TE's default: DelayedScaling below Blackwell, MXFP8 on sm_100+ (which
+    this package refuses when enabled)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
+        return MXFP8BlockScaling()
+    return DelayedScaling()
+
+
+def _group_key(group):
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return tuple(torch.distributed.get_process_group_ranks(group))
+
+
+def _world_size(group):
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def _refuse_layers(module, args):
+    """Forward pre-hook on every module while an FP8 autocast is active: the
+    package's layers refuse to run in high precision under it."""
+    if (FP8GlobalStateManager.FP8_ENABLED or FP8GlobalStateManager.FP8_CALIBRATION) and \
+            type(module).__module__.startswith("transformer_engine_c.module."):
+        raise NotImplementedError(f"{type(module).__name__} inside an enabled FP8 autocast: {_LAYERS_NOT_YET}")
+
+
+class FP8GlobalStateManager:
+    """TE's global FP8 state: what the active autocast set, and the global
+    buffers of the amaxes, histories and scales of every fp8_meta that took
+    part in the current autocast (keyed per direction and autocast)."""
+
+    FP8_ENABLED = False
+    FP8_CALIBRATION = False
+    FP8_RECIPE = None
+    FP8_DISTRIBUTED_GROUP = None
+    FP8_PARAMETERS = False
+    HIGH_PRECISION_INIT_VAL = False
+    IS_FIRST_FP8_MODULE = False
+    FP8_GRAPH_CAPTURING = False
+    AUTOCAST_DEPTH = 0
+    autocast_arguments = {}
+    global_amax_buffer = {}
+    global_amax_history_buffer = {}
+    global_scale_buffer = {}
+    global_scale_inv_buffer = {}
+    _hook = None
+
+    @classmethod
+    def reset(cls):
+        """Back to the state at import (tests; after a failed step)."""
+        cls.FP8_ENABLED = cls.FP8_CALIBRATION = cls.FP8_PARAMETERS = cls.HIGH_PRECISION_INIT_VAL = False
+        cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = None
+        cls.IS_FIRST_FP8_MODULE = cls.FP8_GRAPH_CAPTURING = False
+        cls.AUTOCAST_DEPTH = 0
+        cls.autocast_arguments = {}
+        cls.global_amax_buffer = {}
+        cls.global_amax_history_buffer = {}
+        cls.global_scale_buffer = {}
+        cls.global_scale_inv_buffer = {}
+        cls._set_layer_guard(False)
+
+    # ---- availability
+
+    is_fp8_available = staticmethod(check_fp8_support)
+    is_mxfp8_available = staticmethod(_blackwell_only("MXFP8"))
+    is_nvfp4_available = staticmethod(_blackwell_only("NVFP4"))
+    is_fp8_block_scaling_available = staticmethod(_block_scaling_unavailable)
+
+    # ---- queries (TE's names)
+
+    @classmethod
+    def is_fp8_enabled(cls):
+        return cls.FP8_ENABLED
+
+    @classmethod
+    def is_fp8_calibration(cls):
+        return cls.FP8_CALIBRATION
+
+    @classmethod
+    def with_fp8_parameters(cls):
+        return cls.FP8_PARAMETERS
+
+    @classmethod
+    def with_high_precision_init_val(cls):
+        return cls.HIGH_PRECISION_INIT_VAL
+
+    @classmethod
+    def fp8_graph_capturing(cls):
+        return cls.FP8_GRAPH_CAPTURING
+
+    @classmethod
+    def is_first_fp8_module(cls):
+        """True for the first module of the outermost autocast that asks
+        (which then owns the backward amax reduction); False afterwards."""
+        first = cls.IS_FIRST_FP8_MODULE
+        cls.IS_FIRST_FP8_MODULE = False
+        return first
+
+    @classmethod
+    def get_fp8_recipe(cls):
+        return cls.FP8_RECIPE if cls.FP8_RECIPE is not None else get_default_fp8_recipe()
+
+    @classmethod
+    def get_fp8_group(cls):
+        return cls.FP8_DISTRIBUTED_GROUP
+
+    @classmethod
+    def get_autocast_depth(cls):
+        return cls.AUTOCAST_DEPTH
+
+    @staticmethod
+    def get_meta_tensor_key(forward=True):
+        return "scaling_fwd" if forward else "scaling_bwd"
+
+    @staticmethod
+    def get_fwd_bwd_key(forward=True):
+        return "forward" if forward else "backward"
+
+    @staticmethod
+    def get_buffer_info():
+        return "buffer_index_and_autocast_key"
+
+    @classmethod
+    def get_unique_autocast_key(cls, recipe=None, group=None):
+        """Recipes equal in every field, and groups of the same ranks, share
+        one key (and so one buffer and one reduction)."""
+        fields = [(f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe)] \
+            if dataclasses.is_dataclass(recipe) else recipe
+        return f"{type(recipe).__name__}{fields!r}:{_group_key(group)}"
+
+    # ---- autocast state
+
+    @classmethod
+    def get_autocast_state(cls):
+        return (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
+                cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING)
+
+    @classmethod
+    def set_autocast_state(cls, state):
+        (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
+         cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING) = state
+
+    # TE's older names
+    get_fp8_autocast_state = get_autocast_state
+    set_fp8_autocast_state = set_autocast_state
+
+    @classmethod
+    def _set_layer_guard(cls, on):
+        if on and cls._hook is None:
+            cls._hook = torch.nn.modules.module.register_module_forward_pre_hook(_refuse_layers)
+        elif not on and cls._hook is not None:
+            cls._hook.remove()
+            cls._hook = None
+
+    @classmethod
+    def autocast_enter(cls, enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
+        """Set the state for an autocast block (the caller saved the old)."""
+        recipe = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a transformer_engine_c.recipe.Recipe, got {type(recipe).__name__}")
+        if enabled or calibrating:
+            reason = recipe.unsupported_reason()
+            if reason:
+                raise NotImplementedError(reason)
+        if enabled:
+            ok, reason = check_fp8_support()
+            if not ok:
+                raise RuntimeError(reason)
+        cls.autocast_arguments[cls.get_unique_autocast_key(recipe, fp8_group)] = (recipe, fp8_group)
+        cls.FP8_ENABLED = bool(enabled)
+        cls.FP8_CALIBRATION = bool(calibrating)
+        cls.FP8_RECIPE = recipe
+        cls.FP8_DISTRIBUTED_GROUP = fp8_group
+        cls.FP8_GRAPH_CAPTURING = bool(_graph)
+        if cls.AUTOCAST_DEPTH == 0:
+            cls.IS_FIRST_FP8_MODULE = True
+        cls.AUTOCAST_DEPTH += 1
+        if enabled or calibrating:
+            cls._set_layer_guard(True)
+
+    @classmethod
+    def autocast_exit(cls, enabled, _graph=False):
+        """After the state is restored: at the outermost exit with grad on
+        (and outside graph capture), reduce and update the forward amaxes."""
+        cls.AUTOCAST_DEPTH -= 1
+        if cls.AUTOCAST_DEPTH == 0:
+            cls._set_layer_guard(False)
+            if enabled and not _graph and torch.is_grad_enabled():
+                cls.reduce_and_update_fp8_tensors(forward=True)
+
+    # ---- delayed scaling's global buffers
+
+    @classmethod
+    def add_fp8_tensors_to_global_buffer(cls, fp8_meta):
+        """Register a module's fp8_meta (once: its tensors are updated in
+        place, so the buffers keep views of them) under its recipe and group
+        (fp8_meta["recipe"], fp8_meta["fp8_group"]; the active autocast's
+        where absent). A module called twice in one step maxes both calls'
+        amaxes into the same history row."""
+        info_key = cls.get_buffer_info()
+        if info_key in fp8_meta:
+            return
+        recipe = fp8_meta.get("recipe") or cls.get_fp8_recipe()
+        group = fp8_meta.get("fp8_group")
+        if group is None:
+            group = cls.FP8_DISTRIBUTED_GROUP
+        autocast_key = cls.get_unique_autocast_key(recipe, group)
+        cls.autocast_arguments.setdefault(autocast_key, (recipe, group))
+        info = fp8_meta[info_key] = {}
+        for forward in (True, False):
+            meta_key = cls.get_meta_tensor_key(forward)
+            if meta_key not in fp8_meta:
+                continue
+            key = f"{cls.get_fwd_bwd_key(forward)}_{autocast_key}"
+            meta = fp8_meta[meta_key]
+            cls.global_amax_buffer.setdefault(key, []).append(meta.amax_history[0])
+            cls.global_amax_history_buffer.setdefault(key, []).append(meta.amax_history)
+            cls.global_scale_buffer.setdefault(key, []).append(meta.scale)
+            cls.global_scale_inv_buffer.setdefault(key, []).append(meta.scale_inv)
+            info[key] = len(cls.global_amax_buffer[key]) - 1
+
+    @classmethod
+    def reduce_and_update_fp8_tensors(cls, forward=True):
+        """For every registered group of this direction (forward: at the
+        outermost autocast's exit; backward: at the end of the first module's
+        backward): max-reduce the current amaxes (history row 0) over the
+        group when recipe.reduce_amax and the group has more than one rank,
+        in one collective per group, then update each fp8_meta in place
+        (_fp8_meta.amax_and_scale_update). Device-side throughout."""
+        prefix = cls.get_fwd_bwd_key(forward) + "_"
+        for key, amaxes in cls.global_amax_buffer.items():
+            if not key.startswith(prefix) or not amaxes:
+                continue
+            recipe, group = cls.autocast_arguments[key[len(prefix):]]
+            if recipe.reduce_amax and _world_size(group) > 1:
+                flat = torch.cat(amaxes)
+                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
+                for row, part in zip(amaxes, flat.split([a.numel() for a in amaxes])):
+                    row.copy_(part)
+            fp8_max = recipe.fp8_format.value.max_fwd if forward else recipe.fp8_format.value.max_bwd
+            for hist, scale, scale_inv in zip(cls.global_amax_history_buffer[key], cls.global_scale_buffer[key],
+                                              cls.global_scale_inv_buffer[key]):
+                _fp8_meta.amax_and_scale_update(_fp8_meta.FP8TensorMeta.of(scale, scale_inv, hist), fp8_max,
+                                                recipe)
 
 
 @contextlib.contextmanager
 def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None, _graph=False):
-    """TE's quantized autocast: enabled=False runs the block unchanged."""
-    _refuse("autocast", enabled or calibrating)
-    yield
+    """TE 2.x's quantized autocast (see this module's docstring)."""
+    state = FP8GlobalStateManager.get_autocast_state()
+    FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
+                                         fp8_group=amax_reduction_group, _graph=_graph)
+    try:
+        yield
+    finally:
+        FP8GlobalStateManager.set_autocast_state(state)
+        FP8GlobalStateManager.autocast_exit(enabled, _graph=_graph)
 
 
 @contextlib.contextmanager
 def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
-    """TE's fp8_autocast: enabled=False runs the block unchanged."""
-    _refuse("fp8_autocast", enabled or calibrating)
-    yield
+    """TE's older name of autocast (fp8_recipe, fp8_group)."""
+    with autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group,
+                  _graph=_graph):
+        yield
+
+
+def _refuse_init(what, enabled):
+    if enabled:
+        raise NotImplementedError(f"{what}(enabled=True): FP8 parameters need the FP8 layer integration; "
+                                  f"{_LAYERS_NOT_YET}")
 
 
 @contextlib.contextmanager
 def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
     """TE's quantized_model_init: enabled=False builds parameters as usual."""
-    _refuse("quantized_model_init", enabled)
+    _refuse_init("quantized_model_init", enabled)
     yield
 
 
 @contextlib.contextmanager
 def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
     """TE's fp8_model_init: enabled=False builds parameters as usual."""
-    _refuse("fp8_model_init", enabled)
+    _refuse_init("fp8_model_init", enabled)
     yield
 
 
-def get_default_fp8_recipe():
-    """TE's default recipe (plain data here)."""
-    return DelayedScaling()
+def _answer(check, return_reason):
+    ok, reason = check()
+    return (ok, reason) if return_reason else ok
 
 
-def _unavailable():
-    return False, _NO_FP8
+def is_mxfp8_available(return_reason=False):
+    return _answer(FP8GlobalStateManager.is_mxfp8_available, return_reason)
 
 
-is_fp8_available = is_mxfp8_available = is_fp8_block_scaling_available = is_nvfp4_available = _unavailable
+def is_nvfp4_available(return_reason=False):
+    return _answer(FP8GlobalStateManager.is_nvfp4_available, return_reason)
 
 
-class FP8GlobalStateManager:
-    """The queries TE's callers make of its global FP8 state."""
-
-    is_fp8_available = staticmethod(_unavailable)
-    is_mxfp8_available = staticmethod(_unavailable)
-    is_fp8_block_scaling_available = staticmethod(_unavailable)
-    is_nvfp4_available = staticmethod(_unavailable)
-
-    @staticmethod
-    def is_fp8_enabled():
-        return False
-
-    @staticmethod
-    def is_fp8_calibration():
-        return False
-
-    @staticmethod
-    def with_fp8_parameters():
-        return False
-
-    @staticmethod
-    def fp8_graph_capturing():
-        return False
-
-    @staticmethod
-    def get_fp8_recipe():
-        return get_default_fp8_recipe()
+def is_fp8_block_scaling_available(return_reason=False):
+    return _answer(FP8GlobalStateManager.is_fp8_block_scaling_available, return_reason)

@@ -1,20 +1,57 @@
-"""TransformerEngine's quantization recipe names, as plain data: code written
-for TE builds these (and passes them to fp8_autocast / autocast) even when
-quantization is off. Constructing one is fine; using one with quantization
-enabled raises NotImplementedError (this package computes in fp32, bf16 and
-fp16 only)."""
+"""TransformerEngine's quantization recipes (TE 2.x fields and defaults).
+
+DelayedScaling and Float8CurrentScaling drive the per-tensor FP8 of
+quantization.py and tensor/float8_tensor.py. Float8BlockScaling,
+MXFP8BlockScaling and NVFP4BlockScaling can be built (code written for TE
+constructs them) but an autocast that enables one raises
+NotImplementedError naming it (see `unsupported_reason`)."""
 import dataclasses
 import enum
+import typing
 
-__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
-           "Float8BlockScaling", "NVFP4BlockScaling"]
+__all__ = ["Format", "QParams", "MMParams", "Recipe", "DelayedScaling", "Float8CurrentScaling",
+           "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"]
+
+
+class _FormatHelper(typing.NamedTuple):
+    max_fwd: float
+    max_bwd: float
 
 
 class Format(enum.Enum):
-    """FP8 formats: E4M3, E5M2, and HYBRID (E4M3 forward, E5M2 backward)."""
-    E4M3 = "E4M3"
-    E5M2 = "E5M2"
-    HYBRID = "HYBRID"
+    """FP8 formats: E4M3 (forward and backward), E5M2, and HYBRID (E4M3
+    forward, E5M2 backward). The value holds the largest finite values
+    (max_fwd, max_bwd), as TE's."""
+    E4M3 = _FormatHelper(max_fwd=448.0, max_bwd=448.0)
+    E5M2 = _FormatHelper(max_fwd=57344.0, max_bwd=57344.0)
+    HYBRID = _FormatHelper(max_fwd=448.0, max_bwd=57344.0)
+
+
+@dataclasses.dataclass()
+class QParams:
+    """How one tensor role is quantized under current or block scaling:
+    scales rounded down to powers of two, and a floor for the amax."""
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.amax_epsilon, (int, float)) or not self.amax_epsilon >= 0:
+            raise ValueError(f"QParams.amax_epsilon must be a float >= 0, got {self.amax_epsilon!r}")
+
+
+@dataclasses.dataclass()
+class MMParams:
+    """How one GEMM runs: use_split_accumulator False is cuBLASLt's fast
+    FP8 accumulation (TE's fprop default), True the split accumulator."""
+    use_split_accumulator: bool = True
+
+
+def _check_format(recipe, allowed):
+    if not isinstance(recipe.fp8_format, Format):
+        raise TypeError(f"{type(recipe).__name__}.fp8_format must be a recipe.Format, got {recipe.fp8_format!r}")
+    if recipe.fp8_format not in allowed:
+        raise ValueError(f"{type(recipe).__name__}: fp8_format {recipe.fp8_format.name} is not supported "
+                         f"(expected {' or '.join(f.name for f in allowed)}); pure E5M2 training is not supported")
 
 
 class Recipe:
@@ -38,42 +75,122 @@ class Recipe:
     def nvfp4(self):
         return isinstance(self, NVFP4BlockScaling)
 
+    def custom(self):
+        return False
 
-@dataclasses.dataclass
+    def unsupported_reason(self):
+        """None if this package can compute with the recipe, else why not."""
+        return None
+
+
+@dataclasses.dataclass()
 class DelayedScaling(Recipe):
+    """Per-tensor scales from the amax history of earlier steps.
+
+    Each step's scale is fp8_max / amax / 2^margin, amax being the history's
+    maximum ("max"), its latest entry ("most_recent") or what a callable
+    returns (called with the [history_len, n] history tensor, returning
+    [n]); scaling_factor_compute_algo(amax, scale, fp8_max, recipe), if
+    given, replaces that rule. An amax of 0, inf or NaN keeps the old scale.
+    reduce_amax: max-reduce the forward amaxes over the autocast's group when
+    the outermost autocast exits (and the backward ones in the first
+    module's backward)."""
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    scaling_factor_compute_algo: object = None
+    amax_compute_algo: typing.Union[str, typing.Callable] = "max"
+    scaling_factor_compute_algo: typing.Optional[typing.Callable] = None
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
+    def __post_init__(self):
+        _check_format(self, (Format.HYBRID, Format.E4M3))
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or self.margin < 0:
+            raise ValueError(f"DelayedScaling.margin must be a number >= 0, got {self.margin!r}")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or self.amax_history_len < 1:
+            raise ValueError(f"DelayedScaling.amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError("DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, got "
+                             f"{self.amax_compute_algo!r}")
+        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
+            raise ValueError("DelayedScaling.scaling_factor_compute_algo must be None or a callable, got "
+                             f"{self.scaling_factor_compute_algo!r}")
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("DelayedScaling(fp8_dpa / fp8_mha): FP8 attention is not part of "
+                                      "transformer_engine_c")
 
-@dataclasses.dataclass
+    def __repr__(self):
+        return (f"recipe_type={type(self).__name__}, margin={self.margin}, format={self.fp8_format.name}, "
+                f"amax_history_len={self.amax_history_len}, fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}")
+
+
+@dataclasses.dataclass()
 class Float8CurrentScaling(Recipe):
+    """Per-tensor scales from each tensor's own amax at every cast."""
     fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=QParams)
+    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=QParams)
+    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=QParams)
+    fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=lambda: MMParams(use_split_accumulator=False))
+    fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=lambda: MMParams(use_split_accumulator=True))
+    fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=lambda: MMParams(use_split_accumulator=True))
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
+    def __post_init__(self):
+        _check_format(self, (Format.HYBRID, Format.E4M3))
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("Float8CurrentScaling(fp8_dpa / fp8_mha): FP8 attention is not part of "
+                                      "transformer_engine_c")
 
-@dataclasses.dataclass
+    def __repr__(self):
+        return (f"recipe_type={type(self).__name__}, format={self.fp8_format.name}, "
+                f"fp8_quant_fwd_inp={self.fp8_quant_fwd_inp}, fp8_quant_fwd_weight={self.fp8_quant_fwd_weight}, "
+                f"fp8_quant_bwd_grad={self.fp8_quant_bwd_grad}")
+
+
+@dataclasses.dataclass()
 class MXFP8BlockScaling(Recipe):
     margin: int = 0
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
+    def unsupported_reason(self):
+        return ("MXFP8BlockScaling is a Blackwell format (sm_100: E8M0 scales per 32 elements); "
+                "transformer_engine_c offers DelayedScaling and Float8CurrentScaling")
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass()
 class Float8BlockScaling(Recipe):
+    """1x128 blocks for activations and gradients, 128x128 for weights
+    (x/w/grad_block_scaling_dim 1, 2, 1), power-of-two scales."""
     fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=lambda: QParams(power_2_scale=True))
+    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=lambda: QParams(power_2_scale=True))
+    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=lambda: QParams(power_2_scale=True))
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=lambda: MMParams(use_split_accumulator=True))
+    fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=lambda: MMParams(use_split_accumulator=True))
+    fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=lambda: MMParams(use_split_accumulator=True))
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
+    def unsupported_reason(self):
+        return ("Float8BlockScaling is not implemented yet: cuBLASLt (CUDA 12.9+) offers its block scales on "
+                "sm_90 (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F), but this package has no "
+                "block quantization kernels yet; use DelayedScaling or Float8CurrentScaling")
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass()
 class NVFP4BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
+
+    def unsupported_reason(self):
+        return ("NVFP4BlockScaling is a Blackwell format (sm_100: FP4 with E4M3 scales per 16 elements); "
+                "transformer_engine_c offers DelayedScaling and Float8CurrentScaling")

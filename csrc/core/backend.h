@@ -33,6 +33,15 @@ typedef struct tec_nccl_ops {
     int (*version)(void);
 } tec_nccl_ops;
 
+/* FP8 operations (tec.h), called by fp8.c after its checks. */
+typedef struct tec_fp8_ops {
+    tec_status (*quantize)(int device, const tec_fp8_quantize_args *a, void *stream);
+    tec_status (*amax)(int device, const void *x, int64_t n, tec_dtype dtype, float *amax, void *stream);
+    tec_status (*scale_from_amax)(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
+                                  float fp8_max, int pow2, float epsilon, void *stream);
+    tec_status (*gemm)(int device, const tec_fp8_gemm_args *a, void *stream);
+} tec_fp8_ops;
+
 typedef struct tec_backend {
     int abi_version; /* TEC_BACKEND_ABI */
     const char *name;
@@ -49,9 +58,11 @@ typedef struct tec_backend {
     size_t (*act_bwd_workspace_bytes)(int device, tec_activation act, int64_t rows, int64_t cols);
     /* Engine collectives (NULL: none). */
     const tec_nccl_ops *nccl;
+    /* FP8 quantization and GEMM (NULL: none). */
+    const tec_fp8_ops *fp8;
 } tec_backend;
 
-#define TEC_BACKEND_ABI 5 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl */
+#define TEC_BACKEND_ABI 6 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8 */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {
@@ -68,6 +79,7 @@ typedef struct tec_core_hooks {
 typedef const tec_backend *(*tec_cuda_backend_init_fn)(const tec_core_hooks *hooks);
 
 extern const tec_backend tec_cpu_backend;
+extern const tec_fp8_ops tec_cpu_fp8; /* cpu/fp8.c */
 
 /* The backend of `device` (TEC_DEVICE_CPU or a CUDA ordinal); NULL if its
  * library is not loaded. */

@@ -313,6 +313,77 @@ void tec_nccl_close(tec_nccl *c, int abort);
 void tec_nccl_free(tec_nccl *c);  /* close + free; NULL is a no-op */
 int tec_nccl_version(void);       /* NCCL's version code, 0 if it cannot be loaded */
 
+/* ------------------------------------------------------------------ FP8
+ *
+ * Per-tensor scaled FP8 (csrc/core/fp8.c checks and dispatches; CPU
+ * kernels in cpu/fp8.c, CUDA kernels and the cuBLASLt FP8 GEMM in
+ * cuda/fp8.cu). Storage is one byte per element in OCP FP8: E4M3 (the
+ * "fn" variant: no infinities, max 448) or E5M2 (max 57344). Scales are
+ * float32 tensors in the operation's device memory, read and written by
+ * the device (no host synchronisation: the calls can be captured in a CUDA
+ * graph). Exercised by tests/test_fp8_engine.py.
+ */
+
+typedef enum { TEC_FP8_E4M3 = 0, TEC_FP8_E5M2 = 1 } tec_fp8_format;
+
+/* Largest finite value of the format (448 or 57344). */
+float tec_fp8_max(tec_fp8_format f);
+
+/* Quantize x [rows, cols] (row-major, contiguous, `dtype`):
+ *   out[r, c]   = fp8(x[r, c] * scale)   (rowwise copy, or NULL)
+ *   out_t[c, r] = the same value          (the transpose, or NULL)
+ * fp8() rounds to nearest even and saturates to +-max (infinities too);
+ * NaN stays NaN. amax, if given, becomes max(*amax, max |x|) (NaN inputs
+ * are ignored, as fmaxf does): it may be a row of an amax history. scale_inv,
+ * if given, receives 1 / *scale. scale: one float. */
+typedef struct {
+    int64_t rows, cols;
+    tec_dtype dtype;
+    tec_fp8_format format;
+    const void *x;
+    const float *scale;
+    uint8_t *out;
+    uint8_t *out_t;
+    float *amax;
+    float *scale_inv;
+} tec_fp8_quantize_args;
+tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *stream);
+
+/* *amax = max |x| over n elements of `dtype` (overwritten; 0 for n == 0). */
+tec_status tec_fp8_amax(int device, const void *x, int64_t n, tec_dtype dtype, float *amax, void *stream);
+
+/* Current scaling: for each of n amaxes, a = max(amax[i], epsilon);
+ * scale[i] = 1 if a is 0, inf or NaN, else fp8_max / a (FLT_MAX when that
+ * overflows), rounded down to a power of two with pow2; scale_inv[i] = 1 /
+ * scale[i]. scale or scale_inv may be NULL. */
+tec_status tec_fp8_scale_from_amax(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
+                                   float fp8_max, int pow2, float epsilon, void *stream);
+
+/* FP8 GEMM, the TN layout of cuBLASLt: row-major
+ *   C[m, n] (+)= (a_scale_inv * A[m, k]) @ (b_scale_inv * B[n, k])^T (+ bias)
+ * A and B are FP8 (lda, ldb >= k; at most one of them E5M2); scales one
+ * float each. C is bf16, f16 or f32 (ldc >= n). bias [n]: bf16 for a bf16
+ * or f32 C, f16 for an f16 C (not with accumulate). accumulate: C += the
+ * product (a wgrad into an fp32 main_grad). fast_accum: cuBLASLt's fast FP8
+ * accumulation (TE uses it for fprop; off is the split accumulator). On
+ * the CPU: the dequantized operands multiplied in float32 (exact emulation
+ * of the scaled product). */
+typedef struct {
+    int64_t m, n, k;
+    tec_fp8_format a_format, b_format;
+    const uint8_t *a; int64_t lda;
+    const uint8_t *b; int64_t ldb;
+    const float *a_scale_inv, *b_scale_inv;
+    void *c; int64_t ldc;
+    tec_dtype c_dtype;
+    const void *bias;
+    int accumulate;
+    int fast_accum;
+    void *workspace;
+    size_t workspace_bytes;
+} tec_fp8_gemm_args;
+tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

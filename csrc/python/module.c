@@ -176,7 +176,8 @@ static int tec_exec(PyObject *m)
         PyModule_AddFunctions(m, tec_ops_methods) < 0 ||
         PyModule_AddFunctions(m, tec_saving_methods) < 0 ||
         PyModule_AddFunctions(m, tec_ranges_methods) < 0 ||
-        PyModule_AddFunctions(m, tec_nccl_methods) < 0)
+        PyModule_AddFunctions(m, tec_nccl_methods) < 0 ||
+        PyModule_AddFunctions(m, tec_fp8_methods) < 0)
         return -1;
     if (tec_comm_exec(m) < 0 || tec_saving_exec(m) < 0)
         return -1;

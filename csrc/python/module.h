@@ -66,6 +66,7 @@ extern PyMethodDef tec_ops_methods[];
 extern PyMethodDef tec_saving_methods[];
 extern PyMethodDef tec_ranges_methods[];
 extern PyMethodDef tec_nccl_methods[];
+extern PyMethodDef tec_fp8_methods[];
 
 /* Per-file exec hooks (types, constants); 0 on success, -1 with an exception. */
 int tec_comm_exec(PyObject *module);

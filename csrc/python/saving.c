@@ -15,7 +15,9 @@
  *                                place; restore calls
  *                                state.restore_from_saved(list_of_those_tensors)
  *                                and returns its result, or `state` if that
- *                                result is None
+ *                                result is None or an empty list / tuple
+ *                                (TE's restore_from_saved returns the saved
+ *                                tensors it did not take)
  *   other tensor subclasses   -> saved as is (PLAIN)
  * restore_from_saved(objects, saved_tensors) -> list, one item per prepared
  *   object; `objects` is consumed (its references dropped) and cannot be
@@ -372,7 +374,9 @@ static PyObject *restore_special(tec_module_state *s, SavedObjects *so, PyObject
             Py_DECREF(lst);
             if (!r)
                 goto fail;
-            if (r == Py_None) {
+            /* None, or TE's convention: the saved tensors it did not take
+             * (none here: it was handed exactly its own). */
+            if (r == Py_None || ((PyList_Check(r) || PyTuple_Check(r)) && PySequence_Size(r) == 0)) {
                 Py_DECREF(r);
                 item = e->obj;
                 e->obj = NULL;

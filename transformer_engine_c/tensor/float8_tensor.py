@@ -1,21 +1,280 @@
-"""TransformerEngine's FP8 tensor and quantizer names, for code that imports
-them at module level: constructing one raises NotImplementedError (FP8 is
-not supported by this package)."""
+"""TransformerEngine's per-tensor FP8 tensor and its quantizers.
+
+Float8Tensor is a torch.Tensor subclass that looks like a tensor of its
+nominal dtype (bf16, fp32...) and holds `_data` (uint8 storage of the FP8
+bits), `_scale_inv` (float32, one element: dequantized = fp8 value *
+scale_inv), `_fp8_dtype` (torch.float8_e4m3fn or torch.float8_e5m2), an
+optional `_transpose` ([last dim, rows] of the same bits, what the
+backward GEMMs read) and the `_quantizer` that made it. Any torch operation
+on it other than those below runs on the dequantized values.
+
+Float8Quantizer (delayed scaling: the scale is given, e.g. a view of an
+fp8_meta's scale, and the amax is max-ed into a given tensor, e.g. the
+current row of an amax history) and Float8CurrentScalingQuantizer (the
+scale comes from this tensor's own amax, optionally all-reduced over a
+group) produce them. The casts are the engine's (_fp8_engine.py)."""
+import torch
+
+from .. import _fp8_engine
+
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer"]
 
-
-class _Unsupported:
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__}: FP8 tensors are not supported by transformer_engine_c")
+_aten = torch.ops.aten
 
 
-class Float8Tensor(_Unsupported):
-    pass
+def _fp8_dtype(fp8_dtype):
+    _fp8_engine.fp8_code(fp8_dtype)
+    return fp8_dtype
 
 
-class Float8Quantizer(_Unsupported):
-    pass
+class Float8Tensor(torch.Tensor):
+    """An FP8 tensor with one scale (TE's constructor keywords)."""
+
+    @staticmethod
+    def __new__(cls, *, shape, dtype, data, fp8_scale_inv, fp8_dtype, data_transpose=None, quantizer=None,
+                requires_grad=False, device=None):
+        if data is not None and (data.dtype != torch.uint8 or tuple(data.shape) != tuple(shape)):
+            raise ValueError(f"Float8Tensor: data must be torch.uint8 of shape {tuple(shape)}, got "
+                             f"{data.dtype} {tuple(data.shape)}")
+        if not isinstance(fp8_scale_inv, torch.Tensor) or fp8_scale_inv.dtype != torch.float32 \
+                or fp8_scale_inv.numel() != 1:
+            raise ValueError("Float8Tensor: fp8_scale_inv must be a float32 tensor of one element")
+        ref = data if data is not None else data_transpose
+        if ref is None:
+            raise ValueError("Float8Tensor: needs data or data_transpose")
+        self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device or ref.device,
+                                                   requires_grad=requires_grad)
+        self._data = data
+        self._transpose = data_transpose
+        self._transpose_invalid = data_transpose is None
+        self._scale_inv = fp8_scale_inv
+        self._fp8_dtype = _fp8_dtype(fp8_dtype)
+        self._quantizer = quantizer
+        return self
+
+    def __repr__(self, *, tensor_contents=None):
+        return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item()}, "
+                f"data={self.dequantize(dtype=self.dtype)})")
+
+    # ---- values
+
+    def dequantize(self, *, dtype=None):
+        """The values (fp8 * scale_inv) as a plain tensor of `dtype` (the
+        nominal dtype by default)."""
+        dtype = dtype or self.dtype
+        if self._data is not None:
+            vals = self._data.view(self._fp8_dtype).float()
+        else:  # only the transpose is kept
+            vals = self._transpose.view(self._fp8_dtype).float().t().reshape(self.shape)
+        return (vals * self._scale_inv).to(dtype)
+
+    def _get_quantizer(self):
+        return self._quantizer
+
+    def get_transpose(self):
+        """The [last dim, rows] FP8 bits, made from the rowwise data if
+        needed (a byte transpose: the same values)."""
+        if self._transpose is None or self._transpose_invalid:
+            flat = self._data.reshape(-1, self._data.shape[-1])
+            self._transpose = flat.t().contiguous()
+            self._transpose_invalid = False
+        return self._transpose
+
+    def update_usage(self, rowwise_usage=None, columnwise_usage=None):
+        """Keep only the copies a later use needs (TE's usage flags)."""
+        if columnwise_usage:
+            self.get_transpose()
+        if rowwise_usage is False and self._transpose is not None and not self._transpose_invalid:
+            self._data = None
+        if columnwise_usage is False:
+            self._transpose, self._transpose_invalid = None, True
+
+    # ---- saving for backward (the protocol of csrc/python/saving.c and TE)
+
+    def prepare_for_saving(self):
+        """(tensors to save, self): the storage is handed to autograd and
+        dropped here until restore_from_saved puts it back."""
+        tensors = [self._data, self._transpose, self._scale_inv]
+        self._data = self._transpose = None
+        self._scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        """Take back the first three saved tensors; return the rest (TE's
+        convention)."""
+        self._data, self._transpose, self._scale_inv = tensors[0], tensors[1], tensors[2]
+        self._transpose_invalid = self._transpose is None
+        return tensors[3:]
+
+    # ---- torch integration
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (_aten.detach.default, _aten.alias.default):
+            t = args[0]
+            return Float8Tensor(shape=t.shape, dtype=t.dtype, data=t._data, fp8_scale_inv=t._scale_inv,
+                                fp8_dtype=t._fp8_dtype, data_transpose=t._transpose, quantizer=t._quantizer,
+                                device=t.device)
+        if func is _aten.clone.default:
+            t = args[0]
+            return Float8Tensor(shape=t.shape, dtype=t.dtype, data=None if t._data is None else t._data.clone(),
+                                fp8_scale_inv=t._scale_inv.clone(), fp8_dtype=t._fp8_dtype,
+                                data_transpose=None if t._transpose is None else t._transpose.clone(),
+                                quantizer=t._quantizer, device=t.device)
+        if func is _aten.copy_.default and isinstance(args[0], Float8Tensor):
+            dst, src = args[0], args[1]
+            q = dst._quantizer
+            if q is None:
+                raise RuntimeError("Float8Tensor.copy_: the destination has no quantizer to cast with")
+            q.update_quantized(src.dequantize() if isinstance(src, Float8Tensor) else src, dst)
+            return dst
+
+        def plain(a):
+            return a.dequantize() if isinstance(a, Float8Tensor) else a
+
+        args = torch.utils._pytree.tree_map(plain, args)
+        kwargs = torch.utils._pytree.tree_map(plain, kwargs)
+        return func(*args, **kwargs)
 
 
-class Float8CurrentScalingQuantizer(_Unsupported):
-    pass
+class _Quantizer:
+    """What the two quantizers share: TE's usage flags and call forms."""
+
+    def __init__(self, fp8_dtype, rowwise, columnwise):
+        self.dtype = _fp8_dtype(fp8_dtype)
+        self.rowwise_usage = bool(rowwise)
+        self.columnwise_usage = bool(columnwise)
+        self.internal = False
+
+    def set_usage(self, *, rowwise=None, columnwise=None):
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
+
+    def __call__(self, tensor):
+        return self.quantize(tensor)
+
+    def quantize(self, tensor, *, out=None):
+        """A Float8Tensor of `tensor` (or `tensor` cast into `out`)."""
+        if out is not None:
+            return self.update_quantized(tensor, out)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: expected a tensor, got {type(tensor).__name__}")
+        x = tensor.detach().contiguous()
+        data, data_t, scale_inv = self._cast(x, None, None, None)
+        return Float8Tensor(shape=x.shape, dtype=x.dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=self.dtype,
+                            data_transpose=data_t, quantizer=self, device=x.device)
+
+    def update_quantized(self, src, dst, *, noop_flag=None):
+        """Cast src into dst's storage (same shape), refreshing its scale_inv."""
+        if noop_flag is not None:
+            raise NotImplementedError(f"{type(self).__name__}.update_quantized: noop_flag is not supported")
+        if not isinstance(dst, Float8Tensor) or tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{type(self).__name__}.update_quantized: dst must be a Float8Tensor of src's shape")
+        x = src.detach().contiguous()
+        data = dst._data if self.rowwise_usage else None
+        if self.rowwise_usage and data is None:
+            data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        data_t = dst._transpose if self.columnwise_usage else None
+        d, t, _ = self._cast(x, data, data_t, dst._scale_inv)
+        dst._data, dst._transpose, dst._transpose_invalid = d, t, t is None
+        dst._fp8_dtype = self.dtype
+        return dst
+
+    def make_empty(self, shape, *, dtype=torch.float32, device=None, requires_grad=False):
+        """An uninitialised Float8Tensor of `shape` (its storage allocated)."""
+        device = torch.device(device) if device is not None else self._device()
+        shape = tuple(shape)
+        data = torch.empty(shape, dtype=torch.uint8, device=device) if self.rowwise_usage else None
+        data_t = None
+        if self.columnwise_usage and len(shape) >= 2:
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            data_t = torch.empty(shape[-1], rows, dtype=torch.uint8, device=device)
+        return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=torch.ones(1, device=device),
+                            fp8_dtype=self.dtype, data_transpose=data_t, quantizer=self,
+                            requires_grad=requires_grad, device=device)
+
+    def _columnwise_for(self, x):
+        return self.columnwise_usage and x.dim() >= 2
+
+    def _quantize_with(self, x, scale, amax, data, data_t, scale_inv):
+        return _fp8_engine.quantize(x, self.dtype, scale, amax=amax, rowwise=self.rowwise_usage,
+                                    columnwise=self._columnwise_for(x), out=data, out_t=data_t,
+                                    scale_inv=scale_inv)
+
+
+class Float8Quantizer(_Quantizer):
+    """Delayed scaling: cast with the given `scale` (float32, one element)
+    and max the tensor's amax into `amax` (float32, one element)."""
+
+    def __init__(self, scale, amax, fp8_dtype, *, rowwise=True, columnwise=True):
+        super().__init__(fp8_dtype, rowwise, columnwise)
+        for t, name in ((scale, "scale"), (amax, "amax")):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"Float8Quantizer: {name} must be a float32 tensor of one element")
+        self.scale = scale
+        self.amax = amax
+
+    def _device(self):
+        return self.scale.device
+
+    def copy(self):
+        q = Float8Quantizer(self.scale, self.amax, self.dtype, rowwise=self.rowwise_usage,
+                            columnwise=self.columnwise_usage)
+        q.internal = self.internal
+        return q
+
+    def _cast(self, x, data, data_t, scale_inv):
+        return self._quantize_with(x, self.scale, self.amax, data, data_t, scale_inv)
+
+
+class Float8CurrentScalingQuantizer(_Quantizer):
+    """Current scaling: each cast takes the tensor's own amax (max-reduced
+    over amax_reduction_group with with_amax_reduction, as sequence
+    parallelism's gathered tensors need), makes the scale from it
+    (force_pow_2_scales, amax_epsilon: TE's rule) and casts. self.scale and
+    self.amax hold the last cast's values."""
+
+    def __init__(self, fp8_dtype, device, *, rowwise=True, columnwise=True, with_amax_reduction=False,
+                 amax_reduction_group=None, force_pow_2_scales=False, amax_epsilon=0.0):
+        super().__init__(fp8_dtype, rowwise, columnwise)
+        if with_amax_reduction and amax_reduction_group is None:
+            raise ValueError("Float8CurrentScalingQuantizer: with_amax_reduction needs amax_reduction_group")
+        if not isinstance(amax_epsilon, (int, float)) or not amax_epsilon >= 0:
+            raise ValueError(f"Float8CurrentScalingQuantizer: amax_epsilon must be >= 0, got {amax_epsilon!r}")
+        device = torch.device(device)
+        self.scale = torch.ones(1, dtype=torch.float32, device=device)
+        self.amax = torch.zeros(1, dtype=torch.float32, device=device)
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.amax_reduction_group = amax_reduction_group
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.amax_epsilon = float(amax_epsilon)
+
+    def _device(self):
+        return self.scale.device
+
+    def copy(self):
+        q = Float8CurrentScalingQuantizer(self.dtype, self.scale.device, rowwise=self.rowwise_usage,
+                                          columnwise=self.columnwise_usage,
+                                          with_amax_reduction=self.with_amax_reduction,
+                                          amax_reduction_group=self.amax_reduction_group,
+                                          force_pow_2_scales=self.force_pow_2_scales,
+                                          amax_epsilon=self.amax_epsilon)
+        q.internal = self.internal
+        return q
+
+    def _cast(self, x, data, data_t, scale_inv):
+        if x.device != self.scale.device:
+            raise ValueError(f"Float8CurrentScalingQuantizer: input on {x.device}, quantizer on "
+                             f"{self.scale.device}")
+        _fp8_engine.amax(x, out=self.amax)
+        if self.with_amax_reduction:
+            torch.distributed.all_reduce(self.amax, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.amax_reduction_group)
+        _fp8_engine.scale_from_amax(self.amax, self.dtype, power_2_scale=self.force_pow_2_scales,
+                                    amax_epsilon=self.amax_epsilon, scale=self.scale)
+        return self._quantize_with(x, self.scale, None, data, data_t, scale_inv)

@@ -225,4 +225,5 @@ const tec_backend tec_cpu_backend = {
     .act_fwd = tec_cpu_act_fwd,
     .act_bwd = tec_cpu_act_bwd,
     .act_bwd_workspace_bytes = tec_cpu_act_bwd_workspace_bytes,
+    .fp8 = &tec_cpu_fp8,
 };

@@ -18,6 +18,16 @@ cudaDataType_t cuda_type(int dt)
     return dt == TEC_F32 ? CUDA_R_32F : dt == TEC_BF16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
+/* The cuBLASLt type of our A (a = 1) or B (a = 0): FP8 keys carry the
+ * operands' formats, others their common dtype. */
+cudaDataType_t operand_type(const gemm_key *k, int a)
+{
+    if (!k->fp8)
+        return cuda_type(k->ab);
+    const int code = k->fp8 - 1, fmt = a ? (code & 1) : (code >> 1);
+    return fmt == TEC_FP8_E5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+}
+
 /* FNV-1a over the key's bytes (the key has no padding; callers zero it). */
 uint64_t key_hash(const gemm_key *k)
 {
@@ -27,7 +37,7 @@ uint64_t key_hash(const gemm_key *k)
         h = (h ^ p[i]) * 1099511628211ull;
     return h;
 }
-static_assert(sizeof(gemm_key) == 10 * 4 + 6 * 8, "gemm_key must have no padding (it is hashed as bytes)");
+static_assert(sizeof(gemm_key) == 12 * 4 + 6 * 8, "gemm_key must have no padding (it is hashed as bytes)");
 
 void plan_free(gemm_plan *p)
 {
@@ -56,10 +66,10 @@ tec_status plan_try(cublasLtHandle_t h, const gemm_key *k, int epi, const void *
     if ((st = gemm_desc_init(&p->desc, k, epi, epi_ptr)) != TEC_OK)
         return st;
     if (!p->la)
-        TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, cuda_type(k->ab), (uint64_t)(k->transb ? k->k : k->n),
+        TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, operand_type(k, 0), (uint64_t)(k->transb ? k->k : k->n),
                                                     (uint64_t)(k->transb ? k->n : k->k), k->ldb));
     if (!p->lb)
-        TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, cuda_type(k->ab), (uint64_t)(k->transa ? k->m : k->k),
+        TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, operand_type(k, 1), (uint64_t)(k->transa ? k->m : k->k),
                                                     (uint64_t)(k->transa ? k->k : k->m), k->lda));
     if (!p->lc)
         TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, cuda_type(k->c), (uint64_t)k->n, (uint64_t)k->m, k->ldc));
@@ -330,5 +340,13 @@ tec_status gemm_desc_init(cublasLtMatmulDesc_t d, const gemm_key *k, int epi, co
     if (k->sm_target > 0)
         TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &k->sm_target,
                                                         sizeof k->sm_target));
+    if (k->fp8) { /* the scale pointers are the call's own (fp8.cu sets them) */
+        const int8_t fast = k->fast_accum ? 1 : 0;
+        TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
+        if (epi == CUBLASLT_EPILOGUE_BIAS) {
+            const cudaDataType_t bt = k->c == TEC_F16 ? CUDA_R_16F : CUDA_R_16BF;
+            TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
+        }
+    }
     return TEC_OK;
 }

@@ -1,0 +1,213 @@
+/* cpu/fp8.c - the CPU backend's FP8 operations (tec.h): encoding to and
+ * decoding from E4M3 / E5M2 in plain C (round to nearest even, saturating,
+ * bit-identical to torch's float8 casts of the clamped value), the fused
+ * amax + cast + transpose, the current-scaling scales, and the FP8 GEMM
+ * emulated exactly (operands decoded and scaled in float32, then the CPU
+ * GEMM). Exercised by tests/test_fp8_engine.py. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backend.h"
+#include "../error.h"
+#include "cpu_dtype.h"
+
+/* Format constants: mantissa bits, exponent bias, largest finite code. */
+typedef struct { int mbits, bias; uint8_t max_code, nan_code; float max; } fp8_fmt;
+static const fp8_fmt k_fmt[2] = {
+    {3, 7, 0x7e, 0x7f, 448.0f},     /* E4M3 (fn) */
+    {2, 15, 0x7b, 0x7f, 57344.0f},  /* E5M2 */
+};
+
+static uint8_t fp8_encode(float v, const fp8_fmt *f)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u)
+        return (uint8_t)(sign | f->nan_code);
+    float a;
+    memcpy(&a, &u, 4);
+    if (a >= f->max) /* saturate (infinities too) */
+        return (uint8_t)(sign | f->max_code);
+    const int emin = 1 - f->bias; /* exponent of the smallest normal */
+    if (a < ldexpf(1.0f, emin)) {
+        /* Subnormal: a multiple of 2^(emin - mbits); exact scaling, then
+         * nearbyintf rounds to nearest even. A carry to 2^mbits is the
+         * smallest normal's code, as it should be. */
+        return (uint8_t)(sign | (uint8_t)nearbyintf(ldexpf(a, f->mbits - emin)));
+    }
+    const int shift = 23 - f->mbits;
+    u += (1u << (shift - 1)) - 1u + ((u >> shift) & 1u);
+    const int e = (int)(u >> 23) - 127 + f->bias;
+    const uint32_t m = (u >> shift) & ((1u << f->mbits) - 1u);
+    uint32_t code = ((uint32_t)e << f->mbits) | m;
+    if (code > f->max_code)
+        code = f->max_code;
+    return (uint8_t)(sign | code);
+}
+
+static float fp8_decode(uint8_t c, tec_fp8_format fmt)
+{
+    const fp8_fmt *f = &k_fmt[fmt];
+    const int e = (c & 0x7f) >> f->mbits, m = c & ((1 << f->mbits) - 1);
+    const int emax_field = (1 << (7 - f->mbits)) - 1;
+    float v;
+    if (fmt == TEC_FP8_E4M3 && e == emax_field && m == (1 << f->mbits) - 1)
+        v = NAN;
+    else if (fmt == TEC_FP8_E5M2 && e == emax_field)
+        v = m ? NAN : INFINITY;
+    else if (e == 0)
+        v = ldexpf((float)m, 1 - f->bias - f->mbits);
+    else
+        v = ldexpf(1.0f + (float)m / (float)(1 << f->mbits), e - f->bias);
+    return (c & 0x80) ? -v : v;
+}
+
+static tec_status cpu_quantize(int device, const tec_fp8_quantize_args *a, void *stream)
+{
+    (void)device; (void)stream;
+    const fp8_fmt *f = &k_fmt[a->format];
+    const float s = *a->scale;
+    float amax = 0.0f;
+    float *row = malloc((size_t)(a->cols > 0 ? a->cols : 1) * sizeof(float));
+    if (!row)
+        return tec_set_error(TEC_ERR_NO_MEMORY, "fp8 quantize: no memory for a row of %lld", (long long)a->cols);
+    for (int64_t r = 0; r < a->rows; r++) {
+        tec_load_row(row, (const char *)a->x + r * a->cols * (int64_t)tec_dtype_size(a->dtype), a->cols, a->dtype);
+        for (int64_t c = 0; c < a->cols; c++) {
+            const float v = row[c];
+            amax = fmaxf(amax, fabsf(v));
+            if (a->out || a->out_t) {
+                const uint8_t q = fp8_encode(v * s, f);
+                if (a->out)
+                    a->out[r * a->cols + c] = q;
+                if (a->out_t)
+                    a->out_t[c * a->rows + r] = q;
+            }
+        }
+    }
+    free(row);
+    if (a->amax)
+        *a->amax = fmaxf(*a->amax, amax);
+    if (a->scale_inv)
+        *a->scale_inv = 1.0f / s;
+    return TEC_OK;
+}
+
+static tec_status cpu_amax(int device, const void *x, int64_t n, tec_dtype dtype, float *amax, void *stream)
+{
+    (void)device; (void)stream;
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        m = fmaxf(m, fabsf(tec_load(x, i, dtype)));
+    *amax = m;
+    return TEC_OK;
+}
+
+/* The current-scaling rule of tec.h, shared with the CUDA kernel's logic. */
+static float scale_from_amax(float amax, float fp8_max, int pow2, float epsilon)
+{
+    if (amax < epsilon)
+        amax = epsilon;
+    if (isinf(amax) || amax == 0.0f || isnan(amax))
+        return 1.0f;
+    float s = fp8_max / amax;
+    if (isinf(s))
+        s = 3.40282347e38f;
+    if (pow2) {
+        uint32_t u;
+        memcpy(&u, &s, 4);
+        u &= 0xff800000u;
+        memcpy(&s, &u, 4);
+    }
+    return s;
+}
+
+static tec_status cpu_scale_from_amax(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
+                                      float fp8_max, int pow2, float epsilon, void *stream)
+{
+    (void)device; (void)stream;
+    for (int64_t i = 0; i < n; i++) {
+        const float s = scale_from_amax(amax[i], fp8_max, pow2, epsilon);
+        if (scale)
+            scale[i] = s;
+        if (scale_inv)
+            scale_inv[i] = 1.0f / s;
+    }
+    return TEC_OK;
+}
+
+/* rows x k FP8 values (leading dimension ld) decoded and scaled into a
+ * dense float32 matrix (NULL: no memory). */
+static float *dequantize(const uint8_t *q, int64_t rows, int64_t k, int64_t ld, tec_fp8_format fmt, float s)
+{
+    float lut[256];
+    for (int c = 0; c < 256; c++)
+        lut[c] = fp8_decode((uint8_t)c, fmt) * s;
+    float *out = malloc((size_t)(rows * k > 0 ? rows * k : 1) * sizeof(float));
+    if (!out)
+        return NULL;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t p = 0; p < k; p++)
+            out[r * k + p] = lut[q[r * ld + p]];
+    return out;
+}
+
+static tec_status cpu_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *stream)
+{
+    (void)stream;
+    tec_status st = TEC_OK;
+    float *a = dequantize(g->a, g->m, g->k, g->lda, g->a_format, *g->a_scale_inv);
+    float *b = dequantize(g->b, g->n, g->k, g->ldb, g->b_format, *g->b_scale_inv);
+    float *bias = NULL, *tmp = NULL;
+    if (!a || !b)
+        goto nomem;
+    if (g->bias) {
+        const tec_dtype bdt = g->c_dtype == TEC_F16 ? TEC_F16 : TEC_BF16;
+        if (!(bias = malloc((size_t)g->n * sizeof(float))))
+            goto nomem;
+        tec_load_row(bias, g->bias, g->n, bdt);
+    }
+    /* A float32 C takes the product directly; a 16-bit C is rounded once
+     * from the float32 result (plus its old value with accumulate). */
+    tec_gemm_args f = {.transb = 1, .m = g->m, .n = g->n, .k = g->k, .a = a, .lda = g->k, .b = b, .ldb = g->k,
+                       .ab_dtype = TEC_F32, .c_dtype = TEC_F32, .bias = bias};
+    if (g->c_dtype == TEC_F32) {
+        f.c = g->c;
+        f.ldc = g->ldc;
+        f.accumulate = g->accumulate;
+        st = tec_cpu_backend.gemm(device, &f, NULL);
+        goto done;
+    }
+    if (!(tmp = malloc((size_t)(g->m * g->n) * sizeof(float))))
+        goto nomem;
+    f.c = tmp;
+    f.ldc = g->n;
+    if ((st = tec_cpu_backend.gemm(device, &f, NULL)) != TEC_OK)
+        goto done;
+    for (int64_t i = 0; i < g->m; i++) {
+        char *crow = (char *)g->c + i * g->ldc * 2;
+        for (int64_t j = 0; j < g->n; j++) {
+            float v = tmp[i * g->n + j];
+            if (g->accumulate)
+                v += tec_load(crow, j, g->c_dtype);
+            tec_store(crow, j, g->c_dtype, v);
+        }
+    }
+    goto done;
+nomem:
+    st = tec_set_error(TEC_ERR_NO_MEMORY, "fp8 gemm: no memory for the dequantized %lldx%lldx%lld operands",
+                       (long long)g->m, (long long)g->n, (long long)g->k);
+done:
+    free(a); free(b); free(bias); free(tmp);
+    return st;
+}
+
+const tec_fp8_ops tec_cpu_fp8 = {
+    .quantize = cpu_quantize,
+    .amax = cpu_amax,
+    .scale_from_amax = cpu_scale_from_amax,
+    .gemm = cpu_fp8_gemm,
+};

@@ -1,0 +1,402 @@
+/* fp8.cu - the CUDA backend's FP8 operations (tec.h): the fused amax + cast
+ * (+ transpose) kernels, amax, the current-scaling scales, and the FP8 GEMM
+ * through cuBLASLt in the TN layout, with the plan cache of gemm_plan.cu
+ * (FP8 keys) and per-call scale pointers. Scales are read on the device:
+ * nothing here synchronises with the host, so every call can be captured
+ * in a CUDA graph. Exercised by scripts/gpu_batch_wt29.sh
+ * (tests/test_fp8_engine.py with TEC_TEST_DEVICE=cuda). */
+#include <cuda_fp8.h>
+#include <float.h>
+#include <string.h>
+
+#include "gemm_plan.h"
+
+namespace {
+
+/* ================================================================ kernels */
+
+__device__ __forceinline__ uint8_t fp8_cvt(float v, int fmt)
+{
+    return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, fmt == TEC_FP8_E5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+/* Non-negative floats order as their bit patterns: an integer atomicMax is
+ * a float max for them. */
+__device__ __forceinline__ void atomic_max_nonneg(float *addr, float v)
+{
+    atomicMax((int *)addr, __float_as_int(v));
+}
+
+/* Block-wide max of v (blockDim.x a multiple of 32, <= 1024), returned to
+ * thread 0. */
+__device__ __forceinline__ float block_max(float v)
+{
+    __shared__ float warp_max[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0)
+        warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? warp_max[lane] : 0.0f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    return v;
+}
+
+/* Rowwise cast of n elements, VEC per thread per step (VEC == 1: any
+ * alignment), with amax (NULL: none) and scale_inv (NULL: none). out may be
+ * NULL (amax only). */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256)
+quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale, int fmt, uint8_t *out,
+                float *amax, float *scale_inv)
+{
+    const float s = *scale;
+    float m = 0.0f;
+    const int64_t nv = n / VEC;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
+        const tec_vec<T, VEC> v = reinterpret_cast<const tec_vec<T, VEC> *>(x)[i];
+        uint8_t q[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            const float f = tec_vget(v, e);
+            m = fmaxf(m, fabsf(f));
+            q[e] = fp8_cvt(f * s, fmt);
+        }
+        if (out) {
+            if (VEC == 8) {
+                uint2 w;
+                memcpy(&w, q, 8);
+                reinterpret_cast<uint2 *>(out)[i] = w;
+            } else if (VEC == 4) {
+                uint32_t w;
+                memcpy(&w, q, 4);
+                reinterpret_cast<uint32_t *>(out)[i] = w;
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; e++)
+                    out[i * VEC + e] = q[e];
+            }
+        }
+    }
+    if (blockIdx.x == 0) /* the tail the vectors do not cover */
+        for (int64_t i = nv * VEC + threadIdx.x; i < n; i += blockDim.x) {
+            const float f = tec_to_f32(x[i]);
+            m = fmaxf(m, fabsf(f));
+            if (out)
+                out[i] = fp8_cvt(f * s, fmt);
+        }
+    if (amax) {
+        m = block_max(m);
+        if (threadIdx.x == 0)
+            atomic_max_nonneg(amax, m);
+    }
+    if (scale_inv && blockIdx.x == 0 && threadIdx.x == 0)
+        *scale_inv = 1.0f / s;
+}
+
+/* Cast + transpose: a 64x64 tile per block of (64, 4) threads; out (may be
+ * NULL) [rows, cols], out_t [cols, rows]. */
+constexpr int kTile = 64;
+template <typename T>
+__global__ void __launch_bounds__(256)
+cast_transpose_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale, int fmt,
+                      uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv)
+{
+    __shared__ uint8_t tile[kTile][kTile + 4];
+    const float s = *scale;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t r0 = (int64_t)blockIdx.y * kTile, c0 = (int64_t)blockIdx.x * kTile;
+    float m = 0.0f;
+    for (int r = ty; r < kTile; r += 4) {
+        const int64_t gr = r0 + r, gc = c0 + tx;
+        uint8_t q = 0;
+        if (gr < rows && gc < cols) {
+            const float f = tec_to_f32(x[gr * cols + gc]);
+            m = fmaxf(m, fabsf(f));
+            q = fp8_cvt(f * s, fmt);
+            if (out)
+                out[gr * cols + gc] = q;
+        }
+        tile[r][tx] = q;
+    }
+    __syncthreads();
+    for (int c = ty; c < kTile; c += 4) {
+        const int64_t gc = c0 + c, gr = r0 + tx;
+        if (gc < cols && gr < rows)
+            out_t[gc * rows + gr] = tile[tx][c];
+    }
+    if (amax) {
+        /* block_max wants a flat block: threads are numbered x-fastest. */
+        __shared__ float part[256];
+        const int t = ty * kTile + tx;
+        part[t] = m;
+        __syncthreads();
+        for (int o = 128; o > 0; o >>= 1) {
+            if (t < o)
+                part[t] = fmaxf(part[t], part[t + o]);
+            __syncthreads();
+        }
+        if (t == 0)
+            atomic_max_nonneg(amax, part[0]);
+    }
+    if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0)
+        *scale_inv = 1.0f / s;
+}
+
+/* The current-scaling rule of tec.h (the CPU's in cpu/fp8.c). */
+__global__ void scale_from_amax_kernel(const float *amax, float *scale, float *scale_inv, int64_t n, float fp8_max,
+                                       int pow2, float epsilon)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n)
+        return;
+    float a = amax[i];
+    if (a < epsilon)
+        a = epsilon;
+    float s = 1.0f;
+    if (!(isinf(a) || a == 0.0f || isnan(a))) {
+        s = __fdiv_rn(fp8_max, a);
+        if (isinf(s))
+            s = FLT_MAX;
+        if (pow2)
+            s = __uint_as_float(__float_as_uint(s) & 0xff800000u);
+    }
+    if (scale)
+        scale[i] = s;
+    if (scale_inv)
+        scale_inv[i] = __frcp_rn(s);
+}
+
+/* C[i, j] += bias[j]: the bias when cuBLASLt did not fuse it. */
+template <typename CT, typename BT>
+__global__ void __launch_bounds__(256) bias_add_kernel(CT *c, int64_t ldc, int64_t m, int64_t n, const BT *bias)
+{
+    const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    if (j >= n)
+        return;
+    const float b = tec_to_f32(bias[j]);
+    for (int64_t i = (int64_t)blockIdx.y * 8 + threadIdx.y; i < m; i += (int64_t)gridDim.y * 8)
+        c[i * ldc + j] = tec_from_f32<CT>(tec_to_f32(c[i * ldc + j]) + b);
+}
+
+/* C = 0 (k == 0, no accumulate). */
+__global__ void zero_rows_kernel(char *c, int64_t ldc_bytes, int64_t m, int64_t row_bytes)
+{
+    for (int64_t i = blockIdx.x; i < m; i += gridDim.x)
+        for (int64_t j = threadIdx.x; j < row_bytes; j += blockDim.x)
+            c[i * ldc_bytes + j] = 0;
+}
+
+/* ============================================================== launchers */
+
+unsigned grid_for(int64_t work, int threads, int sms)
+{
+    int64_t g = (work + threads - 1) / threads;
+    const int64_t cap = (int64_t)sms * 8;
+    if (g > cap) g = cap;
+    return (unsigned)(g > 0 ? g : 1);
+}
+
+template <typename T>
+tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStream_t st)
+{
+    const int64_t n = a->rows * a->cols;
+    int sms;
+    tec_status s = tec_cuda_sm_count(device, &sms);
+    if (s != TEC_OK)
+        return s;
+    if (a->out_t && n > 0) {
+        dim3 grid((unsigned)((a->cols + kTile - 1) / kTile), (unsigned)((a->rows + kTile - 1) / kTile));
+        if (grid.y > 65535)
+            return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 cast+transpose: %lld rows is too many",
+                                 (long long)a->rows);
+        cast_transpose_kernel<T><<<grid, dim3(kTile, 4), 0, st>>>((const T *)a->x, a->rows, a->cols, a->scale,
+                                                                 a->format, a->out, a->out_t, a->amax, a->scale_inv);
+        TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
+        return TEC_OK;
+    }
+    constexpr int kVec = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T);
+    const bool vec = tec_cuda_aligned16(a->x) && ((uintptr_t)a->out & (kVec - 1)) == 0;
+    if (vec)
+        quantize_kernel<T, kVec><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
+            (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv);
+    else
+        quantize_kernel<T, 1><<<grid_for(n, 256, sms), 256, 0, st>>>((const T *)a->x, n, a->scale, a->format,
+                                                                      a->out, a->amax, a->scale_inv);
+    TEC_CUDA_LAUNCH_CHECK("fp8 quantize kernel");
+    return TEC_OK;
+}
+
+} /* namespace */
+
+/* ============================================================ operations */
+
+/* Stream contract (all four): enqueued on `stream`, nothing waits. */
+static tec_status cuda_quantize(int device, const tec_fp8_quantize_args *a, void *stream)
+{
+    TEC_CUDA_ENTER(device);
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (a->dtype) {
+    case TEC_F32: return launch_quantize<float>(device, a, st);
+    case TEC_BF16: return launch_quantize<__nv_bfloat16>(device, a, st);
+    default: return launch_quantize<__half>(device, a, st);
+    }
+}
+
+static tec_status cuda_amax(int device, const void *x, int64_t n, tec_dtype dtype, float *amax, void *stream)
+{
+    TEC_CUDA_ENTER(device);
+    cudaStream_t st = (cudaStream_t)stream;
+    TEC_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), st));
+    if (n == 0)
+        return TEC_OK;
+    /* The quantize kernel without an output: the scale it reads is amax
+     * itself (any readable float; the products are discarded). */
+    tec_fp8_quantize_args q = {0};
+    q.rows = 1;
+    q.cols = n;
+    q.dtype = dtype;
+    q.x = x;
+    q.scale = amax;
+    q.amax = amax;
+    switch (dtype) {
+    case TEC_F32: return launch_quantize<float>(device, &q, st);
+    case TEC_BF16: return launch_quantize<__nv_bfloat16>(device, &q, st);
+    default: return launch_quantize<__half>(device, &q, st);
+    }
+}
+
+static tec_status cuda_scale_from_amax(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
+                                       float fp8_max, int pow2, float epsilon, void *stream)
+{
+    TEC_CUDA_ENTER(device);
+    scale_from_amax_kernel<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)stream>>>(amax, scale, scale_inv, n,
+                                                                                        fp8_max, pow2, epsilon);
+    TEC_CUDA_LAUNCH_CHECK("fp8 scale_from_amax kernel");
+    return TEC_OK;
+}
+
+/* The plan cache's key of an FP8 call: our row-major A [m, k] times B
+ * [n, k]^T is the gemm.cu layout transa = 0, transb = 1 (cuBLASLt's TN). */
+static void fp8_key(const tec_fp8_gemm_args *g, int fuse_bias, gemm_key *key, const void **epi_ptr)
+{
+    memset(key, 0, sizeof *key);
+    key->ab = g->c_dtype;
+    key->c = g->c_dtype;
+    key->transa = 0;
+    key->transb = 1;
+    key->fp8 = 1 + (int)g->a_format + 2 * (int)g->b_format;
+    key->fast_accum = g->fast_accum ? 1 : 0;
+    key->epi = CUBLASLT_EPILOGUE_DEFAULT;
+    *epi_ptr = NULL;
+    if (g->bias && fuse_bias) {
+        key->epi = CUBLASLT_EPILOGUE_BIAS;
+        *epi_ptr = g->bias;
+    }
+    key->align_a = tec_cuda_ptr_align(g->a);
+    key->align_b = tec_cuda_ptr_align(g->b);
+    key->align_c = tec_cuda_ptr_align(g->c);
+    key->align_bias = tec_cuda_ptr_align(*epi_ptr);
+    key->m = g->m;
+    key->n = g->n;
+    key->k = g->k;
+    key->lda = g->lda;
+    key->ldb = g->ldb;
+    key->ldc = g->ldc;
+}
+
+template <typename CT, typename BT>
+static void launch_bias_add(const tec_fp8_gemm_args *g, cudaStream_t st)
+{
+    int64_t gy = (g->m + 7) / 8;
+    if (gy > 65535)
+        gy = 65535;
+    bias_add_kernel<CT, BT><<<dim3((unsigned)((g->n + 31) / 32), (unsigned)gy), dim3(32, 8), 0, st>>>(
+        (CT *)g->c, g->ldc, g->m, g->n, (const BT *)g->bias);
+}
+
+static tec_status cuda_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    TEC_CUDA_ENTER(device);
+    const size_t ces = tec_cuda_dtype_size(g->c_dtype);
+    if (g->k == 0) { /* C = 0 (+ bias), or unchanged with accumulate */
+        if (!g->accumulate) {
+            zero_rows_kernel<<<(unsigned)(g->m < 65535 ? g->m : 65535), 256, 0, st>>>(
+                (char *)g->c, g->ldc * (int64_t)ces, g->m, g->n * (int64_t)ces);
+            TEC_CUDA_LAUNCH_CHECK("fp8 gemm zero kernel (k == 0)");
+        }
+        if (g->bias) {
+            if (g->c_dtype == TEC_F32) launch_bias_add<float, __nv_bfloat16>(g, st);
+            else if (g->c_dtype == TEC_BF16) launch_bias_add<__nv_bfloat16, __nv_bfloat16>(g, st);
+            else launch_bias_add<__half, __half>(g, st);
+            TEC_CUDA_LAUNCH_CHECK("fp8 gemm bias kernel (k == 0)");
+        }
+        return TEC_OK;
+    }
+    gemm_cache *cache = NULL;
+    gemm_key key;
+    const void *epi_ptr;
+    gemm_use use;
+    const int fuse = !(tec_cuda_gemm_policy() & TEC_GEMM_UNFUSED_EPILOGUE);
+    tec_status s = gemm_cache_get(device, &cache);
+    if (s != TEC_OK)
+        return s;
+    fp8_key(g, fuse, &key, &epi_ptr);
+    if ((s = gemm_plan_acquire(cache, &key, epi_ptr, 0, st, &use)) != TEC_OK)
+        return s;
+    gemm_plan *plan = use.plan;
+    if (plan->simt) {
+        s = TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED,
+                          "fp8 gemm: cuBLASLt has no FP8 algorithm for m=%lld n=%lld k=%lld (lda=%lld ldb=%lld "
+                          "ldc=%lld; FP8 needs 16-byte aligned operands and k, lda, ldb multiples of 16)",
+                          (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->lda, (long long)g->ldb,
+                          (long long)g->ldc);
+        goto out;
+    }
+    {
+        const float alpha = 1.0f, beta = g->accumulate ? 1.0f : 0.0f;
+        cublasLtMatmulDescOpaque_t call_desc;
+        /* cuBLASLt's A is our B and its B our A (gemm_plan.h). */
+        const void *lt_a_scale = g->b_scale_inv, *lt_b_scale = g->a_scale_inv;
+        if ((s = gemm_desc_init(&call_desc, &key, plan->epi, epi_ptr)) != TEC_OK)
+            goto out;
+        TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(&call_desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                             &lt_a_scale, sizeof lt_a_scale),
+                              s, out);
+        TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(&call_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                             &lt_b_scale, sizeof lt_b_scale),
+                              s, out);
+        if (plan->epi == CUBLASLT_EPILOGUE_BIAS)
+            gemm_stat_add(kStatFused);
+        const size_t wsb = g->workspace_bytes < TEC_CUDA_GEMM_WORKSPACE_BYTES ? g->workspace_bytes
+                                                                            : TEC_CUDA_GEMM_WORKSPACE_BYTES;
+        TEC_CUBLAS_CHECK_GOTO(cublasLtMatmul(gemm_cache_handle(cache), &call_desc, &alpha, g->b, plan->la, g->a,
+                                             plan->lb, &beta, g->c, plan->lc, g->c, plan->lc, &use.algo,
+                                             g->workspace, wsb, st),
+                              s, out);
+    }
+    if (g->bias && plan->epi != CUBLASLT_EPILOGUE_BIAS) {
+        if (g->c_dtype == TEC_F32) launch_bias_add<float, __nv_bfloat16>(g, st);
+        else if (g->c_dtype == TEC_BF16) launch_bias_add<__nv_bfloat16, __nv_bfloat16>(g, st);
+        else launch_bias_add<__half, __half>(g, st);
+        TEC_CUDA_LAUNCH_CHECK_GOTO("fp8 gemm bias kernel", s, out);
+        gemm_stat_add(kStatEpilogueKernel);
+    }
+out:
+    gemm_plan_release(cache, &use);
+    return s;
+}
+
+const tec_fp8_ops tec_cuda_fp8 = {
+    cuda_quantize,        /* quantize */
+    cuda_amax,            /* amax */
+    cuda_scale_from_amax, /* scale_from_amax */
+    cuda_fp8_gemm,        /* gemm */
+};

@@ -1,0 +1,103 @@
+/* fp8.c - CPython entry points for the engine's FP8 operations (tec.h:
+ * quantize, amax, current-scaling scales, FP8 GEMM). Positional
+ * METH_FASTCALL with addresses as ints; the checks a user sees live in
+ * transformer_engine_c/_fp8_engine.py. tests/test_fp8_engine.py exercises
+ * every function here. */
+#include "module.h"
+
+#define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
+#define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
+#define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
+#define DBL(i, v) if (!tec_arg_double(args, i, &(v))) return NULL
+#define INT(i, v, lo, hi, what) if (!tec_arg_int(args, i, lo, hi, what, &(v))) return NULL
+#define DEV(i, v) INT(i, v, TEC_DEVICE_CPU, TEC_ARG_DEVICE_MAX, "device")
+#define DTYPE(i, v, what) do { int d_; INT(i, d_, 0, TEC_ARG_DTYPE_MAX, what); (v) = (tec_dtype)d_; } while (0)
+#define FMT(i, v, what) do { int f_; INT(i, f_, 0, 1, what); (v) = (tec_fp8_format)f_; } while (0)
+#define BOOL(i, v, what) INT(i, v, 0, 1, what)
+#define SIZE(i, v, what) if (!tec_arg_size(args, i, what, &(v))) return NULL
+#define CALL(expr) do { Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS } while (0)
+
+static PyObject *run(PyObject *module, tec_status st)
+{
+    if (st != TEC_OK)
+        return tec_raise(module, st);
+    Py_RETURN_NONE;
+}
+
+/* fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax,
+ *              scale_inv, stream) */
+static PyObject *py_fp8_quantize(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_quantize", 12);
+    int dev;
+    tec_fp8_quantize_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); FMT(2, a.format, "format"); I64(3, a.rows); I64(4, a.cols);
+    PTR(5, a.x); PTR(6, a.scale); PTR(7, a.out); PTR(8, a.out_t); PTR(9, a.amax); PTR(10, a.scale_inv);
+    PTR(11, stream);
+    tec_status st;
+    CALL(tec_fp8_quantize(dev, &a, stream));
+    return run(m, st);
+}
+
+/* fp8_amax(device, dtype, n, x, amax, stream) */
+static PyObject *py_fp8_amax(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_amax", 6);
+    int dev;
+    tec_dtype dt;
+    int64_t n;
+    void *x, *amax, *stream;
+    DEV(0, dev); DTYPE(1, dt, "dtype"); I64(2, n); PTR(3, x); PTR(4, amax); PTR(5, stream);
+    tec_status st;
+    CALL(tec_fp8_amax(dev, x, n, dt, (float *)amax, stream));
+    return run(m, st);
+}
+
+/* fp8_scale_from_amax(device, n, amax, scale, scale_inv, fp8_max, pow2,
+ *                     epsilon, stream) */
+static PyObject *py_fp8_scale_from_amax(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_scale_from_amax", 9);
+    int dev, pow2;
+    int64_t n;
+    void *amax, *scale, *scale_inv, *stream;
+    double fp8_max, eps;
+    DEV(0, dev); I64(1, n); PTR(2, amax); PTR(3, scale); PTR(4, scale_inv); DBL(5, fp8_max);
+    BOOL(6, pow2, "pow2"); DBL(7, eps); PTR(8, stream);
+    tec_status st;
+    CALL(tec_fp8_scale_from_amax(dev, (const float *)amax, (float *)scale, (float *)scale_inv, n, (float)fp8_max,
+                                 pow2, (float)eps, stream));
+    return run(m, st);
+}
+
+/* fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv,
+ *          b_scale_inv, c, ldc, c_dtype, bias, accumulate, fast_accum,
+ *          workspace, workspace_bytes, stream) */
+static PyObject *py_fp8_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_gemm", 21);
+    int dev;
+    tec_fp8_gemm_args a = {0};
+    void *stream;
+    DEV(0, dev); I64(1, a.m); I64(2, a.n); I64(3, a.k); FMT(4, a.a_format, "a_format"); FMT(5, a.b_format, "b_format");
+    PTR(6, a.a); I64(7, a.lda); PTR(8, a.b); I64(9, a.ldb); PTR(10, a.a_scale_inv); PTR(11, a.b_scale_inv);
+    PTR(12, a.c); I64(13, a.ldc); DTYPE(14, a.c_dtype, "c_dtype"); PTR(15, a.bias);
+    BOOL(16, a.accumulate, "accumulate"); BOOL(17, a.fast_accum, "fast_accum"); PTR(18, a.workspace);
+    SIZE(19, a.workspace_bytes, "workspace_bytes"); PTR(20, stream);
+    tec_status st;
+    CALL(tec_fp8_gemm(dev, &a, stream));
+    return run(m, st);
+}
+
+PyMethodDef tec_fp8_methods[] = {
+    {"fp8_quantize", (PyCFunction)(void (*)(void))py_fp8_quantize, METH_FASTCALL,
+     "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, stream)"},
+    {"fp8_amax", (PyCFunction)(void (*)(void))py_fp8_amax, METH_FASTCALL, "fp8_amax(device, dtype, n, x, amax, stream)"},
+    {"fp8_scale_from_amax", (PyCFunction)(void (*)(void))py_fp8_scale_from_amax, METH_FASTCALL,
+     "fp8_scale_from_amax(device, n, amax, scale, scale_inv, fp8_max, pow2, epsilon, stream)"},
+    {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_FASTCALL,
+     "fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv, b_scale_inv, c, ldc, c_dtype, "
+     "bias, accumulate, fast_accum, workspace, workspace_bytes, stream)"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,263 @@
+"""The engine's FP8 operations (_fp8_engine.py over csrc/core/fp8.c and its
+CPU / CUDA kernels): the quantize op bit-exact against torch's float8 casts
+of the saturated, scaled value; amax; current scaling's scales against a
+hand-computed float32 reference; the FP8 GEMM against a float64 product of
+the dequantized operands. Runs on the CPU here, on CUDA where present
+(scripts/gpu_batch_wt29.sh)."""
+import math
+import struct
+
+import pytest
+import torch
+
+from transformer_engine_c import _fp8_engine as F
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8S = [E4M3, E5M2]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def torch_quantize(x, fp8_dtype, scale):
+    """The reference: x * scale in float32, saturated to the format's range
+    (NaN kept), cast by torch (round to nearest even)."""
+    m = F.FP8_MAX[fp8_dtype]
+    return (x.float() * scale).clamp(-m, m).to(fp8_dtype).view(torch.uint8)
+
+
+def hard_values(n, dtype, gen):
+    """Values across the whole FP8 range: many exact ties between FP8
+    neighbours (mantissas k/64), subnormals, saturating magnitudes, zeros of
+    both signs, infinities and NaN."""
+    e = torch.randint(-20, 20, (n,), generator=gen).float()
+    k = torch.randint(0, 64, (n,), generator=gen).float()
+    s = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    x = s * torch.exp2(e) * (1 + k / 64)
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 2.0 ** -30])
+    return x.to(dtype)
+
+
+def assert_same_fp8(got, want, fp8_dtype=E4M3):
+    """Equal bytes where the value is not NaN, NaN at the same places (any
+    of the format's NaN codes)."""
+    assert got.shape == want.shape
+    gnan = got.view(fp8_dtype).float().isnan()
+    wnan = want.view(fp8_dtype).float().isnan()
+    assert torch.equal(gnan, wnan), "NaN positions differ"
+    diff = (got != want) & ~wnan
+    assert not diff.any(), f"{int(diff.sum())} bytes differ, first at {diff.nonzero()[0].tolist()}: " \
+                           f"{int(got[diff][0])} vs {int(want[diff][0])}"
+
+
+def assert_fp8_differs(got, want):
+    with pytest.raises(AssertionError):
+        assert_same_fp8(got, want)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8S)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.3711, 1024.0, 2.0 ** -12])
+def test_quantize_bit_exact(device, fp8_dtype, dtype, scale):
+    gen = torch.Generator().manual_seed(7)
+    x = hard_values(96 * 72, dtype, gen).reshape(96, 72)
+    want = torch_quantize(x, fp8_dtype, scale)
+    x = x.to(device)
+    sc = torch.tensor([scale], device=device)
+    data, data_t, scale_inv = F.quantize(x, fp8_dtype, sc, columnwise=True)
+    assert_same_fp8(data.cpu(), want, fp8_dtype)
+    assert_same_fp8(data_t.cpu(), want.t().contiguous(), fp8_dtype)
+    assert scale_inv.item() == struct.unpack("f", struct.pack("f", 1.0 / struct.unpack("f", struct.pack("f", scale))[0]))[0]
+
+
+def test_quantize_checker_catches_a_wrong_byte():
+    x = torch.randn(64, 32)
+    want = torch_quantize(x, E4M3, 1.0)
+    got = want.clone()
+    got[3, 5] ^= 1
+    assert_fp8_differs(got, want)
+    got = want.clone()
+    got[0, 0] = 0x7F  # a NaN where there was none
+    assert_fp8_differs(got, want)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (127, 129), (8, 1000), (1000, 8), (2, 3, 48)])
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_quantize_shapes_and_fused_amax(device, shape, columnwise):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * 50).to(torch.bfloat16)
+    want = torch_quantize(x, E5M2, 0.5)
+    amax = torch.tensor([1.0], device=device)  # smaller than max|x|: replaced
+    data, data_t, _ = F.quantize(x.to(device), E5M2, torch.tensor([0.5], device=device), amax=amax,
+                                 columnwise=columnwise)
+    assert_same_fp8(data.cpu(), want, E5M2)
+    if columnwise:
+        assert_same_fp8(data_t.cpu(), want.reshape(-1, shape[-1]).t().contiguous(), E5M2)
+    assert amax.item() == x.float().abs().max().item()
+
+
+def test_fused_amax_keeps_a_larger_value_and_ignores_nan(device):
+    x = torch.tensor([[1.0, -3.0, float("nan"), 2.0]], device=device)
+    amax = torch.tensor([5.0], device=device)
+    F.quantize(x, E4M3, torch.ones(1, device=device), amax=amax)
+    assert amax.item() == 5.0  # the max of what it held and max |x|
+    amax.zero_()
+    F.quantize(x, E4M3, torch.ones(1, device=device), amax=amax, rowwise=False)
+    assert amax.item() == 3.0  # NaN ignored (fmaxf), as TE's kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_amax(device, dtype):
+    x = (torch.randn(1001, generator=torch.Generator().manual_seed(1)) * 9).to(dtype)
+    x[417] = -70.0
+    assert F.amax(x.to(device)).item() == 70.0
+    assert F.amax(torch.empty(0, dtype=dtype, device=device)).item() == 0.0
+
+
+def f32(v):
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def ref_scale(amax, fp8_max, pow2, eps):
+    """Current scaling's rule, written out in float32 steps."""
+    a = max(amax, eps) if not math.isnan(amax) else amax
+    if math.isinf(a) or a == 0.0 or math.isnan(a):
+        return 1.0
+    s = f32(fp8_max / a) if fp8_max / a <= 3.4028234663852886e38 else math.inf
+    if math.isinf(s):
+        s = 3.4028234663852886e38
+    if pow2:
+        s = 2.0 ** math.floor(math.log2(s))
+    return s
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8S)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-2])
+def test_scale_from_amax(device, fp8_dtype, pow2, eps):
+    vals = [0.0, float("inf"), float("nan"), 1e-44, 3.0, 448.0, 1e-3, 57344.0, 7.25]
+    amax = torch.tensor(vals, device=device)
+    scale, scale_inv = F.scale_from_amax(amax, fp8_dtype, power_2_scale=pow2, amax_epsilon=eps)
+    want = [ref_scale(f32(v), F.FP8_MAX[fp8_dtype], pow2, eps) for v in vals]
+    assert scale.cpu().tolist() == want
+    assert scale_inv.cpu().tolist() == [f32(1.0 / w) for w in want]
+
+
+def test_scale_reference_is_not_vacuous():
+    assert ref_scale(3.0, 448.0, False, 0.0) != ref_scale(3.0, 448.0, True, 0.0)
+    assert ref_scale(0.0, 448.0, False, 0.0) == 1.0 and ref_scale(1e-3, 448.0, False, 1e-2) == f32(448.0 / 1e-2)
+
+
+# ------------------------------------------------------------------ GEMM
+
+
+def quantized(shape, fp8_dtype, gen, device, spread=4.0):
+    x = torch.randn(shape, generator=gen) * spread
+    s = torch.tensor([F.FP8_MAX[fp8_dtype] / (x.abs().max().item() * 1.5)])
+    data = torch_quantize(x, fp8_dtype, s)
+    return data.to(device), (1.0 / s).to(device)
+
+
+def deq64(data, scale_inv, fp8_dtype):
+    return data.cpu().view(fp8_dtype).double() * scale_inv.cpu().double()
+
+
+def rel_err(got, want):
+    return ((got.double().cpu() - want).norm() / want.norm()).item()
+
+
+def test_rel_err_catches_a_wrong_product():
+    gen = torch.Generator().manual_seed(3)
+    a, sa = quantized((32, 64), E4M3, gen, "cpu")
+    b, sb = quantized((48, 64), E4M3, gen, "cpu")
+    want = deq64(a, sa, E4M3) @ deq64(b, sb, E4M3).t()
+    wrong = F.fp8_gemm(a, sa * 1.01, E4M3, b, sb, E4M3, out_dtype=torch.float32)
+    assert rel_err(wrong, want) > 5e-3
+
+
+@pytest.mark.parametrize("formats", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_gemm_against_float64(device, formats, out_dtype, fast):
+    fa, fb = formats
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 64, 48, 160
+    a, sa = quantized((m, k), fa, gen, device)
+    b, sb = quantized((n, k), fb, gen, device)
+    want = deq64(a, sa, fa) @ deq64(b, sb, fb).t()
+    got = F.fp8_gemm(a, sa, fa, b, sb, fb, out_dtype=out_dtype, use_split_accumulator=not fast)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 6e-3, torch.float16: 1e-3}[out_dtype]
+    if fast and device != "cpu":
+        tol = max(tol, 2e-3)  # Hopper's fast FP8 accumulation keeps fewer bits
+    assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_fp8_gemm_bias_and_accumulate(device, out_dtype):
+    gen = torch.Generator().manual_seed(5)
+    a, sa = quantized((32, 64), E4M3, gen, device)
+    b, sb = quantized((16, 64), E4M3, gen, device)
+    prod = deq64(a, sa, E4M3) @ deq64(b, sb, E4M3).t()
+    bias_dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+    bias = torch.randn(16, generator=gen).to(bias_dtype)
+    got = F.fp8_gemm(a, sa, E4M3, b, sb, E4M3, out_dtype=out_dtype, bias=bias.to(device))
+    tol = 1e-5 if out_dtype == torch.float32 else 6e-3
+    assert rel_err(got, prod + bias.double()) < tol
+    main_grad = torch.randn(32, 16, generator=gen)
+    acc = main_grad.clone().to(device)
+    F.fp8_gemm(a, sa, E4M3, b, sb, E4M3, out=acc, accumulate=True)
+    assert rel_err(acc, main_grad.double() + prod) < 1e-5
+
+
+def test_fp8_gemm_bad_input(device):
+    gen = torch.Generator().manual_seed(2)
+    a, sa = quantized((32, 64), E5M2, gen, device)
+    b, sb = quantized((16, 64), E5M2, gen, device)
+    with pytest.raises(ValueError, match="both be E5M2"):
+        F.fp8_gemm(a, sa, E5M2, b, sb, E5M2)
+    with pytest.raises(ValueError, match="divisible by 8 and its last dim by 16"):
+        F.fp8_gemm(a[:, :40].contiguous(), sa, E4M3, b[:, :40].contiguous(), sb, E4M3)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        F.fp8_gemm(a[:12].contiguous(), sa, E4M3, b, sb, E4M3)
+    with pytest.raises(ValueError, match="last dims"):
+        F.fp8_gemm(a, sa, E4M3, b[:, :48].contiguous(), sb, E4M3)
+    with pytest.raises(TypeError, match="torch.uint8"):
+        F.fp8_gemm(a.float(), sa, E4M3, b, sb, E4M3)
+    with pytest.raises(TypeError, match="a_scale_inv must be a float32 tensor of one element"):
+        F.fp8_gemm(a, torch.ones(2, device=device), E4M3, b, sb, E4M3)
+    with pytest.raises(TypeError, match="a_dtype must be torch.float8_e4m3fn"):
+        F.fp8_gemm(a, sa, torch.bfloat16, b, sb, E4M3)
+    with pytest.raises(TypeError, match="bias has dtype"):
+        F.fp8_gemm(a, sa, E4M3, b, sb, E5M2, bias=torch.zeros(16, device=device))
+
+
+def test_quantize_bad_input(device):
+    x = torch.randn(4, 16, device=device)
+    one = torch.ones(1, device=device)
+    with pytest.raises(TypeError, match="fp8_dtype must be"):
+        F.quantize(x, torch.int8, one)
+    with pytest.raises(TypeError, match="scale must be a float32 tensor of one element"):
+        F.quantize(x, E4M3, torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="nothing to produce"):
+        F.quantize(x, E4M3, one, rowwise=False)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        F.quantize(x[0], E4M3, one, columnwise=True)
+    with pytest.raises(TypeError, match="out must be a contiguous torch.uint8"):
+        F.quantize(x, E4M3, one, out=torch.empty(4, 16, device=device))
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        F.scale_from_amax(one, E4M3, amax_epsilon=-1.0)
+
+
+def test_engine_checks_reach_python():
+    """The C checks behind the wrappers name what is wrong (ValueError)."""
+    from transformer_engine_c import _C
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="missing scale"):
+        _C.fp8_quantize(-1, 0, 0, 1, 1, torch.ones(1).data_ptr(), 0, torch.empty(1, dtype=torch.uint8).data_ptr(),
+                        0, 0, 0, 0)
+    with pytest.raises(ValueError, match="format"):
+        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0)
+    with pytest.raises(ValueError, match="fp8_max must be finite"):
+        _C.fp8_scale_from_amax(-1, 1, one.data_ptr(), one.data_ptr(), 0, 0.0, 0, 0.0, 0)
+    with pytest.raises(ValueError, match="leading dimension too small"):
+        _C.fp8_gemm(-1, 16, 16, 16, 0, 0, one.data_ptr(), 8, one.data_ptr(), 16, one.data_ptr(), one.data_ptr(),
+                    one.data_ptr(), 16, 0, 0, 0, 0, 0, 0, 0)

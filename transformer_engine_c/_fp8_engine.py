@@ -1,0 +1,166 @@
+"""Checked wrappers over the engine's FP8 operations (csrc/core/tec.h, FP8
+section): quantize (fused amax + cast, optional transpose), amax, the
+current-scaling scales and the FP8 GEMM (TN layout). FP8 data is held as
+torch.uint8 storage of the OCP E4M3 / E5M2 bits; scales are float32 tensors
+on the data's device, read and written by the device (no host sync)."""
+import torch
+
+from . import _C
+from ._engine import DTYPE_CODES, _gemm_dev, _gemm_devs, check_tensor, device_code, stream_of
+
+# torch's float8 dtypes and the engine's format codes (tec_fp8_format).
+FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_code(fp8_dtype, name="fp8_dtype"):
+    try:
+        return FP8_DTYPES[fp8_dtype]
+    except (KeyError, TypeError):
+        raise TypeError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}") from None
+
+
+def _scalar(t, name, device):
+    """A float32 tensor of one element on device (a view is fine)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(f"{name} must be a float32 tensor of one element, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)} of {getattr(t, 'numel', lambda: '?')()} elements")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; expected {device}")
+    return t
+
+
+def _check_u8(t, name, device, shape):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or not t.is_contiguous():
+        raise TypeError(f"{name} must be a contiguous torch.uint8 tensor (FP8 storage)")
+    if t.device != device or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} is {tuple(t.shape)} on {t.device}; expected {tuple(shape)} on {device}")
+    return t
+
+
+def check_fp8_gemm_shape(shape, name):
+    """TE's rule for tensors entering an FP8 GEMM: the product of the
+    leading dims divisible by 8, the last dim by 16."""
+    shape = tuple(shape)
+    lead = 1
+    for d in shape[:-1]:
+        lead *= d
+    if not shape or lead % 8 or shape[-1] % 16:
+        raise ValueError(f"FP8 execution requires the product of the leading dims of {name} to be divisible by 8 "
+                         f"and its last dim by 16, got shape {shape}")
+
+
+def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, out=None, out_t=None,
+             scale_inv=None):
+    """Cast x (float32/bf16/fp16, contiguous, viewed as [rows, last dim])
+    to FP8 with `scale`: data = fp8(x * scale), saturating. Returns
+    (data [x's shape] or None, data_t [last dim, rows] or None, scale_inv).
+    amax, if given (float32, one element, e.g. an amax-history entry),
+    becomes max(amax, max |x|). out / out_t / scale_inv: preallocated outputs."""
+    check_tensor(x, "input")
+    code = fp8_code(fp8_dtype)
+    _scalar(scale, "scale", x.device)
+    if amax is not None:
+        _scalar(amax, "amax", x.device)
+    if not rowwise and not columnwise and amax is None:
+        raise ValueError("quantize: nothing to produce (rowwise, columnwise and amax are all off)")
+    cols = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // cols if cols else 0
+    if rowwise:
+        out = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if out is None else _check_u8(
+            out, "out", x.device, x.shape)
+    else:
+        out = None
+    if columnwise:
+        if x.dim() < 2:
+            raise ValueError(f"quantize: a columnwise (transposed) copy needs a tensor of at least 2 dims, "
+                             f"got shape {tuple(x.shape)}")
+        out_t = torch.empty(cols, rows, dtype=torch.uint8, device=x.device) if out_t is None else _check_u8(
+            out_t, "out_t", x.device, (cols, rows))
+    else:
+        out_t = None
+    if scale_inv is None:
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    else:
+        _scalar(scale_inv, "scale_inv", x.device)
+    _C.fp8_quantize(device_code(x.device), DTYPE_CODES[x.dtype], code, rows, cols, x.data_ptr(), scale.data_ptr(),
+                    out.data_ptr() if out is not None else 0, out_t.data_ptr() if out_t is not None else 0,
+                    amax.data_ptr() if amax is not None else 0, scale_inv.data_ptr(), stream_of(x.device))
+    return out, out_t, scale_inv
+
+
+def amax(x, out=None):
+    """max |x| as a float32 tensor of one element (written into `out`)."""
+    check_tensor(x, "input")
+    out = torch.empty(1, dtype=torch.float32, device=x.device) if out is None else _scalar(out, "out", x.device)
+    _C.fp8_amax(device_code(x.device), DTYPE_CODES[x.dtype], x.numel(), x.data_ptr(), out.data_ptr(),
+                stream_of(x.device))
+    return out
+
+
+def scale_from_amax(amax, fp8_dtype, *, power_2_scale=False, amax_epsilon=0.0, scale=None, scale_inv=None):
+    """Current scaling's scales from float32 amaxes (TE's rule: amax floored
+    at amax_epsilon; scale 1 for an amax of 0, inf or NaN; fp8_max / amax,
+    FLT_MAX on overflow; rounded down to a power of two with
+    power_2_scale). Returns (scale, scale_inv), shaped as amax."""
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or not amax.is_contiguous():
+        raise TypeError("amax must be a contiguous float32 tensor")
+    fp8_code(fp8_dtype)
+    if not isinstance(amax_epsilon, (int, float)) or not amax_epsilon >= 0:
+        raise ValueError(f"amax_epsilon must be a float >= 0, got {amax_epsilon!r}")
+    scale = torch.empty_like(amax) if scale is None else scale
+    scale_inv = torch.empty_like(amax) if scale_inv is None else scale_inv
+    for t, name in ((scale, "scale"), (scale_inv, "scale_inv")):
+        if t.dtype != torch.float32 or t.shape != amax.shape or t.device != amax.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor of amax's shape and device")
+    _C.fp8_scale_from_amax(device_code(amax.device), amax.numel(), amax.data_ptr(), scale.data_ptr(),
+                           scale_inv.data_ptr(), FP8_MAX[fp8_dtype], int(bool(power_2_scale)), float(amax_epsilon),
+                           stream_of(amax.device))
+    return scale, scale_inv
+
+
+def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torch.bfloat16, bias=None, out=None,
+             accumulate=False, use_split_accumulator=True):
+    """out[m, n] (+)= (a_scale_inv * A[m, k]) @ (b_scale_inv * B[n, k])^T (+ bias).
+
+    A and B are FP8 data (uint8, contiguous, row-major, the TN layout of
+    cuBLASLt) of formats a_dtype / b_dtype (not both E5M2); out is bf16,
+    fp16 or fp32; bias [n] is bf16 (fp16 for an fp16 out). accumulate adds
+    into `out` (e.g. an fp32 main_grad). use_split_accumulator=False is the
+    fast accumulation TE uses for fprop. Shapes follow TE's FP8 rule (leading
+    dims divisible by 8, last dim by 16) on every device."""
+    for t, name in ((a, "A"), (b, "B")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous 2-D torch.uint8 tensor of FP8 data")
+    if b.device != a.device:
+        raise ValueError(f"B is on {b.device}; expected {a.device}")
+    ca, cb = fp8_code(a_dtype, "a_dtype"), fp8_code(b_dtype, "b_dtype")
+    if ca == 1 and cb == 1:
+        raise ValueError("fp8_gemm: A and B cannot both be E5M2")
+    _scalar(a_scale_inv, "a_scale_inv", a.device)
+    _scalar(b_scale_inv, "b_scale_inv", a.device)
+    m, k = a.shape
+    n, kb = b.shape
+    if k != kb:
+        raise ValueError(f"fp8_gemm: A is [{m}, {k}] and B is [{n}, {kb}]; their last dims (k) must match")
+    check_fp8_gemm_shape(a.shape, "A")
+    check_fp8_gemm_shape(b.shape, "B")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out")
+        if out_dtype not in DTYPE_CODES:
+            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    else:
+        check_tensor(out, "out", device=a.device, shape=(m, n))
+    if bias is not None:
+        bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
+        check_tensor(bias, "bias", dtype=bias_dtype, device=a.device, shape=(n,))
+        if accumulate:
+            raise ValueError("fp8_gemm: bias with accumulate is not supported")
+    dev, ws, nbytes, _ = _gemm_devs.get(a.device) or _gemm_dev(a.device)
+    _C.fp8_gemm(dev, m, n, k, ca, cb, a.data_ptr(), k, b.data_ptr(), k, a_scale_inv.data_ptr(),
+                b_scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
+                bias.data_ptr() if bias is not None else 0, int(bool(accumulate)),
+                0 if use_split_accumulator else 1, ws, nbytes, stream_of(a.device))
+    return out
