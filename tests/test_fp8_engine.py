@@ -261,3 +261,40 @@ def test_engine_checks_reach_python():
     with pytest.raises(ValueError, match="leading dimension too small"):
         _C.fp8_gemm(-1, 16, 16, 16, 0, 0, one.data_ptr(), 8, one.data_ptr(), 16, one.data_ptr(), one.data_ptr(),
                     one.data_ptr(), 16, 0, 0, 0, 0, 0, 0, 0)
+
+
+def test_the_three_linear_gemms_through_the_tn_layout(device):
+    """fprop Y = X W^T, dgrad dX = dY W (W's transpose as B), wgrad
+    dW = dY^T X (both transposes) from one cast+transpose per tensor,
+    HYBRID formats, against float64 products of the dequantized tensors."""
+    gen = torch.Generator().manual_seed(9)
+    t, i, o = 64, 96, 48
+    x, w, dy = torch.randn(t, i, generator=gen), torch.randn(o, i, generator=gen), torch.randn(t, o, generator=gen)
+
+    def cast(v, fp8_dtype):
+        s = torch.tensor([F.FP8_MAX[fp8_dtype] / v.abs().max().item()], device=device)
+        d, d_t, si = F.quantize(v.to(device).to(torch.bfloat16), fp8_dtype, s, columnwise=True)
+        return d, d_t, si, deq64(d, si, fp8_dtype)
+
+    xd, xt, xs, x64 = cast(x, E4M3)
+    wd, wt, ws, w64 = cast(w, E4M3)
+    gd, gt, gs, g64 = cast(dy, E5M2)
+    y = F.fp8_gemm(xd, xs, E4M3, wd, ws, E4M3, out_dtype=torch.float32, use_split_accumulator=False)
+    dx = F.fp8_gemm(gd, gs, E5M2, wt, ws, E4M3, out_dtype=torch.float32)
+    dw = F.fp8_gemm(gt, gs, E5M2, xt, xs, E4M3, out_dtype=torch.float32)
+    tol = 1e-5 if device == "cpu" else 2e-3
+    assert rel_err(y, x64 @ w64.t()) < tol
+    assert rel_err(dx, g64 @ w64) < tol
+    assert rel_err(dw, g64.t() @ x64) < tol
+
+
+def test_fp8_gemm_with_k_zero(device):
+    a = torch.empty(16, 0, dtype=torch.uint8, device=device)
+    b = torch.empty(32, 0, dtype=torch.uint8, device=device)
+    one = torch.ones(1, device=device)
+    bias = torch.arange(32, dtype=torch.bfloat16, device=device)
+    out = F.fp8_gemm(a, one, E4M3, b, one, E4M3, out_dtype=torch.float32, bias=bias)
+    assert torch.equal(out.cpu(), bias.float().cpu().expand(16, 32))
+    acc = torch.full((16, 32), 2.0, device=device)
+    F.fp8_gemm(a, one, E4M3, b, one, E4M3, out=acc, accumulate=True)
+    assert torch.equal(acc.cpu(), torch.full((16, 32), 2.0))

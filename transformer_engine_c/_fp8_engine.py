@@ -159,7 +159,8 @@ def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torc
         if accumulate:
             raise ValueError("fp8_gemm: bias with accumulate is not supported")
     dev, ws, nbytes, _ = _gemm_devs.get(a.device) or _gemm_dev(a.device)
-    _C.fp8_gemm(dev, m, n, k, ca, cb, a.data_ptr(), k, b.data_ptr(), k, a_scale_inv.data_ptr(),
+    ld = max(k, 1)  # contiguous rows of k bytes (an empty k still needs a valid leading dimension)
+    _C.fp8_gemm(dev, m, n, k, ca, cb, a.data_ptr(), ld, b.data_ptr(), ld, a_scale_inv.data_ptr(),
                 b_scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
                 bias.data_ptr() if bias is not None else 0, int(bool(accumulate)),
                 0 if use_split_accumulator else 1, ws, nbytes, stream_of(a.device))
