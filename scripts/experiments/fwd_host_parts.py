@@ -20,7 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
 from transformer_engine_c import _C  # noqa: E402
-from transformer_engine_c.bench_mlp import all_gather_flat, reduce_scatter_flat  # noqa: E402
+from transformer_engine_c.benchmarks.mlp import all_gather_flat, reduce_scatter_flat  # noqa: E402
 from transformer_engine_c.distributed import _all_gather_into, _reduce_scatter_into  # noqa: E402
 from transformer_engine_c.module import _fast  # noqa: E402
 

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
-from transformer_engine_c.bench_mlp import TorchTPMLP, all_gather_flat, reduce_scatter_flat  # noqa: E402
+from transformer_engine_c.benchmarks.mlp import TorchTPMLP, all_gather_flat, reduce_scatter_flat  # noqa: E402
 from transformer_engine_c._launch import init_rank  # noqa: E402
 from transformer_engine_c.module import _fast  # noqa: E402
 
@@ -105,7 +105,8 @@ class _Loopback:
 def loopback(device):
     """--loopback: the layers' process-group calls, PyTorch's block's and the
     engine's communicator all become one-rank NCCL calls on `device`."""
-    from transformer_engine_c import _C, bench_mlp, distributed as d
+    from transformer_engine_c import _C, distributed as d
+    from transformer_engine_c.benchmarks import mlp as bench_mlp
 
     store = dist.HashStore()
     opts = dist.ProcessGroupNCCL.Options()
