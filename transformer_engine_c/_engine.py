@@ -14,7 +14,6 @@ from . import _C
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CUDA_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtec_cuda.so")
 _workspaces = {}
-_gemm_devs = {}  # torch.device -> (engine device code, workspace address or 0, its bytes, the workspace)
 
 
 def cuda_backend_built():
@@ -190,7 +189,8 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         return _empty_gemm(out, accumulate, bias, a, transa, bias_grad)
     bgrad = torch.empty(m, dtype=a.dtype, device=a.device) if bias_grad else None
     device = a.device
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    d = _devices.get(device) or engine_device(device)
+    dev, ws, nbytes = d.code, d.ws, d.nbytes
     # Contiguous (checked): the leading dimensions are the row lengths, whatever
     # stride a size-1 dimension reports.
     _C.gemm(dev, DTYPE_CODES[a.dtype], DTYPE_CODES[out.dtype], int(transa), int(transb), m, n, k,
@@ -211,15 +211,42 @@ def _empty_gemm(out, accumulate, bias, a, transa, bias_grad):
     return out, op_a.sum(1, dtype=torch.float32).to(a.dtype)
 
 
-def _gemm_dev(device):
-    """gemm's per-device facts, found once (a layer step runs several GEMMs):
-    (engine device code, workspace address, its bytes, the workspace tensor,
-    kept alive here)."""
-    dev = device_code(device)
-    nbytes = _C.gemm_workspace_bytes(dev)
-    ws = workspace(device, nbytes)
-    _gemm_devs[device] = entry = (dev, ws.data_ptr() if ws is not None else 0, nbytes, ws)
-    return entry
+class Device:
+    """The engine's facts about one device, found once and shared by every
+    caller (the checked wrappers here and the layers' steps): the torch.device,
+    the engine's device code (-1: the CPU, else the CUDA ordinal), the GEMM
+    workspace (its address, bytes and tensor, kept alive here)."""
+
+    __slots__ = ("device", "code", "ws", "nbytes", "workspace")
+
+    def __init__(self, device):
+        self.device = device
+        self.code = device_code(device)
+        self.nbytes = _C.gemm_workspace_bytes(self.code)
+        self.workspace = workspace(device, self.nbytes)
+        self.ws = self.workspace.data_ptr() if self.workspace is not None else 0
+
+    def stream(self):
+        """The raw current stream of the device (0 on the CPU)."""
+        if self.code < 0:
+            return 0
+        return _raw_stream(self.code) if _raw_stream is not None else torch.cuda.current_stream(self.code).cuda_stream
+
+
+# The one device cache: torch.device -> Device, and for CUDA devices also the
+# ordinal -> the same Device (a tensor's get_device() is cheaper than its .device).
+_devices = {}
+
+
+def engine_device(device):
+    """The Device of `device` (a torch.device with its index, or a CUDA ordinal)."""
+    d = _devices.get(device)
+    if d is None:
+        d = Device(torch.device("cuda", device) if type(device) is int else device)
+        _devices[d.device] = d
+        if d.code >= 0:
+            _devices[d.code] = d
+    return d
 
 
 # Activations (csrc/core/activation.h). TE's names; the gated ones take a
@@ -300,7 +327,8 @@ def linear(x, w, bias=None):
                                      or not bias.is_contiguous())):
         return gemm(x, w, transb=True, bias=bias)
     out = torch.empty(m, n, dtype=dtype, device=device)
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    d = _devices.get(device) or engine_device(device)
+    dev, ws, nbytes = d.code, d.ws, d.nbytes
     code = DTYPE_CODES[dtype]
     _C.gemm(dev, code, code, 0, 1, m, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
             0 if bias is None else bias.data_ptr(), 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
@@ -342,7 +370,8 @@ def dgrad(dy, w):
     if m == 0 or k <= 0 or not _plain(w, n, k, dtype, device) or not dy.is_contiguous():
         return gemm(dy, w)
     out = torch.empty(m, k, dtype=dtype, device=device)
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    d = _devices.get(device) or engine_device(device)
+    dev, ws, nbytes = d.code, d.ws, d.nbytes
     code = DTYPE_CODES[dtype]
     _C.gemm(dev, code, code, 0, 0, m, k, n, dy.data_ptr(), n, w.data_ptr(), k, out.data_ptr(), k,
             0, 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
@@ -359,7 +388,8 @@ def wgrad(dy, x, bias_grad):
         return gemm(dy, x, transa=True, bias_grad=bias_grad)
     out = torch.empty(n, k, dtype=dtype, device=device)
     bgrad = torch.empty(n, dtype=dtype, device=device) if bias_grad else None
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    d = _devices.get(device) or engine_device(device)
+    dev, ws, nbytes = d.code, d.ws, d.nbytes
     code = DTYPE_CODES[dtype]
     _C.gemm(dev, code, code, 1, 0, n, k, t, dy.data_ptr(), n, x.data_ptr(), k, out.data_ptr(), k,
             0, 0 if bgrad is None else bgrad.data_ptr(), 0, ws, nbytes, 0 if dev < 0 else stream_of(device))

@@ -195,9 +195,16 @@ def _layer_name(entry, names):
     return f"module '{qual}' ({kind})" if qual else f"module {kind}"
 
 
-def _c_apply_callers():
-    from .module import _fast
-    return _fast.C_APPLY_CALLERS
+# Functions that enter an autograd.Function through its C apply (there is no
+# Python apply frame then): their code -> the name of the local holding the
+# Function class. Registered by their modules (register_apply_caller).
+_APPLY_CALLERS = {}
+
+
+def register_apply_caller(code, local="cls"):
+    """Name the autograd.Function in the local `local` of frames running
+    `code` as the saver (for a caller of a Function's C apply)."""
+    _APPLY_CALLERS[code] = local
 
 
 def _describe_saver(names):
@@ -212,10 +219,10 @@ def _describe_saver(names):
             cls = f.f_locals.get("cls")
             if isinstance(cls, type):
                 fn = cls.__name__
-        elif fn is None and f.f_code in _c_apply_callers():
-            # The layers' fast path enters its Functions through their C
-            # apply (no Python apply frame): its calling frame names them.
-            fn = _c_apply_callers()[f.f_code].__name__
+        elif fn is None and f.f_code in _APPLY_CALLERS:
+            cls = f.f_locals.get(_APPLY_CALLERS[f.f_code])
+            if isinstance(cls, type):
+                fn = cls.__name__
         elif user is None and not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
             user = f
         f = f.f_back
