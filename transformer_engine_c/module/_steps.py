@@ -138,7 +138,7 @@ def gather(x, tp, async_op=False, tmp=None):
     """Sequence parallel: the rows of x (along its first dimension) of every
     rank of tp's group, rank-major (with async_op: (them, the work to wait
     for or None)); x itself without sequence parallelism or on one rank."""
-    if not tp.sp or tp.size == 1:
+    if not tp.sp or tp.size == 1 or tp.mode is None:
         return (x, None) if async_op else x
     out = grown(x, tp.size, tmp)
     work = _all_gather_into(out, x, tp.group, async_op)
@@ -392,6 +392,8 @@ def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None):
     dx_out: where dx goes (this rank's rows of the input's shape), else a
     fresh tensor. The userbuffers overlaps run as the layer's flags ask,
     where they pay at this shape."""
+    if dy.dim() != x.dim():  # a 2-D output (a communicator's) of a 3-D input
+        dy = dy.view((-1,) + tuple(x.shape[1:-1]) + (dy.shape[-1],))
     if _rows(dy) == 0 or _rows(x) == 0:
         return _no_tokens_backward(dy, x, w, need_dx, wg, dx_out)
     if tp.mode == "row":
@@ -462,13 +464,14 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     communicator; wgrad_gather_comm)."""
     n, k = w.shape
     dev, stream = call.dev, call.stream
-    sp = tp.sp and tp.size > 1
+    column = tp.mode == "column" and tp.size > 1  # dgrad is reduced over the group
+    sp = column and tp.sp
     f = ub.flags if ub.enabled else _NO_FLAGS
     need_w = wg is not None
     dx = (dx_out if dx_out is not None else x.new_empty(x.shape)) if need_dx else None
     if not sp and not ub.enabled:  # no gather: dgrad and wgrad in one engine call, then dgrad's all-reduce
         dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, need_w and wg.with_bias)
-        if dx is not None and tp.size > 1:
+        if dx is not None and column:
             all_reduce(dx, tp.group, tp.size)
         if need_w and not wg.plain:
             dw, db = wg(_as_2d(dy), _as_2d(x), ub)
@@ -499,7 +502,7 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
             _dgrad_gemm(call, rows, n, k, dy, w, out)
             if sp:
                 _reduce_scatter_into(dx, out, tp.group)
-            elif tp.size > 1:
+            elif column:
                 all_reduce(dx, tp.group, tp.size)
     if bulk_gather is not None:
         xt = bulk_gather.bulk_ag_finish()
@@ -589,7 +592,7 @@ def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w,
     n, k = w.shape
     rows = _rows(x)
     dev, stream = call.dev, call.stream
-    fused = (not ub.enabled and rows and dln_extra is None and (tp.mode == "row" or tp.size == 1)
+    fused = (not ub.enabled and rows and dln_extra is None and (tp.mode != "column" or tp.size == 1)
              and (wg is None or wg.plain))
     if not fused:
         dln = temp(ln_out, ln_out.shape, dev, stream, T_DLN)
