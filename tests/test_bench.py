@@ -192,7 +192,7 @@ def test_targets_name_each_issue_target_and_judge_it():
     # the headline's targets are not applied to other shapes, nor TP=4's to TP=2
     assert not any(t.startswith("TP=") and "graphed" not in t for t, r in got if "2048x2048x6144" in r)
     assert ("TP=4: faster than sequential", f"ag_gemm {head} tp=2") not in got
-    # issue 17: eager against PyTorch's sequential path and TP MLP at every shape; graphed at 2048x2048x6144
+    # eager against PyTorch's sequential path and TP MLP at every shape; graphed at 2048x2048x6144
     small = "mlp 2048x2048x6144 tp=2"
     assert got[("eager: not slower than PyTorch's sequential path (sequential / ours_overlap)",
                 "gemm_rs 1024x1024x4096 tp=2")] is False

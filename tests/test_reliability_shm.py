@@ -1,4 +1,4 @@
-"""/dev/shm exhaustion and stale segments (issue 15).
+"""/dev/shm exhaustion and stale segments.
 
 * A small private /dev/shm (a tmpfs mounted in a private mount namespace:
   needs root or user namespaces; skipped with the reason otherwise): a

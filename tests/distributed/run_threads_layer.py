@@ -1,5 +1,5 @@
 """Two threads sharing an overlapped LayerNormLinear (column, sequence
-parallel, ub_overlap_ag) on every rank (issue 15). Rank 1's threads use the
+parallel, ub_overlap_ag) on every rank. Rank 1's threads use the
 same input, rank 0's threads different ones: however the ranks' calls pair
 up, rank 0's output for its thread t must be the layer of [x0_t; x1]. A
 layer that lets another thread write the communicator's slot between its

@@ -489,26 +489,26 @@ def host_table(rows):
 
 
 HEADLINE = (8192, 4096, 12288)
-SMALL = (2048, 2048, 6144)  # the host-bound shape of issue 17's graph target
-MLP_HEADLINE = (8192, 4096, 16384)  # LayerNormMLP's targets (issue 16): TP=2
+SMALL = (2048, 2048, 6144)  # the host-bound shape of the graphed-step target
+MLP_HEADLINE = (8192, 4096, 16384)  # LayerNormMLP's targets: TP=2
 
 
 def targets(rows):
-    """The performance targets (issue 6: the benchmark's own issue) that a row
+    """The performance targets that a row
     of this run can be checked against: [{"target", "row", "value", "need",
     "met"}]. Every row: not slower than no overlap; ag_gemm rows: our GEMM
     against torch.matmul and the norm kernel against a copy; at the headline
     shape, TP=2: AG+GEMM 1.15x over sequential; TP=4: AG+GEMM within 1.10x
-    of the limit and (as the issue puts it in brackets) 1.5x over
+    of the limit and 1.5x over
     sequential, GEMM+RS 1.5x over sequential and 1.9x over async-TP, the MLP
-    1.25x over no overlap; mlp rows at 8192x4096x16384, TP=2 (issue 16):
+    1.25x over no overlap; mlp rows at 8192x4096x16384, TP=2:
     LayerNormMLP 1.20x over itself without overlap, and without overlap no
-    slower than the two-layer block; issue 17: every row not slower than
+    slower than the two-layer block; every row not slower than
     PyTorch's eager sequential path / TP MLP block, the graphed MLP step 1.5x
     over PyTorch's eager block at 2048x2048x6144 TP=2, and graphed with
     overlap not slower than graphed without at the headline shape. They are set for H200s: on the CPU they are
     reported, not meant. (The checker's cost has its own benchmark,
-    bench_checker.)"""
+    benchmarks/checker.py.)"""
     out = []
 
     def check(row, target, value, need, note=None):
@@ -518,7 +518,7 @@ def targets(rows):
                         "met": None if value is None else value >= need, **({"note": note} if note else {})})
     for r in rows:
         shape = (r["tokens"], r["hidden"], r["n"])
-        # issue 17: the eager layers and MLP step never slower than plain PyTorch
+        # the eager layers and MLP step never slower than plain PyTorch
         check(r, "eager: not slower than PyTorch's sequential path (sequential / ours_overlap)",
               r.get("speedup_vs_sequential"), 1.0)
         check(r, "eager: MLP step not slower than PyTorch's TP MLP (torch_mlp / ours_overlap)",

@@ -368,16 +368,16 @@ def act_bwd(call, act, dact, h, want_dbias, params, keep):
     rows, f1 = _rows(h), h.shape[-1]
     cols = f1 // 2 if act >= 16 else f1
     dev, stream = call.dev, call.stream
-    db = None
+    db = ws = None
     nbytes = 0
-    ws = 0
     if want_dbias:
         db = h.new_empty(f1)
         nbytes = _C.act_bwd_workspace_bytes(dev, act, rows, cols)
-        ws = temp_bytes(h, nbytes, dev, stream, T_ACT_WS).data_ptr() if nbytes else 0
+        ws = temp_bytes(h, nbytes, dev, stream, T_ACT_WS) if nbytes else None  # held until the call returns
     dh = h.new_empty(h.shape) if keep else temp(h, h.shape, dev, stream, T_DH)
     _C.act_bwd(dev, act, call.code, rows, cols, dact.data_ptr(), h.data_ptr(), dh.data_ptr(),
-               0 if db is None else db.data_ptr(), ws, nbytes, params[0], params[1], params[2], stream)
+               0 if db is None else db.data_ptr(), 0 if ws is None else ws.data_ptr(), nbytes, params[0], params[1],
+               params[2], stream)
     return dh, db
 
 
