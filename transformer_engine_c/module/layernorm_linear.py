@@ -177,7 +177,11 @@ class LayerNormLinear(TransformerEngineBaseModule):
         g = params.get("layer_norm_weight")
         if g is None:
             g = self.layer_norm_weight
-        beta = None if plan.beta is None else params.get("layer_norm_bias", self.layer_norm_bias)
+        beta = None
+        if plan.beta is not None:
+            beta = params.get("layer_norm_bias")
+            if beta is None:
+                beta = self.layer_norm_bias
         call = make_call(self, plan, inp, weight, (b, g, beta), is_first_microbatch)
         bias = None if self.return_bias else b
         if _is_grad_enabled():

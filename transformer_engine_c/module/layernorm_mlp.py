@@ -269,7 +269,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
         else:  # as TE: empty tensors, not parameters
             self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
             self.fc2_bias = torch.empty(0, dtype=dtype, device=device)
-        self._wgrads = [WeightGrads(self, ["fc2_weight"], ["fc2_bias"]), WeightGrads(self, ["fc1_weight"], ["fc1_bias"])]
+        # backward_dw's order: fc2, then fc1 (fc1's bias gradient comes from the activation's backward)
+        self._wgrads = [WeightGrads(self, ["fc2_weight"], ["fc2_bias"]),
+                        WeightGrads(self, ["fc1_weight"], ["fc1_bias"])]
         if self.delay_wgrad_compute:
             for n in ("fc1_weight", "fc2_weight") + (("fc1_bias", "fc2_bias") if bias else ()):
                 getattr(self, n).skip_backward_post_hook = True
@@ -301,10 +303,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
         w1, w2, g = params.get("fc1_weight"), params.get("fc2_weight"), params.get("layer_norm_weight")
         if w1 is None or w2 is None or g is None:
             w1, w2, g = self.fc1_weight, self.fc2_weight, self.layer_norm_weight
-        beta = None if plan.rms else params.get("layer_norm_bias", self.layer_norm_bias)
+        beta = None if plan.rms else _param(self, params, "layer_norm_bias")
         b1 = b2 = None
         if plan.bias:
-            b1, b2 = params.get("fc1_bias", self.fc1_bias), params.get("fc2_bias", self.fc2_bias)
+            b1, b2 = _param(self, params, "fc1_bias"), _param(self, params, "fc2_bias")
         call = make_call(self, plan, inp, w1, (g, beta, w2, b1, b2), is_first_microbatch)
         fc2_bias = None if self.return_bias else b2
         args = (inp, g, beta, w1, b1, w2, fc2_bias, call)
@@ -340,6 +342,13 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 f"normalization={self.normalization}, activation={self.activation}, "
                 f"set_parallel_mode={self.set_parallel_mode}, sequence_parallel={self.tp.sp}, "
                 f"tp_size={self.tp_size}")
+
+
+def _param(module, params, name):
+    """module's `name`: from its _parameters (nn.Module's attribute lookup costs
+    several times a dict's, on every call), else its attribute."""
+    t = params.get(name)
+    return t if t is not None else getattr(module, name)
 
 
 def _weight(rows, cols, dtype, device, init_method, tracker, partition_dim):
