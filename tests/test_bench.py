@@ -65,7 +65,7 @@ def _torch_mlp_rank(rank, store_path, out_path):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from transformer_engine_c.bench_mlp import TorchTPMLP
+    from transformer_engine_c.benchmarks.mlp import TorchTPMLP
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
@@ -114,7 +114,7 @@ def test_torch_mlp_baseline_checks_its_shapes(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from transformer_engine_c.bench_mlp import TorchTPMLP
+    from transformer_engine_c.benchmarks.mlp import TorchTPMLP
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # a TP group of 2, without one
     with pytest.raises(ValueError, match="n=7 must divide by the TP size 2"):
@@ -130,7 +130,7 @@ def test_timer_balances_the_order_of_its_rounds(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from transformer_engine_c.bench import Timer
+    from transformer_engine_c.benchmarks.overlap import Timer
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -163,7 +163,7 @@ def test_timer_balances_the_order_of_its_rounds(tmp_path):
 
 
 def test_targets_name_each_issue_target_and_judge_it():
-    from transformer_engine_c.bench import targets
+    from transformer_engine_c.benchmarks.overlap import targets
 
     def row(case, tp, shape=(8192, 4096, 12288), **v):
         return {"case": case, "tokens": shape[0], "hidden": shape[1], "n": shape[2], "tp": tp, **v}
@@ -192,7 +192,7 @@ def test_targets_name_each_issue_target_and_judge_it():
     # the headline's targets are not applied to other shapes, nor TP=4's to TP=2
     assert not any(t.startswith("TP=") and "graphed" not in t for t, r in got if "2048x2048x6144" in r)
     assert ("TP=4: faster than sequential", f"ag_gemm {head} tp=2") not in got
-    # issue 17: eager against PyTorch's sequential path and TP MLP at every shape; graphed at 2048x2048x6144
+    # eager against PyTorch's sequential path and TP MLP at every shape; graphed at 2048x2048x6144
     small = "mlp 2048x2048x6144 tp=2"
     assert got[("eager: not slower than PyTorch's sequential path (sequential / ours_overlap)",
                 "gemm_rs 1024x1024x4096 tp=2")] is False
@@ -221,7 +221,7 @@ def test_graphs_wiring_with_capture_stubbed(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     import transformer_engine_c as tec
-    from transformer_engine_c import bench
+    from transformer_engine_c.benchmarks import overlap as bench
 
     captured = []
 
@@ -244,3 +244,38 @@ def test_graphs_wiring_with_capture_stubbed(tmp_path, monkeypatch):
         assert row[name] > 0 and row["host_us"][name] > 0, row
     for ratio in ("graphed_vs_torch_mlp", "graphed_vs_torch_graphed", "graphed_overlap_speedup"):
         assert math.isfinite(row[ratio]) and row[ratio] > 0, row
+
+
+def test_bench_tp1_command_runs_on_cpu(tmp_path):
+    """--tp1: every layer against its torch.nn build, both modes, one device."""
+    out = tmp_path / "tp1"
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--tp1", "--device", "cpu", "--shapes",
+                        "8x16x32", "--iters", "1", "--warmup", "0", "--batch", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((out / "tp1.json").read_text())
+    got = {(row["layer"], row["mode"]) for row in data["rows"]}
+    assert got == {(layer, mode) for layer in ("Linear", "LayerNormLinear", "LayerNormMLP")
+                   for mode in ("fwd+bwd", "fwd (no_grad)")}
+    assert all(row["ours_ms"] > 0 and row["torch_host_us"] > 0 for row in data["rows"])
+    assert "| LayerNormMLP | fwd+bwd | 8×16×32 |" in (out / "tp1.md").read_text()
+
+
+def test_bench_tp1_same_numbers_as_torch_layers():
+    """The torch.nn builds compute what our layers compute (the comparison is of like with like)."""
+    import torch
+
+    import transformer_engine_c as tec
+    from transformer_engine_c.benchmarks import tp1
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, dtype=torch.float64).float()
+    for layer in tp1.LAYERS:
+        ours, ref = tp1.build(tec, layer, 16, 32, torch.float32, torch.device("cpu"))
+        assert torch.allclose(ours(x), ref(x), atol=1e-4, rtol=1e-4), layer
+
+
+def test_bench_tp1_refuses_a_bad_shape():
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--tp1", "--device", "cpu", "--shapes",
+                        "8x16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--shapes" in r.stderr

@@ -285,14 +285,14 @@ def test_failed_backward_leaves_no_bulk_operation_pending():
                        ub_comm={"dgrad": c, "wgrad": CommOverlapCPU((8, 16), torch.float32, name="abandon_w")})
         x = torch.randn(8, 16, requires_grad=True)
         y = m(x)
-        from transformer_engine_c.module import _common
-        real = _common.Wgrad.compute
-        _common.Wgrad.compute = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+        from transformer_engine_c.module import _steps
+        real = _steps._wgrad
+        _steps._wgrad = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
         try:
             with pytest.raises(RuntimeError, match="injected"):
                 y.sum().backward()
         finally:
-            _common.Wgrad.compute = real
+            _steps._wgrad = real
         assert c._pending is None
         m(x).sum().backward()  # usable again
     finally:

@@ -1,5 +1,5 @@
 """Property-based fuzz (hypothesis) of the raw _C entry points and the
-public API (issue 15): whatever the integers, codes, sizes and shapes, a
+public API: whatever the integers, codes, sizes and shapes, a
 call returns or raises a clear Python exception; it never kills the
 process and never returns a wrong product. Calls run in a long-lived
 worker subprocess (tests/fuzz_worker.py): a crash is a test failure that

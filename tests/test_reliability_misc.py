@@ -1,4 +1,4 @@
-"""Smaller misuses of issue 15: each is a clear error, never a silently
+"""Smaller misuses of the communicators: each is a clear error, never a silently
 wrong view or a dangling mapping. Snippets that could crash run in a
 subprocess."""
 import math

@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 
 import transformer_engine_c as tec
 from transformer_engine_c import _C
-from transformer_engine_c.module._weights import weight_for_compute, weight_grad
+from transformer_engine_c.module._weights import is_distributed_weight, weight_grad
 
 from helpers import without_keep_by_reference
 
@@ -285,6 +285,11 @@ def test_as_module_parameter():
 # -- a layer-like autograd function ----------------------------------------------------------
 
 SEEN = []  # (restored weight is the original, restored weight type) per backward
+
+
+def weight_for_compute(w):
+    """The full weight, gathered again on every call (as the layers do without is_first_microbatch)."""
+    return w.materialize() if is_distributed_weight(w) else w
 
 
 class _Linear(torch.autograd.Function):

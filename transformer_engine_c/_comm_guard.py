@@ -1,4 +1,4 @@
-"""What keeps CommOverlap's failures clear (issue 15), apart from the class:
+"""What keeps CommOverlap's failures clear, apart from the class:
 the per-communicator lock decorator, argument bounds and shape checks, the
 marker a rank sends when it could not create its communicators, and the
 release of communicators before the interpreter finalizes. Used by
@@ -108,7 +108,7 @@ def _int_shape(shape, what):
     return tuple(out)
 
 
-def release_at_exit():
+def release_at_exit(registry):
     """atexit: release what this package holds while the interpreter is
     still whole. Communicators (ours, in the registry and in reference
     cycles through layers) keep their tp_group alive; a process group whose
@@ -118,19 +118,19 @@ def release_at_exit():
     objects, e.g. saved-tensor hooks) must take the GIL and exits the thread
     from inside a destructor: "terminate called without an active
     exception". Closing locally (no collective: the peers may be gone) and
-    collecting here lets the group go while its threads can still finish."""
+    collecting here lets the group go while its threads can still finish.
+    `registry`: userbuffers' {name: CommOverlap} (its owner passes it)."""
     from .distributed import close_engine_collectives
-    from .userbuffers import _registry
 
     try:  # their watchdogs stop before CUDA goes; they also hold process groups
         close_engine_collectives(abort=True)
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
 
-    for c in list(_registry.values()):
+    for c in list(registry.values()):
         try:
             c.close()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
-    _registry.clear()
+    registry.clear()
     gc.collect()

@@ -14,7 +14,6 @@ from . import _C
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CUDA_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtec_cuda.so")
 _workspaces = {}
-_gemm_devs = {}  # torch.device -> (engine device code, workspace address or 0, its bytes, the workspace)
 
 
 def cuda_backend_built():
@@ -190,7 +189,8 @@ def gemm(a, b, *, transa=False, transb=False, out=None, out_dtype=None, bias=Non
         return _empty_gemm(out, accumulate, bias, a, transa, bias_grad)
     bgrad = torch.empty(m, dtype=a.dtype, device=a.device) if bias_grad else None
     device = a.device
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
+    d = _devices.get(device) or engine_device(device)
+    dev, ws, nbytes = d.code, d.ws, d.nbytes
     # Contiguous (checked): the leading dimensions are the row lengths, whatever
     # stride a size-1 dimension reports.
     _C.gemm(dev, DTYPE_CODES[a.dtype], DTYPE_CODES[out.dtype], int(transa), int(transb), m, n, k,
@@ -211,15 +211,42 @@ def _empty_gemm(out, accumulate, bias, a, transa, bias_grad):
     return out, op_a.sum(1, dtype=torch.float32).to(a.dtype)
 
 
-def _gemm_dev(device):
-    """gemm's per-device facts, found once (a layer step runs several GEMMs):
-    (engine device code, workspace address, its bytes, the workspace tensor,
-    kept alive here)."""
-    dev = device_code(device)
-    nbytes = _C.gemm_workspace_bytes(dev)
-    ws = workspace(device, nbytes)
-    _gemm_devs[device] = entry = (dev, ws.data_ptr() if ws is not None else 0, nbytes, ws)
-    return entry
+class Device:
+    """The engine's facts about one device, found once and shared by every
+    caller (the checked wrappers here and the layers' steps): the torch.device,
+    the engine's device code (-1: the CPU, else the CUDA ordinal), the GEMM
+    workspace (its address, bytes and tensor, kept alive here)."""
+
+    __slots__ = ("device", "code", "ws", "nbytes", "workspace")
+
+    def __init__(self, device):
+        self.device = device
+        self.code = device_code(device)
+        self.nbytes = _C.gemm_workspace_bytes(self.code)
+        self.workspace = workspace(device, self.nbytes)
+        self.ws = self.workspace.data_ptr() if self.workspace is not None else 0
+
+    def stream(self):
+        """The raw current stream of the device (0 on the CPU)."""
+        if self.code < 0:
+            return 0
+        return _raw_stream(self.code) if _raw_stream is not None else torch.cuda.current_stream(self.code).cuda_stream
+
+
+# The one device cache: torch.device -> Device, and for CUDA devices also the
+# ordinal -> the same Device (a tensor's get_device() is cheaper than its .device).
+_devices = {}
+
+
+def engine_device(device):
+    """The Device of `device` (a torch.device with its index, or a CUDA ordinal)."""
+    d = _devices.get(device)
+    if d is None:
+        d = Device(torch.device("cuda", device) if type(device) is int else device)
+        _devices[d.device] = d
+        if d.code >= 0:
+            _devices[d.code] = d
+    return d
 
 
 # Activations (csrc/core/activation.h). TE's names; the gated ones take a
@@ -279,88 +306,3 @@ def act_bwd(dy, x, activation, dbias=False, limit=7.0, alpha=1.702, glu_linear_o
     _C.act_bwd(dev, code, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(dx), _addr(db),
                _addr(ws), nbytes, float(limit), float(alpha), float(glu_linear_offset), stream_of(x.device))
     return (dx, db) if dbias else dx
-
-
-# ------------------------------------------------- the layers' fast paths
-# A layer validates its input once (shape, dtype, device, layout); these skip
-# the generic checks for it and check only what the layer does not own (a
-# parameter may have been replaced), falling back to the checked wrappers,
-# which raise the named errors, when anything differs. On tiny shapes every
-# microsecond of host time is the layer's whole cost.
-
-
-def linear(x, w, bias=None):
-    """Y = X W^T (+ bias) for a contiguous 2-D x the caller validated."""
-    m, k = x.shape
-    n = w.shape[0]
-    dtype, device = x.dtype, x.device
-    if (m == 0 or k == 0 or w.dim() != 2 or w.shape[1] != k or w.dtype != dtype or w.device != device
-            or not w.is_contiguous()
-            or bias is not None and (bias.shape != (n,) or bias.dtype != dtype or bias.device != device
-                                     or not bias.is_contiguous())):
-        return gemm(x, w, transb=True, bias=bias)
-    out = torch.empty(m, n, dtype=dtype, device=device)
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
-    code = DTYPE_CODES[dtype]
-    _C.gemm(dev, code, code, 0, 1, m, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
-            0 if bias is None else bias.data_ptr(), 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
-    return out
-
-
-def norm_forward(x, gamma, beta, eps, zero_centered_gamma):
-    """norm_fwd for a contiguous 2-D x the caller validated: (y, mu, rsigma)."""
-    rows, cols = x.shape
-    dtype, device = x.dtype, x.device
-    if (rows == 0 or gamma.shape != (cols,) or gamma.dtype != dtype or gamma.device != device
-            or not gamma.is_contiguous()
-            or beta is not None and (beta.shape != (cols,) or beta.dtype != dtype or beta.device != device
-                                     or not beta.is_contiguous())):
-        return norm_fwd(x, gamma, beta, eps, zero_centered_gamma)
-    y = torch.empty(rows, cols, dtype=dtype, device=device)
-    mu = torch.empty(rows, dtype=torch.float32, device=device) if beta is not None else None
-    rsigma = torch.empty(rows, dtype=torch.float32, device=device)
-    dev = -1 if device.type == "cpu" else device_code(device)
-    _C.norm_fwd(dev, DTYPE_CODES[dtype], rows, cols, x.data_ptr(), gamma.data_ptr(),
-                0 if beta is None else beta.data_ptr(), y.data_ptr(), 0 if mu is None else mu.data_ptr(),
-                rsigma.data_ptr(), float(eps), 1 if zero_centered_gamma else 0,
-                0 if dev < 0 else stream_of(device))
-    return y, mu, rsigma
-
-
-def _plain(t, rows, cols, dtype, device):
-    """t is a contiguous [rows, cols] tensor of dtype on device (the fast
-    paths' one check of what the caller did not validate)."""
-    return t.shape == (rows, cols) and t.dtype == dtype and t.device == device and t.is_contiguous()
-
-
-def dgrad(dy, w):
-    """dX = dY W for the layers' backward (dy [m, n] contiguous, as the layer
-    made it; w [n, k])."""
-    m, n = dy.shape
-    k = w.shape[1] if w.dim() == 2 else -1
-    dtype, device = dy.dtype, dy.device
-    if m == 0 or k <= 0 or not _plain(w, n, k, dtype, device) or not dy.is_contiguous():
-        return gemm(dy, w)
-    out = torch.empty(m, k, dtype=dtype, device=device)
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
-    code = DTYPE_CODES[dtype]
-    _C.gemm(dev, code, code, 0, 0, m, k, n, dy.data_ptr(), n, w.data_ptr(), k, out.data_ptr(), k,
-            0, 0, 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
-    return out
-
-
-def wgrad(dy, x, bias_grad):
-    """dW = dY^T X (and the bias gradient, dY's column sums, with bias_grad)
-    for the layers' backward: dy [t, n], x [t, k], both contiguous."""
-    t, n = dy.shape
-    k = x.shape[1] if x.dim() == 2 else -1
-    dtype, device = dy.dtype, dy.device
-    if t == 0 or n == 0 or k <= 0 or not _plain(x, t, k, dtype, device) or not dy.is_contiguous():
-        return gemm(dy, x, transa=True, bias_grad=bias_grad)
-    out = torch.empty(n, k, dtype=dtype, device=device)
-    bgrad = torch.empty(n, dtype=dtype, device=device) if bias_grad else None
-    dev, ws, nbytes, _ = _gemm_devs.get(device) or _gemm_dev(device)
-    code = DTYPE_CODES[dtype]
-    _C.gemm(dev, code, code, 1, 0, n, k, t, dy.data_ptr(), n, x.data_ptr(), k, out.data_ptr(), k,
-            0, 0 if bgrad is None else bgrad.data_ptr(), 0, ws, nbytes, 0 if dev < 0 else stream_of(device))
-    return (out, bgrad) if bias_grad else out

@@ -1,9 +1,9 @@
 """tec.checkpoint: activation checkpointing for models built of our layers.
 
 A thin wrapper over torch.utils.checkpoint. It is correct with
-DistributedWeight because nothing materialised is cached: the recomputed
-forward calls weight_for_compute() again, which all-gathers again, and the
-layers' backward gets the original weight object from restore_from_saved
+DistributedWeight because nothing materialised outlives a step: the
+recomputed forward gathers the weight again (its is_first_microbatch rules
+unchanged), and the layers' backward gets the original weight object from restore_from_saved
 (keep-by-reference) in both modes:
   * use_reentrant=True: the forward runs under no_grad, the backward reruns it
     with grad and backpropagates through the rerun graph;

@@ -199,17 +199,15 @@ def _layer_name(entry, names):
 # PyTorch 2.14 on, so while a checker is active Function.apply is wrapped to
 # note the class (a per-thread stack: a Function may apply others in its
 # forward). Code that enters its Functions through the C apply directly
-# registers its calling functions instead (register_apply_callers).
+# registers itself instead (register_apply_caller).
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
-_apply_callers = {}  # code object of a function that calls a Function's C apply -> that Function
+_APPLY_CALLERS = {}  # code of a function that calls a Function's C apply -> the local holding the class
 
 
-def register_apply_callers(callers):
-    """callers: {function: autograd.Function class} of functions that enter
-    the Function through `torch._C._FunctionBase.apply` directly; checker
-    messages then name the Function when it saves from such a call."""
-    for caller, fn in callers.items():
-        _apply_callers[caller.__code__] = fn
+def register_apply_caller(code, local="cls"):
+    """Name the autograd.Function in the local `local` of frames running
+    `code` as the saver (for a caller of a Function's C apply)."""
+    _APPLY_CALLERS[code] = local
 
 
 def _applying():
@@ -238,8 +236,10 @@ def _describe_saver(names):
     f = sys._getframe(1)
     while f is not None:
         path = f.f_code.co_filename
-        if fn is None and f.f_code in _apply_callers:
-            fn = _apply_callers[f.f_code].__name__
+        if fn is None and f.f_code in _APPLY_CALLERS:
+            cls = f.f_locals.get(_APPLY_CALLERS[f.f_code])
+            if isinstance(cls, type):
+                fn = cls.__name__
         if user is None and not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _THIS_FILE:
             user = f
         f = f.f_back

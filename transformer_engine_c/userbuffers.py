@@ -803,4 +803,4 @@ def destroy_ub():
     close_comms(comms)
 
 
-atexit.register(release_at_exit)
+atexit.register(release_at_exit, _registry)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import transformer_engine_c as tec
 from transformer_engine_c._launch import init_rank
-from transformer_engine_c.bench import Timer, _ub_layers
+from transformer_engine_c.benchmarks.overlap import Timer, _ub_layers
 
 
 def main():

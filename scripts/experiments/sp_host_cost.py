@@ -1,5 +1,7 @@
-"""Host cost of the sequence-parallel layers without userbuffers, fast path
-(module/_fast.py) against the general path, on CPU ranks (gloo) at shapes so
+"""Host cost of the sequence-parallel layers without userbuffers, "fast":
+calls that are ready (module/_plan.py) against "general": the same calls
+forced through the validating route (check_input, casts, the weight's
+gather), on CPU ranks (gloo) at shapes so
 small that the host is the bound: each layer alone (forward + backward) and
 the MLP step (LayerNormLinear column -> gelu -> Linear row, as
 bench_mlp's tec step; and tec.LayerNormMLP) next to PyTorch's eager TP MLP
@@ -62,17 +64,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import transformer_engine_c as tec  # noqa: E402
-from transformer_engine_c.bench_mlp import TorchTPMLP, all_gather_flat, reduce_scatter_flat  # noqa: E402
+from transformer_engine_c.benchmarks.mlp import TorchTPMLP, all_gather_flat, reduce_scatter_flat  # noqa: E402
 from transformer_engine_c._launch import init_rank  # noqa: E402
-from transformer_engine_c.module import _fast  # noqa: E402
+from transformer_engine_c.module import _plan, layernorm_linear, layernorm_mlp, linear  # noqa: E402
 
-MAKE_PLAN = _fast.make_plan
+MAKE_CALL = _plan.make_call
+
+
+def _validated_call(*args):
+    c = MAKE_CALL(*args)
+    c.ready = False
+    return c
 
 
 def use_fast(layers, on):
-    _fast.make_plan = MAKE_PLAN if on else (lambda layer: False)
-    for m in layers:
-        m.__dict__["_plan"] = None
+    """Ready calls (on), or every call through the validating route."""
+    for mod in (linear, layernorm_linear, layernorm_mlp):
+        mod.make_call = MAKE_CALL if on else _validated_call
 
 
 def is_forward(name, forwards):
@@ -105,7 +113,8 @@ class _Loopback:
 def loopback(device):
     """--loopback: the layers' process-group calls, PyTorch's block's and the
     engine's communicator all become one-rank NCCL calls on `device`."""
-    from transformer_engine_c import _C, bench_mlp, distributed as d
+    from transformer_engine_c import _C, distributed as d
+    from transformer_engine_c.benchmarks import mlp as bench_mlp
 
     store = dist.HashStore()
     opts = dist.ProcessGroupNCCL.Options()

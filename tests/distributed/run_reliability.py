@@ -1,5 +1,5 @@
-"""Misuse on a multi-rank communicator is refused before any state change
-(issue 15): every rank makes the same refused call, then a valid call must
+"""Misuse on a multi-rank communicator is refused before any state change:
+every rank makes the same refused call, then a valid call must
 still give the right answer on every rank (no epoch was taken, no peer
 waits). Also buffer_ranges() after unmapping, and two threads sharing one
 communicator. Prints "PASS run_reliability".

@@ -1,4 +1,4 @@
-"""torchrun runner: the fast path's reused temporaries (module/_fast.py: a
+"""torchrun runner: the layers' reused temporaries (module/_steps.py: a
 gathered input, a partial sum before its reduce-scatter, a dgrad before its
 reduce-scatter) give the bits fresh allocations give when calls follow each
 other without synchronising: back to back, on CUDA on three streams in
@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformer_engine_c as tec  # noqa: E402
-from transformer_engine_c.module import _fast  # noqa: E402
+from transformer_engine_c.module import _steps  # noqa: E402
 from common import setup  # noqa: E402
 
 IN, OUT, FFN, CALLS = 64, 48, 96, 6
-FAST_FNS = (_fast._LinearFn, _fast._LayerNormLinearFn, _fast._LayerNormMLPSPFn, _fast._LayerNormMLPFn)
 
 
 def layers(dtype, size, group):
@@ -59,7 +58,6 @@ def call(m, x, dy):
         y0 = m(x)
     xx = x.detach().requires_grad_()
     y = m(xx)
-    assert getattr(y.grad_fn, "_forward_cls", None) in FAST_FNS, "the fast path was not taken"
     params = [p for p in m.parameters() if p.requires_grad]
     grads = torch.autograd.grad(y, [xx] + params, dy)
     return [y0, y.detach()] + list(grads)
@@ -140,15 +138,15 @@ def main():
     work = [(name, *inputs(name, dtype, rank, size, i, dev)) for i in range(CALLS) for name in ms]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    limit = _fast._TEMP_BYTES
-    _fast._TEMP_BYTES = -1  # the references: a fresh tensor for every temporary
+    limit = _steps._TEMP_BYTES
+    _steps._TEMP_BYTES = -1  # the references: a fresh tensor for every temporary
     ref = run_all(ms, work, lambda i: None)
     sync()
-    _fast._TEMP_BYTES = limit
-    assert not getattr(_fast._temps, "slots", None), "the references reused temporaries"
+    _steps._TEMP_BYTES = limit
+    assert not getattr(_steps._temps, "slots", None), "the references reused temporaries"
 
     got = run_all(ms, work, lambda i: None)  # back to back
-    assert _fast._temps.slots, "no temporary was reused"
+    assert _steps._temps.slots, "no temporary was reused"
     checks = [("back to back", got)]
     if cuda:
         streams = [torch.cuda.Stream() for _ in range(3)]

@@ -1,4 +1,4 @@
-"""No abort at exit (issue 15): run_exit_order.py exits with a gloo group
+"""No abort at exit: run_exit_order.py exits with a gloo group
 held by a reference cycle through a communicator after a late-finishing
 collective issued under saved-tensor hooks. Without the package's atexit
 release this aborted in about three runs of four; run it three times."""

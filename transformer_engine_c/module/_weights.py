@@ -1,9 +1,10 @@
-"""How a layer's autograd function uses its weight: the two hooks every layer
-calls, so a DistributedWeight (or a plain tensor) works in every layer.
+"""How a layer's autograd Function treats its weight so that a
+DistributedWeight (or a plain tensor) works in every layer:
 
-    w_full = weight_for_compute(w)      # forward, and again in backward
-    ...
-    return ..., weight_grad(w, dw_full), ...   # backward's gradient for w
+* forward and backward gather a DistributedWeight's full weight with
+  TransformerEngineBaseModule._full_weight (`w.materialize()`, kept from the
+  first micro-batch to the next when the caller passes is_first_microbatch);
+* what backward returns as the weight's gradient goes through weight_grad.
 
 `w` in backward must be the object restore_from_saved returned (the original
 DistributedWeight, kept by reference), not a tensor that a saved-tensor hook
@@ -19,15 +20,6 @@ _Parameter = torch.nn.Parameter
 
 def is_distributed_weight(w):
     return type(w) is not _Tensor and type(w) is not _Parameter and getattr(w, "is_distributed_weight", False)
-
-
-def weight_for_compute(w):
-    """The full weight to use in a GEMM: `w` for a plain tensor, a fresh
-    all-gather (`w.materialize()`) for a DistributedWeight. Not cached: the
-    full weight is not kept between forward and backward."""
-    if is_distributed_weight(w):
-        return w.materialize()
-    return w
 
 
 def weight_grad(w, dw_full):

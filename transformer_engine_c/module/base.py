@@ -13,7 +13,9 @@ layer module shares:
 * the gathered DistributedWeight kept across the micro-batches of a step
   (`is_first_microbatch`).
 
-The autograd Functions' GEMM steps live in module/_common.py.
+Each layer has one autograd Function (in its own file), whose steps live in
+module/_steps.py; the per-configuration plan and the per-call facts in
+module/_plan.py; the weight-gradient policy in module/_wgrad.py.
 """
 import enum
 import io
@@ -23,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
-from . import _fast
-from ._common import TPConfig, UBConfig, check_same_size
+from ._config import TPConfig, UBConfig, check_same_size
+from ._plan import PLAN_ATTRS, LinearPlan
 from ._weights import is_distributed_weight
+from ._wgrad import WeightGrads
 
 __all__ = ["initialize_ub", "get_ub", "destroy_ub", "UserBufferQuantizationMode", "TransformerEngineBaseModule"]
 
@@ -199,17 +202,18 @@ class ExtraStateMixin:
 class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
     """Base of this package's layers (see the module docstring)."""
 
-    # The fast path's plan (module/_fast.py), made on the first call and kept
-    # in the instance; None: not made yet (a class attribute, so a layer
-    # unpickled from before it existed reads None too).
+    # The layer's plan (module/_plan.py), made on the first call and kept in
+    # the instance; None: not made yet (a class attribute, so a layer
+    # unpickled without one reads None too).
     _plan = None
+    _plan_class = LinearPlan
 
     def __init__(self, name=None):
         super().__init__()
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.name = name
-        self._wgrad_queue = []       # Wgrad steps delay_wgrad_compute left for backward_dw()
+        self._wgrads = []            # the WeightGrads of the layer's GEMMs (backward_dw's order)
         self._wgrad_hooks = []
         self._gathered = {}          # id(DistributedWeight) -> (it, the full weight) for is_first_microbatch
 
@@ -275,6 +279,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
             if c.device != torch.device(device):
                 raise ValueError(f"{type(self).__name__}: communicator '{c.name}' ({role}) is on {c.device} but the "
                                  f"layer's parameters are on {device} (pass device= to initialize_ub / CommOverlap)")
+        self._wgrads = [WeightGrads(self, self.weight_names, self.bias_names)]
         if self.delay_wgrad_compute:
             for name in self.weight_names + (self.bias_names if bias else []):
                 getattr(self, name).skip_backward_post_hook = True
@@ -283,14 +288,12 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
-        if name in _fast.PLAN_ATTRS:  # what the fast path's plan was made from changed
+        if name in PLAN_ATTRS:  # what the plan was made from changed
             self.__dict__["_plan"] = None
 
-    def _fast_plan(self):
-        """The layer's fast-path plan (module/_fast.py), or False."""
-        plan = self._plan
-        if plan is None:
-            plan = self.__dict__["_plan"] = _fast.make_plan(self)
+    def _make_plan(self):
+        """The layer's plan (module/_plan.py), made now."""
+        plan = self.__dict__["_plan"] = self._plan_class(self)
         return plan
 
     # Parameters are read from _parameters directly: nn.Module.__getattr__
@@ -352,25 +355,11 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         main_grad with fuse_wgrad_accumulation, else added to .grad."""
         if not self.delay_wgrad_compute:
             return
-        if not self._wgrad_queue:
+        if not any(owner.pending() for owner in self._wgrads):
             raise RuntimeError(f"{type(self).__name__}.backward_dw(): no delayed weight gradient is pending "
                                "(run backward first)")
-        wg, dy_total, x_total, db_local = self._wgrad_queue.pop(0)
-        wg.delay = False
-        dw, db = wg.compute(dy_total, x_total)
-        if wg.bias_from_local:
-            db = db_local
-        if dw is not None and not wg.fuse:
-            row = 0
-            for p in wg.params:
-                _add_grad(p, dw[row:row + p.shape[0]])
-                row += p.shape[0]
-        if db is not None and self.use_bias:
-            row = 0
-            for name in self.bias_names:
-                b = getattr(self, name)
-                _add_grad(b, db[row:row + b.shape[0]])
-                row += b.shape[0]
+        for owner in self._wgrads:
+            owner.finish_delayed()
         for hook in self._wgrad_hooks:
             hook()
 
@@ -400,12 +389,3 @@ def refuse_capture(layer, what):
         name = f" '{layer.name}'" if getattr(layer, "name", None) else ""
         raise RuntimeError(f"{type(layer).__name__}{name}: {what} cannot be captured in a CUDA graph; "
                            "capture the layer without it (see tec.make_graphed_callables)")
-
-
-def _add_grad(p, g):
-    g = g.to(p.dtype)
-    if p.grad is None:
-        p.grad = g.clone() if g._base is not None else g
-    else:
-        p.grad.add_(g)
-

@@ -4,86 +4,105 @@ linear layer, both in the C engine, with userbuffers overlap of the
 sequence-parallel collectives."""
 import torch
 
-from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
-from . import _common as C
-from . import _fast
+from . import _steps
+from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
+from ._plan import apply, check_params, check_saved, grad_output, make_call
 from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_is_grad_enabled = torch.is_grad_enabled
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _forward(inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, dtype, cast):
+def _forward(call, inp, ln_weight, ln_bias, weight, bias, keep):
     """The forward's work, shared by the autograd Function and the no-grad
-    path (which skips the Function): (output [tokens, out], the normalised
-    output to return or None, (x, ln_out, mu, rsigma) for backward)."""
-    tp, ub = layer.tp, layer.ub
+    call: (output, the normalised output to return or None, (x, ln_out,
+    stats) for backward). Without `keep` (no backward) what backward would
+    read is not kept (temporaries)."""
+    layer = call.layer
+    tp, ub, plan = layer.tp, layer.ub, call.plan
+    if call.ready:
+        x, w, g, beta = inp, weight, ln_weight, ln_bias
+    else:  # validated and converted (the named errors), 2-D
+        dtype = call.dtype
+        x = check_input(inp, layer.in_local, dtype, weight.device, tp, call.cast)
+        w = layer._full_weight(weight, call.first_mb, dtype)
+        g, beta, bias = cast(ln_weight, dtype), cast(ln_bias, dtype), cast(bias, dtype)
+        check_params((("weight", w), ("bias", bias), ("layer_norm_weight", g), ("layer_norm_bias", beta)), dtype,
+                     x.device, plan.shapes)
     # An input lying in a communicator's buffer (a caller may pass a buffer
     # view) is copied: the norm may write the fprop slot, and what is saved
     # must outlive the buffer's next use.
-    x = C.outside_buffers(C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast), ub)
-    w = layer._full_weight(weight, is_first_microbatch, dtype)
-    g, beta, b = C.cast(ln_weight, dtype), C.cast(ln_bias, dtype), C.cast(bias, dtype)
-    ln_total = None
-    if tp.mode == "column" and ub.enabled and ub["ub_overlap_ag"] and x.shape[0] and ub.comms["fprop"].take_overlap(
-            "ag", x.shape[0], x.shape[1], w.shape[0]):
-        y, ln_out, mu, rsigma, ln_total = C.norm_ag_gemm(ub.comms["fprop"], x, g, beta, layer.eps,
-                                                         layer.zero_centered_gamma, w, b, tp,
-                                                         layer.return_layernorm_output_gathered)
-    else:
-        ln_out, mu, rsigma = _engine.norm_forward(x, g, beta, layer.eps, layer.zero_centered_gamma)
-        y = C.ub_fprop(ln_out, w, b, tp, ub) if tp.mode == "row" and ub.enabled else None
-        if y is None:
-            ln_total = C.gather_input(ln_out, tp)
-            y = C.fprop(ln_total, w, b, tp)
+    if ub.enabled:
+        x = _steps.outside_buffers(x, ub)
+    ret = layer.return_layernorm_output
+    gathered = ret and layer.return_layernorm_output_gathered and tp.mode == "column" and tp.sp
+    y, ln_out, stats, ln_total = _steps.norm_fprop(call, tp, ub, x, g, beta, plan.eps, plan.zcg, w, bias,
+                                                   keep or ret, gathered)
     ln_ret = None
-    if layer.return_layernorm_output:
-        if layer.return_layernorm_output_gathered and tp.mode == "column" and tp.sp:
-            # The full sequence: the GEMM's gathered input (or a copy of the
-            # buffer's); its gradient is reduce-scattered back in backward.
-            ln_ret = C.like_input(ln_total, inp.shape, tp)
-        else:
-            # ln_out is also saved for backward: it is returned as a view
-            # made in the Function, which autograd refuses to let be
-            # modified in place.
-            ln_ret = ln_out.view(inp.shape)
-    return y, ln_ret, (x, ln_out, mu, rsigma)
+    if gathered:
+        # The full sequence: the GEMM's gathered input (or a copy of the
+        # buffer's); its gradient is reduce-scattered back in backward.
+        ln_ret = ln_total if ln_total.dim() == len(inp.shape) else like_input(ln_total, inp.shape, tp)
+    elif ret:
+        # ln_out is also saved for backward: it is returned as a view made in
+        # the Function, which autograd refuses to let be modified in place.
+        ln_ret = ln_out.view(inp.shape)
+    return y, ln_ret, (x, ln_out, stats)
 
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, layer, is_first_microbatch, dtype, cast):
-        y, ln_ret, (x, ln_out, mu, rsigma) = _forward(inp, ln_weight, ln_bias, weight, bias, layer,
-                                                      is_first_microbatch, dtype, cast)
-        saved, ctx.objects = prepare_for_saving(x, ln_out, mu, rsigma, ln_weight, weight)
-        ctx.save_for_backward(*saved)
-        ctx.layer, ctx.inp_shape, ctx.has_bias, ctx.dtype = layer, inp.shape, bias is not None, dtype
-        ctx.first_mb = is_first_microbatch
-        # y is 2-D; the module gives it the input's leading dims.
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, call):
+        y, ln_ret, (x, ln_out, stats) = _forward(call, inp, ln_weight, ln_bias, weight, bias, True)
+        if type(weight) in _PLAIN:
+            ctx.save_for_backward(x, ln_out, stats, ln_weight, weight)
+            ctx.objects = None
+        else:  # a DistributedWeight saves itself
+            saved, ctx.objects = prepare_for_saving(x, ln_out, stats, ln_weight, weight)
+            ctx.save_for_backward(*saved)
+        ctx.call, ctx.has_bias = call, bias is not None
+        if not call.ready:
+            ctx.inp_shape = inp.shape
         return y if ln_ret is None else (y, ln_ret)
 
     @staticmethod
     def backward(ctx, dout, dln_out=None):
-        layer, dtype = ctx.layer, ctx.dtype
+        call = ctx.call
+        call.refresh_stream()
+        layer, dtype, plan = call.layer, call.dtype, call.plan
         tp = layer.tp
-        x, ln_out, mu, rsigma, ln_weight, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
-        ctx.objects = None
-        w = layer._full_weight(weight, None if ctx.first_mb is None else False, dtype)
-        g = C.cast(ln_weight, dtype)
-        dy = C.as_2d(C.cast(dout, dtype))
-        dln, dw, db = C.linear_backward(ctx, dy, ln_out, w, weight, True, 3)
+        if ctx.objects is None:
+            x, ln_out, stats, ln_weight, weight = ctx.saved_tensors
+        else:
+            x, ln_out, stats, ln_weight, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
+            ctx.objects = None
+        if call.ready:
+            w, g = weight, ln_weight
+            check_saved(w, dtype, (plan.n, plan.k), "weight")
+            check_saved(g, dtype, (plan.k,), "layer_norm_weight")
+        else:
+            w = layer._full_weight(weight, None if call.first_mb is None else False, dtype)
+            g = cast(ln_weight, dtype)
+        dy = grad_output(dout, dtype)
+        extra = None
         if dln_out is not None:
-            dln_out = C.as_2d(C.cast(dln_out, dtype))
-            if dln_out.shape[0] != dln.shape[0]:  # the gathered output's gradient: this rank's rows, summed
-                dln_out = reduce_scatter_rows(dln_out, tp.group, tp.size)
-            dln = dln + dln_out
-        # Under sequence parallelism the norm's parameter gradients are this
-        # rank's partial sums: the parameters carry `sequence_parallel` and
-        # the framework sums them over the group, as with TransformerEngine.
-        dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, g, layer.zero_centered_gamma,
-                                             with_dbeta=mu is not None)
-        return C.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw, db, None, None, None, None
+            extra = grad_output(dln_out, dtype)
+            if extra.numel() != ln_out.numel():  # the gathered output's gradient: this rank's rows, summed
+                extra = reduce_scatter_rows(as_2d(extra), tp.group, tp.size)
+            extra = extra.view(ln_out.shape)
+        need = ctx.needs_input_grad
+        wg = None
+        if need[3] or need[4]:
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[4], call.first_mb,
+                                       bias_from_local=tp.mode == "row" and tp.sp, need_w=need[3])
+        dx, dgamma, dbeta, dw, db = _steps.norm_linear_backward(call, tp, layer.ub, dy, x, ln_out, stats, g,
+                                                                plan.zcg, plan.rms, w, wg, extra)
+        if not call.ready:
+            dx = like_input(dx, ctx.inp_shape)
+        return dx, dgamma, dbeta, dw, db, None
 
 
 class LayerNormLinear(TransformerEngineBaseModule):
@@ -126,7 +145,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                        ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
         self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
-        dtype, device = C.default_dtype(params_dtype), C.default_device(device)
+        dtype, device = default_dtype(params_dtype), default_device(device)
         self.rng_tracker_name = rng_tracker_name
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(init_gamma(self.in_local, dtype=dtype, device=device))
@@ -151,32 +170,36 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns out, (out, bias), (out, ln_out) or (out, bias, ln_out), as TE."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
-        plan = self._plan
-        if plan is None:
-            plan = self._fast_plan()
-        if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
-            out = _fast.layernorm_linear(self, plan, inp, self.return_bias, is_first_microbatch)
-            if out is not None:
-                return out
+        plan = self._plan or self._make_plan()
         weight = self._weight_tensor()
-        bias = self._bias_tensor()
-        dtype, cast = C.compute_dtype(weight)
-        args = (inp, self.layer_norm_weight, self.layer_norm_bias, weight, None if self.return_bias else bias, self,
-                is_first_microbatch, dtype, cast)
-        if torch.is_grad_enabled():
-            out = _LayerNormLinearFn.apply(*args)
+        b = self._bias_tensor()
+        params = self._parameters
+        g = params.get("layer_norm_weight")
+        if g is None:
+            g = self.layer_norm_weight
+        beta = None
+        if plan.beta is not None:
+            beta = params.get("layer_norm_bias")
+            if beta is None:
+                beta = self.layer_norm_bias
+        call = make_call(self, plan, inp, weight, (b, g, beta), is_first_microbatch)
+        bias = None if self.return_bias else b
+        if _is_grad_enabled():
+            out = apply(_LayerNormLinearFn, inp, g, beta, weight, bias, call)
         else:
-            y, ln_ret, _ = _forward(*args)
+            y, ln_ret, _ = _forward(call, inp, g, beta, weight, bias, False)
             out = y if ln_ret is None else (y, ln_ret)
         if self.return_layernorm_output:
-            y, ln_out = C.like_input(out[0], inp.shape, self.tp), out[1]
+            y, ln_out = out
         else:
-            y = C.like_input(out, inp.shape, self.tp)
+            y = out
+        if y.dim() != inp.dim():  # a 2-D result for a 3-D input (validated, or from a communicator)
+            y = like_input(y, inp.shape, self.tp)
         if self.return_bias:
-            if bias is None:
-                bias = getattr(self, self.bias_names[0])
-            bias = C.cast(bias, dtype)
-            return (y, bias, ln_out) if self.return_layernorm_output else (y, bias)
+            if b is None:
+                b = getattr(self, self.bias_names[0])
+            b = cast(b, call.dtype)
+            return (y, b, ln_out) if self.return_layernorm_output else (y, b)
         return (y, ln_out) if self.return_layernorm_output else y
 
     def extra_repr(self):

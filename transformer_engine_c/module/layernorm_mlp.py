@@ -8,147 +8,155 @@ import torch
 from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
-from . import _common as C
-from . import _fast
-from .base import TransformerEngineBaseModule, _add_grad, _set_tp_attributes, default_init_method
+from . import _steps
+from ._config import UBConfig, TPConfig, as_2d, cast, check_input, check_same_size, default_device, default_dtype
+from ._config import like_input
+from ._plan import MLPPlan, apply, check_params, check_saved, grad_output, make_call
+from ._wgrad import WeightGrads
+from .base import TransformerEngineBaseModule, _set_tp_attributes, default_init_method
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACT_PARAM_KEYS = ("limit", "alpha", "glu_linear_offset")
 FC1_FLAGS = ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
 FC2_FLAGS = ("ub_overlap_rs", "ub_overlap_ag")
 UB_NAMES = ("fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad")
+_is_grad_enabled = torch.is_grad_enabled
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-class _Gemm:
-    """What a Wgrad step reads of a layer, for one of the module's two GEMMs:
-    its weight parameter (looked up by name, so a replaced parameter, e.g. a
-    DistributedWeight, is seen), the module's wgrad options, and its own
-    queue of delayed weight gradients."""
-
-    def __init__(self, module, weight_name):
-        self.module, self.weight_name = module, weight_name
-        self._wgrad_queue = []
-
-    @property
-    def fuse_wgrad_accumulation(self):
-        return self.module.fuse_wgrad_accumulation
-
-    @property
-    def delay_wgrad_compute(self):
-        return self.module.delay_wgrad_compute
-
-    def _weight_params(self):
-        return [getattr(self.module, self.weight_name)]
+def _norm_fc1_act(call, x, g, beta, w1, b1, keep, want_gathered):
+    """The norm, fc1 on the (gathered) normalised rows, the activation:
+    (ln_out: this rank's normalised rows, stats, fc1's output over the
+    group's rows, the activation's output, the gathered ln_out when asked)."""
+    layer, plan = call.layer, call.plan
+    h, ln_out, stats, ln_total = _steps.norm_fprop(call, layer.tp, layer.ub, x, g, beta, plan.eps, plan.zcg, w1,
+                                                   b1, keep or layer.return_layernorm_output, want_gathered)
+    a = _steps.act_fwd(call, plan.act, h, keep, plan.act_params)
+    return ln_out, stats, h, a, ln_total
 
 
-def _norm_fc1(layer, x, ln_weight, ln_bias, w1, b1, want_gathered):
-    """Norm, then fc1 on the (gathered) normalised input. Returns (ln_out:
-    this rank's normalised tokens, memory of its own; mu; rsigma; fc1_out
-    [tokens of the group, fc1's local features]; the gathered ln_out when
-    asked, also memory of its own)."""
-    tp, ub = layer.tp, layer.ub
-    eps, zcg = layer.eps, layer.zero_centered_gamma
-    if x.shape[0] and ub.enabled and ub["ub_overlap_ag"] and ub.comms["fprop"].take_overlap(
-            "ag", x.shape[0], x.shape[1], w1.shape[0]):  # (no schedule for a call without tokens)
-        fc1_out, ln_out, mu, rsigma, ln_total = C.norm_ag_gemm(ub.comms["fprop"], x, ln_weight, ln_bias, eps, zcg,
-                                                               w1, b1, tp, want_gathered)
-        return ln_out, mu, rsigma, fc1_out, ln_total
-    ln_out, mu, rsigma = _engine.norm_fwd(x, ln_weight, ln_bias, eps, zcg)
-    ln_total = C.gather_input(ln_out, tp)
-    fc1_out = C.fprop(ln_total, w1, b1, tp)
-    return ln_out, mu, rsigma, fc1_out, (ln_total if want_gathered else None)
+def _prepare(call, inp, g, beta, w1, b1, w2, b2):
+    """The call's tensors as the steps read them (validated and converted
+    when the call is not ready: the named errors)."""
+    if call.ready:
+        return inp, g, beta, w1, b1, w2, b2
+    layer, dtype = call.layer, call.dtype
+    x = check_input(inp, layer.hidden_size, dtype, w1.device, layer.tp, call.cast)
+    w1 = layer._full_weight(w1, call.first_mb, dtype)
+    w2 = layer._full_weight(w2, call.first_mb, dtype)
+    g, beta, b1, b2 = (cast(t, dtype) for t in (g, beta, b1, b2))
+    check_params((("fc1_weight", w1), ("layer_norm_weight", g), ("layer_norm_bias", beta), ("fc2_weight", w2),
+                  ("fc1_bias", b1), ("fc2_bias", b2)), dtype, x.device, call.plan.shapes)
+    return x, g, beta, w1, b1, w2, b2
+
+
+def _forward(call, inp, g, beta, w1, b1, w2, b2, keep):
+    """(y, the normalised output to return or None, (x, ln_out, stats, fc1's
+    output, the activation's output))."""
+    layer = call.layer
+    x, g, beta, w1, b1, w2, b2 = _prepare(call, inp, g, beta, w1, b1, w2, b2)
+    # An input lying in fc1_fprop's buffer (a caller may pass a buffer view)
+    # is copied before the norm writes this rank's slot.
+    if layer.ub.enabled:
+        x = _steps.outside_buffers(x, layer.ub)
+    want_gathered = layer.return_layernorm_output_gathered and layer.tp.sp
+    ln_out, stats, h, a, ln_total = _norm_fc1_act(call, x, g, beta, w1, b1, keep, want_gathered)
+    y = _steps.fprop(call, layer.tp2, layer.ub2, a, w2, b2)  # fc2's bias added once, after the reduction
+    ln_ret = None
+    if layer.return_layernorm_output:
+        ln_ret = ln_total if want_gathered else ln_out
+        if ln_ret.dim() != len(inp.shape):
+            ln_ret = like_input(ln_ret, inp.shape, layer.tp if want_gathered else None)
+    return y, ln_ret, (x, ln_out, stats, h, a)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, layer,
-                is_first_microbatch, dtype, cast):
-        tp2 = layer.tp2
-        x = C.check_input(inp, layer.hidden_size, dtype, fc1_weight.device, layer.tp, cast)
-        w1 = layer._full_weight(fc1_weight, is_first_microbatch, dtype)
-        w2 = layer._full_weight(fc2_weight, is_first_microbatch, dtype)
-        g, beta, b1, b2 = (C.cast(t, dtype) for t in (ln_weight, ln_bias, fc1_bias, fc2_bias))
-        want_gathered = layer.return_layernorm_output_gathered and layer.tp.sp
-        # An input lying in fc1_fprop's buffer (a caller may pass a buffer
-        # view) is copied before the norm writes this rank's slot.
-        x = C.outside_buffers(x, layer.ub)
-        ln_out, mu, rsigma, fc1_out, ln_total = _norm_fc1(layer, x, g, beta, w1, b1, want_gathered)
-        act_out = _engine.act_fwd(fc1_out, layer.activation, **layer._act_kw)
-        y = C.ub_fprop(act_out, w2, b2, tp2, layer.ub2)  # fc2's bias added once, after the reduction
-        if y is None:
-            y = C.fprop(act_out, w2, b2, tp2)
+    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, call):
+        layer = call.layer
+        y, ln_ret, (x, ln_out, stats, h, a) = _forward(call, inp, ln_weight, ln_bias, fc1_weight, fc1_bias,
+                                                       fc2_weight, fc2_bias, True)
         # Nothing saved aliases a buffer: x is copied if it lies in one (a
         # caller may pass a buffer view); the rest is memory of its own.
-        x_saved = C.outside_buffers(x, layer.ub2)
+        if layer.ub2.enabled:
+            x = _steps.outside_buffers(x, layer.ub2)
         if layer.checkpoint:  # TE's checkpoint=True: norm, fc1, activation recomputed in backward
-            tensors = (x_saved, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight)
+            tensors = (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight)
         else:
-            tensors = (x_saved, ln_weight, fc1_weight, fc2_weight, ln_out, mu, rsigma, fc1_out, act_out)
-        saved, ctx.objects = prepare_for_saving(*tensors)
-        ctx.save_for_backward(*saved)
-        ctx.layer, ctx.inp_shape, ctx.dtype, ctx.first_mb = layer, inp.shape, dtype, is_first_microbatch
-        ctx.has_b1, ctx.has_b2 = fc1_bias is not None, fc2_bias is not None
-        if not layer.return_layernorm_output:
-            return y  # 2-D; the module gives it the input's leading dims
-        # Views made here cannot be modified in place (autograd's rule for a
-        # Function's view outputs), as LayerNormLinear's.
-        ln_ret = ln_total if want_gathered else ln_out
-        return y, C.like_input(ln_ret, inp.shape, layer.tp if want_gathered else None)
+            tensors = (x, ln_weight, fc1_weight, fc2_weight, ln_out, stats, h, a)
+        if type(fc1_weight) in _PLAIN and type(fc2_weight) in _PLAIN:
+            ctx.save_for_backward(*tensors)
+            ctx.objects = None
+        else:  # a DistributedWeight saves itself
+            saved, ctx.objects = prepare_for_saving(*tensors)
+            ctx.save_for_backward(*saved)
+        ctx.call, ctx.has_b1, ctx.has_b2 = call, fc1_bias is not None, fc2_bias is not None
+        if not call.ready:
+            ctx.inp_shape = inp.shape
+        return y if ln_ret is None else (y, ln_ret)
 
     @staticmethod
     def backward(ctx, dout, dln_ret=None):
-        layer, dtype = ctx.layer, ctx.dtype
+        call = ctx.call
+        call.refresh_stream()
+        layer, dtype, plan = call.layer, call.dtype, call.plan
         tp1, tp2 = layer.tp, layer.tp2
-        t = restore_from_saved(ctx.objects, ctx.saved_tensors)
+        t = ctx.saved_tensors if ctx.objects is None else restore_from_saved(ctx.objects, ctx.saved_tensors)
         ctx.objects = None
-        first_mb = None if ctx.first_mb is None else False  # a weight gathered in forward is reused
+        first_mb = None if call.first_mb is None else False  # a weight gathered in forward is reused
         if layer.checkpoint:
             x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight = t
-            w1 = layer._full_weight(fc1_weight, first_mb, dtype)
-            g = C.cast(ln_weight, dtype)
-            ln_out, mu, rsigma, fc1_out, _ = _norm_fc1(layer, x, g, C.cast(ln_bias, dtype), w1,
-                                                       C.cast(fc1_bias, dtype), False)
-            act_out = _engine.act_fwd(fc1_out, layer.activation, **layer._act_kw)
         else:
-            x, ln_weight, fc1_weight, fc2_weight, ln_out, mu, rsigma, fc1_out, act_out = t
+            x, ln_weight, fc1_weight, fc2_weight, ln_out, stats, h, a = t
+        if call.ready:
+            w1, w2, g = fc1_weight, fc2_weight, ln_weight
+            check_saved(w1, dtype, (plan.f1, plan.hidden), "fc1_weight")
+            check_saved(w2, dtype, (plan.hidden, plan.ffn), "fc2_weight")
+            check_saved(g, dtype, (plan.hidden,), "layer_norm_weight")
+        else:
             w1 = layer._full_weight(fc1_weight, first_mb, dtype)
-            g = C.cast(ln_weight, dtype)
-        w2 = layer._full_weight(fc2_weight, first_mb, dtype)
-        need = ctx.needs_input_grad
-        dy = C.as_2d(C.cast(dout, dtype))
+            w2 = layer._full_weight(fc2_weight, first_mb, dtype)
+            g = cast(ln_weight, dtype)
+        if layer.checkpoint:
+            ln_out, stats, h, a, _ = _norm_fc1_act(call, x, g, cast(ln_bias, dtype), w1, cast(fc1_bias, dtype),
+                                                   True, False)
+        need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
+        dy = grad_output(dout, dtype)
+        wg_fc2, wg_fc1 = layer._wgrads
 
         # fc2 (row): dgrad (ub_overlap_ag: the grad_output all-gather
         # overlapped), then wgrad and its bias gradient (this rank's tokens
         # under sequence parallelism: fc2_bias carries `sequence_parallel`).
         wg2 = None
         if need[5] or need[6]:
-            wg2 = C.Wgrad(layer._gemm2, fc2_weight, ctx.has_b2 and need[6], ctx.first_mb,
-                          bias_from_local=tp2.mode == "row" and tp2.sp, need_w=need[5])
-        dact, dw2, db2 = C.row_backward(dy, act_out, w2, tp2, layer.ub2, True, wg2)
-        del act_out
+            wg2 = wg_fc2.step(fc2_weight, ctx.has_b2 and need[6], call.first_mb,
+                              bias_from_local=tp2.mode == "row" and tp2.sp, need_w=need[5])
+        dact = _steps.temp(a, a.shape, call.dev, call.stream, _steps.T_DACT)
+        dact, dw2, db2 = _steps.linear_backward(call, tp2, layer.ub2, dy, a, w2, True, wg2, dact)
+        del a
 
         # the activation's backward, fc1's bias gradient fused (column sums)
-        res = _engine.act_bwd(dact, fc1_out, layer.activation, dbias=ctx.has_b1 and need[4], **layer._act_kw)
-        dfc1, db1 = res if isinstance(res, tuple) else (res, None)
-        del dact, fc1_out
+        dh, db1 = _steps.act_bwd(call, plan.act, dact, h, ctx.has_b1 and need[4], plan.act_params,
+                                 layer.delay_wgrad_compute)
+        del dact, h
         if db1 is not None and layer.delay_wgrad_compute:
-            layer._fc1_dbias.append(db1)  # with fc1's weight gradient, in backward_dw()
+            wg_fc1.bias_queue.append(db1)  # with fc1's weight gradient, in backward_dw()
             db1 = None
 
-        # fc1 (column): dgrad + reduce-scatter, wgrad on the gathered ln_out
-        wg1 = C.Wgrad(layer._gemm1, fc1_weight, False, ctx.first_mb) if need[3] else None
-        dln, dw1, _ = C.column_backward(dfc1, ln_out, w1, tp1, layer.ub, True, wg1)
+        # fc1 (column): dgrad (+ its reduction) and wgrad on the gathered
+        # ln_out, then the norm's backward on this rank's rows
+        wg1 = wg_fc1.step(fc1_weight, False, call.first_mb) if need[3] else None
+        extra = None
         if dln_ret is not None:
-            dln_ret = C.as_2d(C.cast(dln_ret, dtype))
-            if dln_ret.shape[0] != dln.shape[0]:  # the gathered output's gradient: this rank's rows, summed
-                dln_ret = reduce_scatter_rows(dln_ret, tp1.group, tp1.size)
-            dln = dln + dln_ret
-        # The norm's parameter gradients: this rank's tokens only under
-        # sequence parallelism; they carry `sequence_parallel` and the
-        # framework sums them, as with TransformerEngine.
-        dx, dgamma, dbeta = _engine.norm_bwd(dln, x, mu, rsigma, g, layer.zero_centered_gamma,
-                                             with_dbeta=mu is not None)
-        return (C.like_input(dx, ctx.inp_shape), dgamma, dbeta, dw1, db1, dw2, db2, None, None, None, None)
+            extra = grad_output(dln_ret, dtype)
+            if extra.numel() != ln_out.numel():  # the gathered output's gradient: this rank's rows, summed
+                extra = reduce_scatter_rows(as_2d(extra), tp1.group, tp1.size)
+            extra = extra.view(ln_out.shape)
+        dx, dgamma, dbeta, dw1, _ = _steps.norm_linear_backward(call, tp1, layer.ub, dh, x, ln_out, stats, g,
+                                                                plan.zcg, plan.rms, w1, wg1, extra)
+        if not call.ready:
+            dx = like_input(dx, ctx.inp_shape)
+        return dx, dgamma, dbeta, dw1, db1, dw2, db2, None
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
@@ -181,6 +189,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
     recomputes the norm, fc1 (with its overlap) and the activation in
     backward.
     """
+
+    _plan_class = MLPPlan
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, sequence_parallel=False, return_bias=False,
                  get_rng_state_tracker=None, tp_group=None, tp_size=1, init_method=None, bias=True,
@@ -221,8 +231,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
 
         spm = self.set_parallel_mode
-        self.tp = C.TPConfig("column" if spm else None, sequence_parallel, tp_group, tp_size)
-        self.tp2 = C.TPConfig("row" if spm else None, sequence_parallel, tp_group, tp_size)
+        self.tp = TPConfig("column" if spm else None, sequence_parallel, tp_group, tp_size)
+        self.tp2 = TPConfig("row" if spm else None, sequence_parallel, tp_group, tp_size)
         self.tp_size, self.tp_group = self.tp.size, self.tp.group
         if ffn_hidden_size % self.tp_size:
             raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by the tensor-parallel size "
@@ -237,7 +247,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
         gated = activation in _engine.GATED_ACTIVATIONS
         fc1_out = 2 * self.size_per_partition if gated else self.size_per_partition
-        dtype, device = C.default_dtype(params_dtype), C.default_device(device)
+        dtype, device = default_dtype(params_dtype), default_device(device)
         init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(init_gamma(hidden_size, dtype=dtype, device=device))
         self.layer_norm_weight.sequence_parallel = self.tp.sp
@@ -259,9 +269,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
         else:  # as TE: empty tensors, not parameters
             self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
             self.fc2_bias = torch.empty(0, dtype=dtype, device=device)
-        self._gemm1 = _Gemm(self, "fc1_weight")
-        self._gemm2 = _Gemm(self, "fc2_weight")
-        self._fc1_dbias = []
+        # backward_dw's order: fc2, then fc1 (fc1's bias gradient comes from the activation's backward)
+        self._wgrads = [WeightGrads(self, ["fc2_weight"], ["fc2_bias"]),
+                        WeightGrads(self, ["fc1_weight"], ["fc1_bias"])]
         if self.delay_wgrad_compute:
             for n in ("fc1_weight", "fc2_weight") + (("fc1_bias", "fc2_bias") if bias else ()):
                 getattr(self, n).skip_backward_post_hook = True
@@ -278,8 +288,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 parts[part] = {k.split("_", 1)[1]: c for k, c in ub_comm.items() if k.startswith(part + "_")}
         elif ub_comm is not None:
             parts = {"fc1": ub_comm, "fc2": ub_comm}
-        return (C.UBConfig(self, {k: flags[k] for k in FC1_FLAGS}, "fc1", parts["fc1"], self.tp),
-                C.UBConfig(self, {k: flags[k] for k in FC2_FLAGS}, "fc2", parts["fc2"], self.tp2))
+        return (UBConfig(self, {k: flags[k] for k in FC1_FLAGS}, "fc1", parts["fc1"], self.tp),
+                UBConfig(self, {k: flags[k] for k in FC2_FLAGS}, "fc2", parts["fc2"], self.tp2))
 
     def forward(self, inp, is_first_microbatch=None):
         """inp: [tokens, hidden] or [seq, batch, hidden] (sequence first; this
@@ -288,57 +298,38 @@ class LayerNormMLP(TransformerEngineBaseModule):
         with return_layernorm_output (TE's order). is_first_microbatch as
         TE's: main_grad overwritten on the first micro-batch with
         fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
-        plan = self._plan
-        if plan is None:
-            plan = self._fast_plan()
-        if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
-            out = _fast.layernorm_mlp(self, plan, inp, self.return_bias)
-            if out is not None:
-                return out
-        dtype, cast = C.compute_dtype(self.fc1_weight)
-        fc1_bias = self.fc1_bias if self.use_bias else None
-        fc2_bias = self.fc2_bias if self.use_bias and not self.return_bias else None
-        out = _LayerNormMLPFn.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, fc1_bias,
-                                    self.fc2_weight, fc2_bias, self, is_first_microbatch, dtype, cast)
+        plan = self._plan or self._make_plan()
+        params = self._parameters
+        w1, w2, g = params.get("fc1_weight"), params.get("fc2_weight"), params.get("layer_norm_weight")
+        if w1 is None or w2 is None or g is None:
+            w1, w2, g = self.fc1_weight, self.fc2_weight, self.layer_norm_weight
+        beta = None if plan.rms else _param(self, params, "layer_norm_bias")
+        b1 = b2 = None
+        if plan.bias:
+            b1, b2 = _param(self, params, "fc1_bias"), _param(self, params, "fc2_bias")
+        call = make_call(self, plan, inp, w1, (g, beta, w2, b1, b2), is_first_microbatch)
+        fc2_bias = None if self.return_bias else b2
+        args = (inp, g, beta, w1, b1, w2, fc2_bias, call)
+        if _is_grad_enabled():
+            out = apply(_LayerNormMLPFn, *args)
+        else:
+            y, ln_ret, _ = _forward(call, inp, g, beta, w1, b1, w2, fc2_bias, False)
+            out = y if ln_ret is None else (y, ln_ret)
         y, ln_out = out if self.return_layernorm_output else (out, None)
-        res = (C.like_input(y, inp.shape),)
+        if y.dim() != inp.dim():  # a 2-D result for a 3-D input (validated, or from a communicator)
+            y = like_input(y, inp.shape)
+        res = (y,)
         if self.return_bias:
-            res += (C.cast(self.fc2_bias, dtype),)
+            res += (cast(self.fc2_bias, call.dtype),)
         if self.return_layernorm_output:
             res += (ln_out,)
         return res[0] if len(res) == 1 else res
 
-    def backward_dw(self):
-        """Compute the weight (and bias) gradients that a delay_wgrad_compute
-        backward left, one backward's worth per call (fc2's, then fc1's):
-        into main_grad with fuse_wgrad_accumulation, else added to .grad."""
-        if not self.delay_wgrad_compute:
-            return
-        if not (self._gemm1._wgrad_queue or self._gemm2._wgrad_queue or self._fc1_dbias):
-            raise RuntimeError("LayerNormMLP.backward_dw(): no delayed weight gradient is pending (run backward "
-                               "first)")
-        for gemm, bias_name in ((self._gemm2, "fc2_bias"), (self._gemm1, "fc1_bias")):
-            db = None
-            if gemm._wgrad_queue:
-                wg, dy_total, x_total, db_local = gemm._wgrad_queue.pop(0)
-                wg.delay = False
-                dw, db = wg.compute(dy_total, x_total)
-                if wg.bias_from_local:
-                    db = db_local
-                if dw is not None and not wg.fuse:
-                    _add_grad(wg.params[0], dw)
-            if bias_name == "fc1_bias" and self._fc1_dbias:
-                db = self._fc1_dbias.pop(0)
-            if db is not None and self.use_bias:
-                _add_grad(getattr(self, bias_name), db)
-        for hook in self._wgrad_hooks:
-            hook()
-
     def set_tensor_parallel_group(self, tp_group):
         """TE's setter: the collectives use `tp_group` from now on (same size)."""
-        C.check_same_size(self, tp_group)
-        self.tp = C.TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
-        self.tp2 = C.TPConfig(self.tp2.mode, self.tp2.sp, tp_group, self.tp2.size)
+        check_same_size(self, tp_group)
+        self.tp = TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
+        self.tp2 = TPConfig(self.tp2.mode, self.tp2.sp, tp_group, self.tp2.size)
         self.tp_group = self.tp.group
 
     def ub_comms(self):
@@ -351,6 +342,13 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 f"normalization={self.normalization}, activation={self.activation}, "
                 f"set_parallel_mode={self.set_parallel_mode}, sequence_parallel={self.tp.sp}, "
                 f"tp_size={self.tp_size}")
+
+
+def _param(module, params, name):
+    """module's `name`: from its _parameters (nn.Module's attribute lookup costs
+    several times a dict's, on every call), else its attribute."""
+    t = params.get(name)
+    return t if t is not None else getattr(module, name)
 
 
 def _weight(rows, cols, dtype, device, init_method, tracker, partition_dim):

@@ -4,52 +4,81 @@ sequence-parallel collectives."""
 import torch
 
 from .._C import prepare_for_saving, restore_from_saved
-from . import _common as C
-from . import _fast
+from . import _steps
+from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
+from ._plan import apply, check_params, check_saved, grad_output, make_call
 from .base import TransformerEngineBaseModule
 
+_is_grad_enabled = torch.is_grad_enabled
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-def _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast):
+
+def _forward(call, inp, weight, bias):
     """The forward's work, shared by the autograd Function and the no-grad
-    path (which skips the Function: nothing to save, no graph node):
-    (output [tokens, out], the validated 2-D input)."""
-    tp = layer.tp
-    x = C.check_input(inp, layer.in_local, dtype, weight.device, tp, cast)
-    w = layer._full_weight(weight, is_first_microbatch, dtype)
-    b = C.cast(bias, dtype)
-    y = C.ub_fprop(x, w, b, tp, layer.ub) if layer.ub.enabled else None
-    if y is None:
-        y = C.fprop(C.gather_input(x, tp), w, b, tp)
-    return y, x
+    call (which skips the Function: nothing to save, no graph node):
+    (output, the input as the steps read it, the full weight)."""
+    layer = call.layer
+    if call.ready:
+        x, w = inp, weight
+    else:  # validated and converted (the named errors), 2-D
+        x = check_input(inp, layer.in_local, call.dtype, weight.device, layer.tp, call.cast)
+        w = layer._full_weight(weight, call.first_mb, call.dtype)
+        bias = cast(bias, call.dtype)
+        check_params((("weight", w), ("bias", bias)), call.dtype, x.device, call.plan.shapes)
+    return _steps.fprop(call, layer.tp, layer.ub, x, w, bias), x, w
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, layer, is_first_microbatch, dtype, cast):
-        ub = layer.ub
-        y, x = _forward(inp, weight, bias, layer, is_first_microbatch, dtype, cast)
+    def forward(ctx, inp, weight, bias, call):
+        y, x, _ = _forward(call, inp, weight, bias)
+        layer = call.layer
         # Save the local (not gathered) input: column + SP re-gathers it in
         # backward. save_original_input keeps the caller's tensor instead (no
         # second copy when the cast or 2-D view made one).
         kept = inp if layer.save_original_input else x
-        saved, ctx.objects = prepare_for_saving(C.outside_buffers(kept, ub), weight)
-        ctx.save_for_backward(*saved)
-        ctx.layer, ctx.inp_shape, ctx.has_bias, ctx.dtype = layer, inp.shape, bias is not None, dtype
-        # A cached gathered weight is reused in backward (no second gather).
-        ctx.first_mb = is_first_microbatch
-        return y  # 2-D; the module gives it the input's leading dims
+        if layer.ub.enabled:
+            kept = _steps.outside_buffers(kept, layer.ub)
+        if type(weight) in _PLAIN:
+            ctx.save_for_backward(kept, weight)
+            ctx.objects = None
+        else:  # a DistributedWeight saves itself
+            saved, ctx.objects = prepare_for_saving(kept, weight)
+            ctx.save_for_backward(*saved)
+        ctx.call, ctx.has_bias = call, bias is not None
+        if not call.ready:
+            ctx.inp_shape = inp.shape
+        return y
 
     @staticmethod
     def backward(ctx, dout):
-        layer, dtype = ctx.layer, ctx.dtype
-        x, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
-        ctx.objects = None
-        if layer.save_original_input:
-            x = C.as_2d(C.cast(x, dtype))
-        w = layer._full_weight(weight, None if ctx.first_mb is None else False, dtype)
-        dy = C.as_2d(C.cast(dout, dtype))
-        dx, dw, db = C.linear_backward(ctx, dy, x, w, weight, ctx.needs_input_grad[0], 1)
-        return (C.like_input(dx, ctx.inp_shape) if dx is not None else None), dw, db, None, None, None, None
+        call = ctx.call
+        call.refresh_stream()
+        layer, dtype = call.layer, call.dtype
+        if ctx.objects is None:
+            x, weight = ctx.saved_tensors
+        else:
+            x, weight = restore_from_saved(ctx.objects, ctx.saved_tensors)
+            ctx.objects = None
+        if call.ready:
+            w = weight
+            check_saved(w, dtype, (layer.out_local, layer.in_local), "weight")
+        else:
+            if layer.save_original_input:
+                x = as_2d(cast(x, dtype))
+            # a weight gathered for this step is reused (no second gather)
+            w = layer._full_weight(weight, None if call.first_mb is None else False, dtype)
+        dy = grad_output(dout, dtype)
+        need = ctx.needs_input_grad
+        tp = layer.tp
+        wg = None
+        if need[1] or need[2]:
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[2], call.first_mb,
+                                       bias_from_local=tp.mode == "row" and tp.sp, need_w=need[1])
+        dx, dw, db = _steps.linear_backward(call, tp, layer.ub, dy, x, w, need[0], wg)
+        if dx is not None and not call.ready:
+            dx = like_input(dx, ctx.inp_shape)
+        return dx, dw, db, None
 
 
 class Linear(TransformerEngineBaseModule):
@@ -83,7 +112,7 @@ class Linear(TransformerEngineBaseModule):
                        ub_name, ub_comm, symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation)
         self.in_local, self.out_local = self.tp.local_features(in_features, out_features)
         self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
-        dtype, device = C.default_dtype(params_dtype), C.default_device(device)
+        dtype, device = default_dtype(params_dtype), default_device(device)
         self.return_bias = bool(return_bias)
         self.save_original_input = bool(save_original_input)
         self.rng_tracker_name = rng_tracker_name
@@ -97,23 +126,21 @@ class Linear(TransformerEngineBaseModule):
         gathered once per step)."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
-        plan = self._plan
-        if plan is None:
-            plan = self._fast_plan()
-        if plan:  # the common case, with the least host work (module/_fast.py); None: the general path
-            out = _fast.linear(self, plan, inp, self.return_bias, is_first_microbatch)
-            if out is not None:
-                return out
+        plan = self._plan or self._make_plan()
         weight = self._weight_tensor()
-        bias = self._bias_tensor()
-        dtype, cast = C.compute_dtype(weight)
-        args = (inp, weight, None if self.return_bias else bias, self, is_first_microbatch, dtype, cast)
-        y = _LinearFn.apply(*args) if torch.is_grad_enabled() else _forward(*args)[0]
-        y = C.like_input(y, inp.shape, self.tp)
+        b = self._bias_tensor()
+        call = make_call(self, plan, inp, weight, (b,), is_first_microbatch)
+        bias = None if self.return_bias else b
+        if _is_grad_enabled():
+            y = apply(_LinearFn, inp, weight, bias, call)
+        else:
+            y = _forward(call, inp, weight, bias)[0]
+        if y.dim() != inp.dim():  # a 2-D result for a 3-D input (validated, or from a communicator)
+            y = like_input(y, inp.shape, self.tp)
         if self.return_bias:
-            if bias is None:
-                bias = getattr(self, self.bias_names[0])
-            return y, C.cast(bias, dtype)
+            if b is None:
+                b = getattr(self, self.bias_names[0])
+            return y, cast(b, call.dtype)
         return y
 
     def extra_repr(self):

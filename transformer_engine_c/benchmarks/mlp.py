@@ -1,4 +1,4 @@
-"""The benchmark's MLP baselines (used by transformer_engine_c.bench for the
+"""The benchmark's MLP baselines (used by benchmarks/overlap.py for the
 mlp rows): PyTorch's own tensor-parallel MLP block, and with --graphs the
 CUDA-graphed steps (ours without userbuffers overlap, PyTorch's block).
 

@@ -1,0 +1,219 @@
+"""Benchmark: each layer against the same layer built from torch.nn modules,
+on one device (tensor-parallel size 1).
+
+    python -m transformer_engine_c.bench --tp1 [--out bench_tp1]
+    python -m transformer_engine_c.bench --tp1 --device cpu --shapes 64x64x128 --iters 3
+
+Shapes are TOKENSxHIDDENxN: Linear and LayerNormLinear map HIDDEN to N
+features, LayerNormMLP has hidden size HIDDEN and ffn_hidden_size N. The
+PyTorch layers: nn.Linear; nn.LayerNorm then nn.Linear; nn.LayerNorm,
+nn.Linear, tanh-GELU (TransformerEngine's "gelu"), nn.Linear; with the same
+parameter values. Each is timed forward+backward (grad_output given) and as a
+no-grad forward. A sample is --batch calls issued back to back: "ms" is the
+device time per call (CUDA events; the host clock on the CPU), "host us" the
+host's time to issue one call (from the same samples). Ours and PyTorch's
+are sampled in interleaved rounds, alternating which goes first; the figure is
+the median over --iters samples. Results: a table on stdout, tp1.json and
+tp1.md in --out; ratio = torch / ours (above 1: ours is faster).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+GPU_SHAPES = [(512, 1024, 1024), (2048, 2048, 6144), (8192, 4096, 12288)]
+CPU_SHAPES = [(64, 64, 128)]
+LAYERS = ("Linear", "LayerNormLinear", "LayerNormMLP")
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m transformer_engine_c.bench --tp1", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default=None, help="comma-separated TOKENSxHIDDENxN")
+    ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, of {', '.join(LAYERS)}")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4, help="calls per timed sample")
+    ap.add_argument("--out", default=None, help="directory for tp1.json / tp1.md")
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    if args.shapes:
+        try:
+            args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        except ValueError:
+            ap.error(f"--shapes must be TOKENSxHIDDENxN[,...], got {args.shapes!r}")
+        if any(len(s) != 3 or min(s) <= 0 for s in args.shapes):
+            ap.error(f"--shapes must be three positive ints each, got {args.shapes}")
+    else:
+        args.shapes = GPU_SHAPES if cuda else CPU_SHAPES
+    args.layers = [c for c in args.layers.split(",") if c]
+    bad = [c for c in args.layers if c not in LAYERS]
+    if bad:
+        ap.error(f"unknown layer(s) {bad}; expected some of {LAYERS}")
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
+    args.iters = args.iters if args.iters is not None else (30 if cuda else 5)
+    if args.batch < 1 or args.iters < 1 or args.warmup < 0:
+        ap.error("--batch and --iters must be >= 1, --warmup >= 0")
+    return args
+
+
+class TorchLNMLP(torch.nn.Module):
+    """LayerNormMLP built from torch.nn modules."""
+
+    def __init__(self, hidden, ffn, dtype, device):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden, eps=1e-5, dtype=dtype, device=device)
+        self.fc1 = torch.nn.Linear(hidden, ffn, dtype=dtype, device=device)
+        self.fc2 = torch.nn.Linear(ffn, hidden, dtype=dtype, device=device)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def build(tec, layer, H, N, dtype, device):
+    """(ours, PyTorch's) with the same parameter values."""
+    kw = dict(params_dtype=dtype, device=device)
+    with torch.no_grad():
+        if layer == "Linear":
+            ours, ref = tec.Linear(H, N, **kw), torch.nn.Linear(H, N, dtype=dtype, device=device)
+            ref.weight.copy_(ours.weight)
+            ref.bias.copy_(ours.bias)
+        elif layer == "LayerNormLinear":
+            ours = tec.LayerNormLinear(H, N, **kw)
+            ref = torch.nn.Sequential(torch.nn.LayerNorm(H, dtype=dtype, device=device),
+                                      torch.nn.Linear(H, N, dtype=dtype, device=device))
+            ref[1].weight.copy_(ours.weight)
+            ref[1].bias.copy_(ours.bias)
+        else:
+            ours, ref = tec.LayerNormMLP(H, N, **kw), TorchLNMLP(H, N, dtype, device)
+            ref.fc1.weight.copy_(ours.fc1_weight)
+            ref.fc1.bias.copy_(ours.fc1_bias)
+            ref.fc2.weight.copy_(ours.fc2_weight)
+            ref.fc2.bias.copy_(ours.fc2_bias)
+    return ours, ref
+
+
+def steps(m, x, dy):
+    """{mode: a callable running one call of m}."""
+    def fwd_bwd():
+        m(x).backward(dy)
+
+    def fwd_nograd():
+        with torch.no_grad():
+            m(x)
+    return {"fwd+bwd": fwd_bwd, "fwd (no_grad)": fwd_nograd}
+
+
+def sample(fn, batch, cuda):
+    """(device ms per call, host us per call) of one sample of `batch` calls."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        fn()
+    host = time.perf_counter() - t0
+    if cuda:
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / batch, host / batch * 1e6
+    return host * 1e3 / batch, host / batch * 1e6
+
+
+def compare(fns, args, cuda):
+    """{name: (median ms, median host us)} of fns, sampled in interleaved
+    rounds (the order alternating from round to round)."""
+    names = list(fns)
+    for _ in range(args.warmup):
+        for n in names:
+            fns[n]()
+    ms, host = {n: [] for n in names}, {n: [] for n in names}
+    for i in range(args.iters):
+        for n in (names if i % 2 == 0 else names[::-1]):
+            a, b = sample(fns[n], args.batch, cuda)
+            ms[n].append(a)
+            host[n].append(b)
+    return {n: (statistics.median(ms[n]), statistics.median(host[n])) for n in names}
+
+
+def run(args):
+    import transformer_engine_c as tec
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    rows = []
+    for T, H, N in args.shapes:
+        for layer in args.layers:
+            ours, ref = build(tec, layer, H, N, args.dtype, device)
+            x = torch.randn(T, H, dtype=args.dtype, device=device, requires_grad=True)
+            out_features = H if layer == "LayerNormMLP" else N
+            dy = torch.randn(T, out_features, dtype=args.dtype, device=device)
+            a, b = steps(ours, x, dy), steps(ref, x, dy)
+            for mode in a:
+                res = compare({"ours": a[mode], "torch": b[mode]}, args, cuda)
+                (om, oh), (tm, th) = res["ours"], res["torch"]
+                rows.append(dict(layer=layer, mode=mode, tokens=T, hidden=H, n=N, ours_ms=om, torch_ms=tm,
+                                 ms_ratio=tm / om, ours_host_us=oh, torch_host_us=th, host_ratio=oh / th))
+            x.grad = None
+            del ours, ref
+    return rows
+
+
+def table(rows):
+    head = (f"{'layer':<16} {'mode':<14} {'shape':<18} {'ours ms':>9} {'torch ms':>9} {'x':>6} "
+            f"{'ours us':>9} {'torch us':>9} {'host':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['layer']:<16} {r['mode']:<14} {r['tokens']}x{r['hidden']}x{r['n']:<8} "
+                     f"{r['ours_ms']:>9.4f} {r['torch_ms']:>9.4f} {r['ms_ratio']:>6.3f} "
+                     f"{r['ours_host_us']:>9.1f} {r['torch_host_us']:>9.1f} {r['host_ratio']:>6.3f}")
+    lines.append("x: torch ms / ours ms (target >= 1.0); host: ours host us / torch host us (target <= 1.0)")
+    return "\n".join(lines)
+
+
+def markdown(rows, meta):
+    out = ["# transformer_engine_c --tp1 benchmark", "", json.dumps(meta), "",
+           "ms: device time per call (median); host µs: the host's time to issue one call. "
+           "ratio = torch ms / ours ms (≥ 1.0: ours is not slower); host ratio = ours µs / torch µs.", "",
+           "| layer | mode | shape | ours ms | torch ms | ratio | ours host µs | torch host µs | host ratio |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['layer']} | {r['mode']} | {r['tokens']}×{r['hidden']}×{r['n']} | {r['ours_ms']:.4f} | "
+                   f"{r['torch_ms']:.4f} | {r['ms_ratio']:.3f} | {r['ours_host_us']:.1f} | "
+                   f"{r['torch_host_us']:.1f} | {r['host_ratio']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else argv)
+    rows = run(args)
+    print(table(rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = dict(device=(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
+                    dtype=str(args.dtype).replace("torch.", ""), batch=args.batch, iters=args.iters,
+                    warmup=args.warmup, torch=torch.__version__)
+        with open(os.path.join(args.out, "tp1.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "tp1.md"), "w") as f:
+            f.write(markdown(rows, meta))
+        print(f"wrote {args.out}/tp1.json, tp1.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
