@@ -6,7 +6,7 @@ on the data's device, read and written by the device (no host sync)."""
 import torch
 
 from . import _C
-from ._engine import DTYPE_CODES, _gemm_dev, _gemm_devs, check_tensor, device_code, stream_of
+from ._engine import DTYPE_CODES, check_tensor, device_code, engine_device, stream_of
 
 # torch's float8 dtypes and the engine's format codes (tec_fp8_format).
 FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -158,7 +158,8 @@ def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torc
         check_tensor(bias, "bias", dtype=bias_dtype, device=a.device, shape=(n,))
         if accumulate:
             raise ValueError("fp8_gemm: bias with accumulate is not supported")
-    dev, ws, nbytes, _ = _gemm_devs.get(a.device) or _gemm_dev(a.device)
+    d = engine_device(a.device)
+    dev, ws, nbytes = d.code, d.ws, d.nbytes
     ld = max(k, 1)  # contiguous rows of k bytes (an empty k still needs a valid leading dimension)
     _C.fp8_gemm(dev, m, n, k, ca, cb, a.data_ptr(), ld, b.data_ptr(), ld, a_scale_inv.data_ptr(),
                 b_scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _engine
-from ._common import PARALLEL_MODES, compute_dtype, default_device, default_dtype, main_grad_of
+from ._config import PARALLEL_MODES, compute_dtype, default_device, default_dtype
+from ._wgrad import main_grad_of
 from .base import TransformerEngineBaseModule, _set_tp_attributes, default_init_method
 
 __all__ = ["GroupedLinear"]
@@ -43,7 +44,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         ys = []
         for xi, wi, bi in zip(xs, weights, biases):
             xi = xi.contiguous()
-            ys.append(_engine.linear(xi, wi.contiguous(), bi) if xi.shape[0] else
+            ys.append(_engine.gemm(xi, wi.contiguous(), transb=True, bias=bi) if xi.shape[0] else
                       xi.new_empty(0, wi.shape[0]))
         ctx.save_for_backward(x, *params[:n])
         ctx.layer, ctx.m_splits, ctx.dtype, ctx.first = layer, m_splits, dtype, first_microbatch
@@ -61,13 +62,13 @@ class _GroupedLinearFn(torch.autograd.Function):
             xi, dyi = xi.contiguous(), dyi.contiguous()
             wi = p.to(dtype) if p.dtype != dtype else p
             if need_dx:
-                dxs.append(_engine.dgrad(dyi, wi.contiguous()) if dyi.shape[0] else xi.new_zeros(xi.shape))
+                dxs.append(_engine.gemm(dyi, wi.contiguous()) if dyi.shape[0] else xi.new_zeros(xi.shape))
             if not ctx.needs_input_grad[5 + i]:
                 dws.append(None)
             elif layer.fuse_wgrad_accumulation:
                 dws.append(_wgrad_into(layer._parameters[f"weight{i}"], dyi, xi, not ctx.first))
             else:
-                dw = _engine.wgrad(dyi, xi, False) if dyi.shape[0] else torch.zeros_like(wi)
+                dw = _engine.gemm(dyi, xi, transa=True) if dyi.shape[0] else torch.zeros_like(wi)
                 dws.append(dw.to(p.dtype))
             if layer.apply_bias:
                 dbs.append(dyi.sum(0, dtype=torch.float32).to(layer._parameters[f"bias{i}"].dtype))

@@ -6,7 +6,7 @@ import numbers
 import torch
 
 from .. import _engine
-from ._common import default_device, default_dtype
+from ._config import default_device, default_dtype
 from .base import ExtraStateMixin
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -19,7 +19,7 @@ class _NormFn(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y, mu, rsigma = _engine.norm_forward(x2, weight, bias, eps, zero_centered_gamma)
+        y, mu, rsigma = _engine.norm_fwd(x2, weight, bias, eps, zero_centered_gamma)
         ctx.save_for_backward(x2, mu if mu is not None else rsigma, rsigma, weight)
         ctx.has_bias, ctx.zero_centered_gamma, ctx.shape = bias is not None, zero_centered_gamma, shape
         return y.view(shape)
