@@ -76,7 +76,7 @@ def check():
                        f"rel err vs float64 {e_ref:.2e}, vs torch._scaled_mm {e_torch:.2e}")
             out32 = F.fp8_gemm(a, sa, fa, b, sb, fb, out_dtype=torch.float32)
             e32 = ((out32.double() - ref).norm() / ref.norm()).item()
-            report(f"fp8 gemm fp32 out {m}x{k}x{n}", e32 < 1e-4, f"rel err vs float64 {e32:.2e}")
+            report(f"fp8 gemm fp32 out {m}x{k}x{n}", e32 < 3e-4, f"rel err vs float64 {e32:.2e}")
     return ok
 
 

@@ -173,6 +173,15 @@ def test_rel_err_catches_a_wrong_product():
     assert rel_err(wrong, want) > 5e-3
 
 
+def fp32_tol(device):
+    """Relative error allowed for an FP8 GEMM accumulated and written in fp32:
+    the CPU's emulation sums exactly-represented products in fp32; Hopper's
+    FP8 tensor cores keep fewer bits inside each accumulation chunk even with
+    split accumulation (about 1e-4 relative measured on an H200, the same as
+    torch._scaled_mm)."""
+    return 1e-5 if device == "cpu" else 3e-4
+
+
 @pytest.mark.parametrize("formats", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("fast", [False, True])
@@ -185,7 +194,7 @@ def test_fp8_gemm_against_float64(device, formats, out_dtype, fast):
     want = deq64(a, sa, fa) @ deq64(b, sb, fb).t()
     got = F.fp8_gemm(a, sa, fa, b, sb, fb, out_dtype=out_dtype, use_split_accumulator=not fast)
     assert got.dtype == out_dtype and got.shape == (m, n)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 6e-3, torch.float16: 1e-3}[out_dtype]
+    tol = {torch.float32: fp32_tol(device), torch.bfloat16: 6e-3, torch.float16: 1e-3}[out_dtype]
     if fast and device != "cpu":
         tol = max(tol, 2e-3)  # Hopper's fast FP8 accumulation keeps fewer bits
     assert rel_err(got, want) < tol
@@ -200,12 +209,12 @@ def test_fp8_gemm_bias_and_accumulate(device, out_dtype):
     bias_dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     bias = torch.randn(16, generator=gen).to(bias_dtype)
     got = F.fp8_gemm(a, sa, E4M3, b, sb, E4M3, out_dtype=out_dtype, bias=bias.to(device))
-    tol = 1e-5 if out_dtype == torch.float32 else 6e-3
+    tol = fp32_tol(device) if out_dtype == torch.float32 else 6e-3
     assert rel_err(got, prod + bias.double()) < tol
     main_grad = torch.randn(32, 16, generator=gen)
     acc = main_grad.clone().to(device)
     F.fp8_gemm(a, sa, E4M3, b, sb, E4M3, out=acc, accumulate=True)
-    assert rel_err(acc, main_grad.double() + prod) < 1e-5
+    assert rel_err(acc, main_grad.double() + prod) < fp32_tol(device)
 
 
 def test_fp8_gemm_bad_input(device):

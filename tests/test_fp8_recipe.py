@@ -277,7 +277,7 @@ def test_no_update_without_grad_in_graphs_or_disabled(how):
 
 
 def test_layers_refuse_fp8_until_integrated():
-    lin = te.Linear(16, 16)
+    lin = te.Linear(16, 16, device="cpu")
     x = torch.randn(4, 16)
     with te.autocast(enabled=True):
         with pytest.raises(NotImplementedError, match="do not compute in FP8 yet"):
