@@ -36,6 +36,7 @@ def region_fds():
 def main():
     rank, tp, _ = init_rank("cpu")
     print(f"rank {rank} pid {os.getpid()}", flush=True)
+    dist.barrier()  # every rank has said its pid before any dies
     victim = int(os.environ["TEC_TEST_KILL_RANK"])
     sig = getattr(signal, os.environ["TEC_TEST_KILL_SIGNAL"])
     stage = os.environ["TEC_TEST_KILL_STAGE"]
