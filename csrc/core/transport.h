@@ -188,7 +188,7 @@ typedef struct tec_transport_ops {
      * (bases[rank] = own region). */
     tec_status (*map_peers)(tec_transport *t, const void *const *handles, const size_t *lens, void **bases);
     /* Every peer has mapped this region: drop what keeps it openable by
-     * name (CPU: shm_unlink). Optional (NULL). */
+     * peers (CPU: close the memfd's descriptor). Optional (NULL). */
     tec_status (*release_handle)(tec_transport *t);
     /* Unmap peers (idempotent; destroy calls it). */
     void (*unmap_peers)(tec_transport *t);
