@@ -56,7 +56,8 @@ run() {  # nproc, args...
 }
 
 check megatron_gpt_cuda_tp1 "PASS run_megatron_gpt (TP=1, cuda)" run 1 --device cuda
-check megatron_gpt_cuda_tp2_shared "PASS run_megatron_gpt (TP=2, cuda)" env TEC_SHARE_GPU=2 run 2 --device cuda
+run_shared() { TEC_SHARE_GPU=2 run "$@"; }  # a function: env cannot start one
+check megatron_gpt_cuda_tp2_shared "PASS run_megatron_gpt (TP=2, cuda)" run_shared 2 --device cuda
 check megatron_pytest_cpu_and_alias "passed" python3 -m pytest -q -p no:cacheprovider tests/distributed/test_megatron_gpt.py
 check megatron_pytest_cuda_shared "passed" env TEC_SHARE_GPU=2 python3 -m pytest -q -p no:cacheprovider \
     tests/distributed/test_megatron_gpt.py -k cuda
