@@ -3,7 +3,7 @@ CPU / CUDA kernels): the quantize op bit-exact against torch's float8 casts
 of the saturated, scaled value; amax; current scaling's scales against a
 hand-computed float32 reference; the FP8 GEMM against a float64 product of
 the dequantized operands. Runs on the CPU here, on CUDA where present
-(scripts/gpu_batch_wt29.sh)."""
+(scripts/gpu_fp8.sh)."""
 import math
 import struct
 

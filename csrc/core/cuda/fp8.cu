@@ -3,7 +3,7 @@
  * through cuBLASLt in the TN layout, with the plan cache of gemm_plan.cu
  * (FP8 keys) and per-call scale pointers. Scales are read on the device:
  * nothing here synchronises with the host, so every call can be captured
- * in a CUDA graph. Exercised by scripts/gpu_batch_wt29.sh
+ * in a CUDA graph. Exercised by scripts/gpu_fp8.sh
  * (tests/test_fp8_engine.py with TEC_TEST_DEVICE=cuda). */
 #include <cuda_fp8.h>
 #include <float.h>

@@ -14,7 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/tests/distributed${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/gpu_batch_wt28}
+OUT=${OUT:-/tmp/gpu_megatron}
 mkdir -p "$OUT"
 fail=0
 results=()

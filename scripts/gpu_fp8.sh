@@ -5,11 +5,11 @@
 # keys, the check of our FP8 GEMM against torch._scaled_mm and float64, and
 # the FP8-vs-bf16 GEMM benchmark at 8192x4096x12288, 4096x4096x16384 and
 # 2048x2048x6144. Assumes the lead built the CUDA backend
-# (TEC_CUDA=1 python3 setup.py build_ext --inplace). Logs under ${OUT:-out}/wt29/.
-#   bash scripts/gpu_batch_wt29.sh
+# (TEC_CUDA=1 python3 setup.py build_ext --inplace). Logs under ${OUT:-out}/fp8/.
+#   bash scripts/gpu_fp8.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}/wt29; mkdir -p "$OUT"
+OUT=${OUT:-out}/fp8; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 fail=0
 step() {  # step NAME CMD...: run, log, record PASS/FAIL
@@ -24,5 +24,5 @@ step fp8_check python3 scripts/fp8_gemm_bench.py --check
 step fp8_bench python3 scripts/fp8_gemm_bench.py --bench
 cat "$OUT/fp8_check.log" "$OUT/fp8_bench.log"
 grep -E "passed|failed" "$OUT/fp8_tests.log" "$OUT/gemm_tests.log" | tail -4
-if [ $fail = 0 ]; then echo "SUMMARY wt29: PASS"; else echo "SUMMARY wt29: FAIL"; fi
+if [ $fail = 0 ]; then echo "SUMMARY fp8: PASS"; else echo "SUMMARY fp8: FAIL"; fi
 exit $fail
