@@ -2,8 +2,8 @@
  * (normalisation, GEMM, backend loading, and the layers' fused steps:
  * linear_bwd, norm_linear_fwd/bwd). Positional METH_FASTCALL with
  * addresses as ints; friendly checks live in transformer_engine_c/_engine.py
- * and module/_fast.py. tests/test_kernels.py exercises every function here,
- * tests/test_fast_path.py the layers' fused steps. */
+ * and module/_steps.py. tests/test_kernels.py exercises every function here,
+ * tests/test_one_path.py the layers' fused steps. */
 #include "module.h"
 #include "../core/activation.h"
 
@@ -108,7 +108,7 @@ static PyObject *py_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
  *            workspace_bytes, stream): the backward of Y[m, n] = X[m, k] W[n, k]^T
  * (+ b) in one call, all row-major and contiguous: dx = dy W (when dx is not
  * 0), then dw = dy^T X with db = dy's column sums (when dw is not 0; db may
- * be 0). The layers' fast path (module/_fast.py): one binding call per step. */
+ * be 0). The layers' steps (module/_steps.py): one binding call per step. */
 static PyObject *py_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("linear_bwd", 14);

@@ -221,7 +221,7 @@ def main():
         steps["mlp_ub_fallback"] = lambda: ub2(F.gelu(ub1(x), approximate="tanh")).backward(dy_mlp)
         steps["lnmlp_ub_fallback"] = lambda: ub3(x).backward(dy_mlp)
     variants = [(name, fast) for name in steps for fast in (True, False)] + [("mlp_torch", None)]
-    if args.loopback:  # our fast path again, its collectives through the engine's communicator
+    if args.loopback:  # our layers again, their collectives through the engine's communicator
         for name in ("mlp", "lnmlp"):
             steps[name + "_engine"] = engine(steps[name])
             variants.append((name + "_engine", True))
