@@ -392,6 +392,10 @@ def test_fp8_shape_rule_names_the_input():
     with te.autocast(enabled=True):
         with pytest.raises(ValueError, match="inp"):
             odd(torch.randn(16, 24))
+    narrow = te.Linear(64, 24, device="cpu")  # dgrad's inner dimension
+    with te.autocast(enabled=True):
+        with pytest.raises(ValueError, match=r"weight .*\(24, 64\)"):
+            narrow(torch.randn(16, 64))
 
 
 def test_unsupported_fp8_uses_raise_naming_them():

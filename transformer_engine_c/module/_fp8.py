@@ -110,6 +110,10 @@ def layer_call(layer, x, grad, first_mb):
                                   "layers (DelayedScaling and Float8CurrentScaling are)")
     if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
         check_shape(x, "inp")
+    for name, p in layer._parameters.items():  # both dims of a weight are a GEMM's k or n
+        if p is not None and p.dim() == 2 and (p.shape[0] % 16 or p.shape[1] % 16):
+            raise ValueError(f"{type(layer).__name__}: FP8 execution requires both dims of {name} (this rank's "
+                             f"shard) to be divisible by 16, got {tuple(p.shape)}")
     tp = layer.tp
     if isinstance(recipe, DelayedScaling) and tp.sp and not recipe.reduce_amax:
         raise ValueError(f"{type(layer).__name__}: sequence parallelism in FP8 with DelayedScaling needs "
