@@ -279,3 +279,109 @@ def test_bench_tp1_refuses_a_bad_shape():
     r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--tp1", "--device", "cpu", "--shapes",
                         "8x16"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--shapes" in r.stderr
+
+
+def test_bench_fp8_command_runs_on_cpu(tmp_path):
+    """--fp8: every block and variant has a row and a status (ours in FP8 under
+    both recipes runs on the CPU's emulation; torch._scaled_mm and the memory
+    rows are CUDA only; torchao where installed); every target is listed with
+    a status, and none is judged on CPU timings."""
+    import importlib.util
+
+    from transformer_engine_c.benchmarks import fp8
+
+    out = tmp_path / "fp8"
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--fp8", "--device", "cpu", "--shapes",
+                        "16x32x64", "--iters", "1", "--warmup", "0", "--batch", "1", "--no-compile",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "fp8.json").read_text())
+    rows = {row["block"]: row for row in data["rows"]}
+    assert [row["block"] for row in data["rows"]] == list(fp8.BLOCKS)
+    assert all((row["tokens"], row["hidden"], row["n"]) == (16, 32, 64) for row in data["rows"])
+    have_torchao = importlib.util.find_spec("torchao") is not None
+    for block in fp8.LAYER_BLOCKS:
+        row = rows[block]
+        assert list(row["status"]) == list(fp8.VARIANTS), row
+        for name in ("ours", "ours_fp8_delayed", "ours_fp8_current", "torch"):
+            assert row["status"][name] == "ok" and row["ms"][name] > 0 and row["host_us"][name] > 0, (block, name, row)
+        assert row["status"]["torchao_fp8"] == ("ok" if have_torchao else "torchao not installed"), row
+        assert ("torchao_fp8" in row["ms"]) == have_torchao
+        assert row["ratios"]["fp8_delayed_vs_ours"] > 0 and row["ratios"]["fp8_current_vs_ours"] > 0
+        assert (row["ratios"]["fp8_delayed_vs_torchao"] is not None) == have_torchao
+    assert rows["gemm"]["status"]["ours_fp8_gemm"] == "ok" and rows["gemm"]["ms"]["ours_fp8_gemm"] > 0
+    assert rows["gemm"]["status"]["torch_scaled_mm"].startswith("skipped: ")
+    assert rows["gemm"]["ratios"] == {"fp8_gemm_vs_scaled_mm": None}
+    assert all(s.startswith("skipped: ") for s in rows["memory"]["status"].values()) and rows["memory"]["status"]
+    checks = data["targets"]
+    assert [(t["target"], t["row"].split()[0]) for t in checks] == [(t[0], t[1]) for t in fp8.TARGETS]
+    for t in checks:  # the CPU shape is none of the targets' shapes: each says why it was not judged
+        assert t["status"] and t["status"] not in ("PASS", "MISS") and t["ratio"] is None, t
+        if "torchao" in t["target"] and not have_torchao:
+            assert t["status"] == "torchao not installed", t
+    md = (out / "fp8.md").read_text()
+    assert "## Targets" in md and "| LayerNormMLP | 16×32×64 |" in md and "the timings mean nothing" in r.stdout
+
+
+def test_bench_fp8_targets_judge_each_target():
+    """targets(): PASS / MISS on CUDA at the target's own shape (memory's is
+    an upper bound), the failing variant's status where a ratio is missing,
+    torchao's absence for its targets at every shape, nothing judged on the CPU."""
+    from transformer_engine_c.benchmarks import fp8
+
+    def row(block, shape, status=None, **ratios):
+        return dict(block=block, tokens=shape[0], hidden=shape[1], n=shape[2], ratios=ratios,
+                    status=status or {v: "ok" for v in fp8.VARIANTS + fp8.GEMM_VARIANTS})
+    nie = "NotImplementedError: not yet"
+    rows = [row("LayerNormLinear", fp8.BIG_LINEAR, fp8_delayed_vs_ours=1.6, fp8_current_vs_ours=1.3,
+                fp8_delayed_vs_torchao=1.3, fp8_current_vs_torchao=1.2),
+            row("LayerNormMLP", fp8.BIG_MLP, status={"ours": "ok", "ours_fp8_delayed": nie, "torchao_fp8": "ok"},
+                fp8_delayed_vs_ours=None, fp8_delayed_vs_torchao=None),
+            row("LayerNormMLP", fp8.SMALL, fp8_delayed_vs_ours=1.01, fp8_current_vs_ours=0.99),
+            row("gemm", fp8.BIG_LINEAR, fp8_gemm_vs_scaled_mm=0.98),
+            row("memory", fp8.BIG_MLP, extra_vs_bound=1.1)]
+    got = {(t["target"], t["row"]): t["status"] for t in fp8.targets(rows, cuda=True, have_torchao=True)}
+    assert len(got) == len(fp8.TARGETS)
+    lnl, mlp, small = "LayerNormLinear 8192x4096x12288", "LayerNormMLP 8192x4096x16384", "LayerNormMLP 2048x2048x6144"
+    assert got[("LayerNormLinear fwd+bwd: FP8 DelayedScaling >= 1.5x our bf16", lnl)] == "PASS"
+    assert got[("LayerNormLinear fwd+bwd: FP8 Float8CurrentScaling >= 1.4x our bf16", lnl)] == "MISS"
+    assert got[("ours FP8 DelayedScaling >= 1.25x torchao float8 compiled", lnl)] == "PASS"
+    assert got[("ours FP8 Float8CurrentScaling >= 1.25x torchao float8 compiled", lnl)] == "MISS"
+    assert got[("LayerNormMLP fwd+bwd: FP8 DelayedScaling >= 1.55x our bf16", mlp)] == nie
+    assert got[("ours FP8 DelayedScaling >= 1.25x torchao float8 compiled", mlp)] == nie
+    assert got[("small shape: FP8 DelayedScaling >= 1.0x our bf16", small)] == "PASS"
+    assert got[("small shape: FP8 Float8CurrentScaling >= 1.0x our bf16", small)] == "MISS"
+    assert got[("small shape: FP8 DelayedScaling >= 1.0x our bf16", "LayerNormLinear 2048x2048x6144")] == \
+        "not run: no LayerNormLinear 2048x2048x6144 row"
+    assert got[("our FP8 GEMM >= 0.97x torch._scaled_mm", "gemm 8192x4096x12288")] == "PASS"
+    memory = "memory: FP8 step's extra over bf16 <= one FP8 copy + transpose per weight"
+    assert got[(memory, "memory 8192x4096x16384")] == "MISS"
+    rows[-1]["ratios"]["extra_vs_bound"] = 0.7
+    no_ao = fp8.targets(rows, cuda=True, have_torchao=False)
+    assert {t["status"] for t in no_ao if "torchao" in t["target"]} == {"torchao not installed"}
+    assert next(t for t in no_ao if t["target"] == memory)["status"] == "PASS"
+    on_cpu = {t["status"] for t in fp8.targets(rows, cuda=False, have_torchao=True) if t["ratio"] is not None}
+    assert on_cpu == {"not judged: CPU timing"}
+
+
+def test_bench_fp8_variants_start_from_the_same_parameters():
+    """Each recipe's layer is a twin of ours (same values); torchao's block,
+    where torchao is installed, is the torch.nn block with float8 Linears."""
+    import torch
+
+    import transformer_engine_c as tec
+    from transformer_engine_c.benchmarks import fp8, tp1
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    for layer in fp8.LAYER_BLOCKS:
+        ours, ref = tp1.build(tec, layer, 32, 64, torch.float32, torch.device("cpu"))
+        twin = fp8.fp8_twin(tec, layer, 32, 64, torch.float32, torch.device("cpu"), ours)
+        assert twin is not ours and torch.equal(twin(x), ours(x)), layer
+        ao = fp8.load_torchao()
+        if ao is not None:
+            block = fp8.torchao_block(ao, ref, compile_it=False)
+            assert any(type(m).__name__ == "Float8Linear" for m in block.modules()), layer
+            assert not any(type(m).__name__ == "Float8Linear" for m in ref.modules()), layer
+            y, want = block(x), ref(x)
+            assert ((y - want).norm() / want.norm()).item() < 0.1, layer
