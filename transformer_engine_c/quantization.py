@@ -8,9 +8,10 @@ autocast exits with grad enabled. The recipes (recipe.py), quantizers and
 Float8Tensor (tensor/float8_tensor.py) and the FP8 engine operations
 (_fp8_engine.py) are usable on their own.
 
-The layers (Linear, LayerNormLinear, LayerNormMLP) do not compute in FP8
-yet: calling one inside an enabled autocast raises NotImplementedError, and
-so do fp8_model_init / quantized_model_init with enabled=True."""
+Linear, LayerNormLinear and LayerNormMLP compute their GEMMs in FP8 inside
+an enabled autocast (module/_fp8.py); GroupedLinear and calibration
+(calibrating=True) raise NotImplementedError there, and so do
+fp8_model_init / quantized_model_init with enabled=True."""
 import contextlib
 import dataclasses
 
@@ -23,8 +24,8 @@ __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
            "is_nvfp4_available", "check_fp8_support", "get_fp8_torch_dtype"]
 
-_LAYERS_NOT_YET = ("the transformer_engine_c layers do not compute in FP8 yet (the FP8 layer integration is "
-                   "still to come); the recipes, quantizers, Float8Tensor and FP8 GEMM are usable standalone")
+_NOT_YET = ("FP8 parameters (quantized_model_init / fp8_model_init) are not implemented yet; the layers compute "
+            "in FP8 inside an enabled autocast with bf16/fp16/fp32 parameters")
 
 
 def check_fp8_support():
@@ -81,14 +82,6 @@ def _world_size(group):
     return torch.distributed.get_world_size(group)
 
 
-def _refuse_layers(module, args):
-    """Forward pre-hook on every module while an FP8 autocast is active: the
-    package's layers refuse to run in high precision under it."""
-    if (FP8GlobalStateManager.FP8_ENABLED or FP8GlobalStateManager.FP8_CALIBRATION) and \
-            type(module).__module__.startswith("transformer_engine_c.module."):
-        raise NotImplementedError(f"{type(module).__name__} inside an enabled FP8 autocast: {_LAYERS_NOT_YET}")
-
-
 class FP8GlobalStateManager:
     """TE's global FP8 state: what the active autocast set, and the global
     buffers of the amaxes, histories and scales of every fp8_meta that took
@@ -108,7 +101,6 @@ class FP8GlobalStateManager:
     global_amax_history_buffer = {}
     global_scale_buffer = {}
     global_scale_inv_buffer = {}
-    _hook = None
 
     @classmethod
     def reset(cls):
@@ -122,7 +114,6 @@ class FP8GlobalStateManager:
         cls.global_amax_history_buffer = {}
         cls.global_scale_buffer = {}
         cls.global_scale_inv_buffer = {}
-        cls._set_layer_guard(False)
 
     # ---- availability
 
@@ -210,14 +201,6 @@ class FP8GlobalStateManager:
     set_fp8_autocast_state = set_autocast_state
 
     @classmethod
-    def _set_layer_guard(cls, on):
-        if on and cls._hook is None:
-            cls._hook = torch.nn.modules.module.register_module_forward_pre_hook(_refuse_layers)
-        elif not on and cls._hook is not None:
-            cls._hook.remove()
-            cls._hook = None
-
-    @classmethod
     def autocast_enter(cls, enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
         """Set the state for an autocast block (the caller saved the old)."""
         recipe = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe
@@ -240,8 +223,6 @@ class FP8GlobalStateManager:
         if cls.AUTOCAST_DEPTH == 0:
             cls.IS_FIRST_FP8_MODULE = True
         cls.AUTOCAST_DEPTH += 1
-        if enabled or calibrating:
-            cls._set_layer_guard(True)
 
     @classmethod
     def autocast_exit(cls, enabled, _graph=False):
@@ -249,7 +230,6 @@ class FP8GlobalStateManager:
         (and outside graph capture), reduce and update the forward amaxes."""
         cls.AUTOCAST_DEPTH -= 1
         if cls.AUTOCAST_DEPTH == 0:
-            cls._set_layer_guard(False)
             if enabled and not _graph and torch.is_grad_enabled():
                 cls.reduce_and_update_fp8_tensors(forward=True)
 
@@ -332,8 +312,7 @@ def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=Non
 
 def _refuse_init(what, enabled):
     if enabled:
-        raise NotImplementedError(f"{what}(enabled=True): FP8 parameters need the FP8 layer integration; "
-                                  f"{_LAYERS_NOT_YET}")
+        raise NotImplementedError(f"{what}(enabled=True): {_NOT_YET}")
 
 
 @contextlib.contextmanager

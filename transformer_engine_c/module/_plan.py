@@ -17,6 +17,7 @@ release lacks the private entry points, through Function.apply."""
 import torch
 
 from .. import _engine, debug
+from ..quantization import FP8GlobalStateManager as _FP8State
 from ._config import compute_dtype
 
 _Tensor = torch.Tensor
@@ -107,7 +108,7 @@ class Call:
     """One call's facts for its steps (see the module docstring)."""
 
     __slots__ = ("layer", "plan", "dtype", "cast", "ready", "first_mb", "device", "dev", "ws", "nbytes", "stream",
-                 "code")
+                 "code", "fp8")
 
     def refresh_stream(self):
         """Backward may run on another stream than the forward: the current one."""
@@ -121,6 +122,13 @@ def make_call(layer, plan, x, w, params, is_first_microbatch):
     plan.shapes."""
     c = Call()
     c.layer, c.plan, c.first_mb = layer, plan, is_first_microbatch
+    c.fp8 = None
+    if _FP8State.FP8_CALIBRATION and not _FP8State.FP8_ENABLED:
+        raise NotImplementedError(f"{type(layer).__name__}: FP8 calibration (autocast(calibrating=True)) is not "
+                                  "implemented")
+    if _FP8State.FP8_ENABLED:  # the GEMMs run in FP8 (module/_fp8.py)
+        from ._fp8 import layer_call
+        c.fp8 = layer_call(layer, x, _is_grad_enabled(), is_first_microbatch)
     dtype = w.dtype
     ready = False
     shapes = plan.shapes

@@ -19,6 +19,7 @@ import torch
 
 from .. import _C
 from ..distributed import _all_gather_into, _reduce_scatter_into, all_reduce
+from . import _fp8
 from ._config import NO_UB, UB_FLAGS
 
 _F32 = torch.float32
@@ -226,19 +227,26 @@ def wgrad_gather_comm(x_local, w, tp, ub):
 # ---------------------------------------------------------------- forward
 
 
-def gemm(call, rows, n, k, x, w, b, out):
-    """out [rows, n] = x [rows, k] w[n, k]^T (+ b), all contiguous."""
+def gemm(call, rows, n, k, x, w, b, out, local=True):
+    """out [rows, n] = x [rows, k] w[n, k]^T (+ b), all contiguous; in FP8
+    under an FP8 autocast (local: x is this rank's rows, not gathered ones)."""
+    if call.fp8 is not None:
+        _fp8.fprop(call.fp8, x, w, b, out, local)
+        return
     _C.gemm(call.dev, call.code, call.code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
             0 if b is None else b.data_ptr(), 0, 0, call.ws, call.nbytes, call.stream)
 
 
-def fprop(call, tp, ub, x, w, b):
+def fprop(call, tp, ub, x, w, b, gi=0):
     """Y = X W^T + b with the layer's collectives: a column layer under
     sequence parallelism gathers X's rows first; a row layer all-reduces
     X W^T over the group (reduce-scatters it under sequence parallelism),
     then adds b. x: contiguous [rows, k] or [s, batch, k]. The output has
-    the input's rank, except through a communicator (2-D)."""
+    the input's rank, except through a communicator (2-D). gi: which of the
+    layer's GEMMs this is (its FP8 roles)."""
     n, k = w.shape
+    if call.fp8 is not None:
+        call.fp8.gi, ub = gi, NO_UB
     if ub.enabled:
         y = fprop_overlap(tp, ub, _as_2d(x), w, b)
         if y is not None:
@@ -247,6 +255,9 @@ def fprop(call, tp, ub, x, w, b):
     if tp.mode == "column":
         if tp.sp and tp.size > 1:
             x = gather(x, tp, tmp=(dev, stream, T_GATHERED))
+            y = x.new_empty(x.shape[:-1] + (n,))
+            gemm(call, _rows(x), n, k, x, w, b, y, local=False)
+            return y
         y = x.new_empty(x.shape[:-1] + (n,))
         gemm(call, _rows(x), n, k, x, w, b, y)
         return y
@@ -296,16 +307,19 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
     writes straight into the communicator's buffer."""
     n, k = w.shape
     rows = _rows(x)
+    fp8 = call.fp8 is not None
+    if fp8:
+        call.fp8.gi, ub = 0, NO_UB
     if ub.enabled and tp.mode == "column" and ub["ub_overlap_ag"] and rows and ub.comms["fprop"].take_overlap(
             "ag", rows, k, n):
         return _norm_ag_gemm(call, ub.comms["fprop"], x, gamma, beta, eps, zcg, w, b, tp, keep, want_gathered)
-    if ub.enabled or (tp.mode == "column" and tp.sp and tp.size > 1):
+    if ub.enabled or fp8 or (tp.mode == "column" and tp.sp and tp.size > 1):
         ln_out, stats = norm(call, x, gamma, beta, eps, zcg, keep)
         if tp.mode == "column" and tp.sp and tp.size > 1:
             dev, stream = call.dev, call.stream
             ln_total = gather(ln_out, tp, tmp=None if want_gathered else (dev, stream, T_GATHERED))
             y = x.new_empty(ln_total.shape[:-1] + (n,))
-            gemm(call, _rows(ln_total), n, k, ln_total, w, b, y)
+            gemm(call, _rows(ln_total), n, k, ln_total, w, b, y, local=False)
             return y, ln_out, stats, (ln_total if want_gathered else None)
         return fprop(call, tp, ub, ln_out, w, b), ln_out, stats, None
     # one engine call: the norm, then the GEMM (a row layer's partial product, reduced, then the bias)
@@ -384,14 +398,18 @@ def act_bwd(call, act, dact, h, want_dbias, params, keep):
 # --------------------------------------------------------------- backward
 
 
-def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None):
+def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None, gi=0):
     """A layer's linear backward: (dx, dw, db). dy: the output's gradient
     (contiguous, the compute dtype, the output's shape); x: the saved input
     (this rank's rows); w: the full weight; wg: the Wgrad (module/_wgrad.py),
     or None when neither the weight's nor the bias's gradient is wanted;
     dx_out: where dx goes (this rank's rows of the input's shape), else a
     fresh tensor. The userbuffers overlaps run as the layer's flags ask,
-    where they pay at this shape."""
+    where they pay at this shape. gi: which of the layer's GEMMs this is
+    (its FP8 roles)."""
+    if call.fp8 is not None:
+        call.fp8.begin_backward(gi, wg is not None and wg.need_w)
+        ub = NO_UB
     if dy.dim() != x.dim():  # a 2-D output (a communicator's) of a 3-D input
         dy = dy.view((-1,) + tuple(x.shape[1:-1]) + (dy.shape[-1],))
     if _rows(dy) == 0 or _rows(x) == 0:
@@ -429,6 +447,13 @@ def _fused_linear_bwd(call, rows, dy, x, w, dx, wg, with_db):
     (with_db) in one engine call. Returns (dw, db) or (None, None)."""
     n, k = w.shape
     dw = db = None
+    if call.fp8 is not None:  # dgrad and wgrad as two FP8 GEMMs, the bias gradient from dY
+        if dx is not None:
+            _dgrad_gemm(call, rows, n, k, dy, w, dx)
+        if wg is not None and wg.plain and wg.need_w:
+            dw = _fp8.wgrad(_fp8.wgrad_operands(call.fp8, dy, x), dy.dtype)
+            db = bias_grad_only(dy, n) if with_db else None
+        return dw, db
     if wg is not None and wg.plain and wg.need_w:
         dw = w.new_empty(n, k)
         if with_db:
@@ -443,11 +468,15 @@ def _fused_linear_bwd(call, rows, dy, x, w, dx, wg, with_db):
 def _wgrad(call, wg, dy, xt, ub, dy_local=None):
     """The weight gradient of a backward whose dgrad ran apart: (dw, db)."""
     n, k = dy.shape[-1], xt.shape[-1]
+    ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, xt)
     if not wg.plain:
-        return wg(_as_2d(dy), _as_2d(xt), ub, None if dy_local is None else _as_2d(dy_local))
+        return wg(_as_2d(dy), _as_2d(xt), ub, None if dy_local is None else _as_2d(dy_local), fp8=ops)
     db_local = bias_grad_only(dy_local, n) if wg.bias_from_local and wg.with_bias else None
     if not wg.need_w:
         return None, (db_local if wg.bias_from_local else bias_grad_only(dy, n) if wg.with_bias else None)
+    if ops is not None:
+        dw = _fp8.wgrad(ops, dy.dtype)
+        return dw, (db_local if wg.bias_from_local else bias_grad_only(dy, n) if wg.with_bias else None)
     dw = xt.new_empty(n, k)
     db = xt.new_empty(n) if wg.with_bias and not wg.bias_from_local else None
     _C.gemm(call.dev, call.code, call.code, 1, 0, n, k, _rows(dy), dy.data_ptr(), n, xt.data_ptr(), k, dw.data_ptr(),
@@ -474,7 +503,8 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
         if dx is not None and column:
             all_reduce(dx, tp.group, tp.size)
         if need_w and not wg.plain:
-            dw, db = wg(_as_2d(dy), _as_2d(x), ub)
+            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
+            dw, db = wg(_as_2d(dy), _as_2d(x), ub, fp8=ops)
         elif need_w and not wg.need_w:
             db = bias_grad_only(dy, n) if wg.with_bias else None
         return dx, dw, db
@@ -519,7 +549,10 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
 
 
 def _dgrad_gemm(call, rows, n, k, dy, w, out):
-    """out [rows, k] = dY [rows, n] W [n, k]."""
+    """out [rows, k] = dY [rows, n] W [n, k] (in FP8 under an FP8 autocast)."""
+    if call.fp8 is not None:
+        _fp8.dgrad(call.fp8, dy, out)
+        return
     _C.gemm(call.dev, call.code, call.code, 0, 0, rows, k, n, dy.data_ptr(), n, w.data_ptr(), k, out.data_ptr(), k,
             0, 0, 0, call.ws, call.nbytes, call.stream)
 
@@ -582,7 +615,7 @@ def norm_backward(call, dln, x, stats, gamma, zcg, rms, dx=None):
     return dx, dgamma, dbeta
 
 
-def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w, wg, dln_extra=None):
+def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w, wg, dln_extra=None, gi=0):
     """The backward of norm_fprop: (dx, dgamma, dbeta, dw, db). Where no
     collective separates them (no userbuffers; a row layer, or a column
     layer on one rank) dgrad, wgrad and the norm's backward are one engine
@@ -593,10 +626,10 @@ def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w,
     rows = _rows(x)
     dev, stream = call.dev, call.stream
     fused = (not ub.enabled and rows and dln_extra is None and (tp.mode != "column" or tp.size == 1)
-             and (wg is None or wg.plain))
+             and (wg is None or wg.plain) and call.fp8 is None)
     if not fused:
         dln = temp(ln_out, ln_out.shape, dev, stream, T_DLN)
-        dln, dw, db = linear_backward(call, tp, ub, dy, ln_out, w, True, wg, dln)
+        dln, dw, db = linear_backward(call, tp, ub, dy, ln_out, w, True, wg, dln, gi)
         if dln_extra is not None:
             dln = dln + dln_extra
         return norm_backward(call, dln, x, stats, gamma, zcg, rms) + (dw, db)

@@ -51,9 +51,9 @@ class WeightGrads:
         gradient into main_grad (fuse_wgrad_accumulation) or .grad."""
         db = None
         if self.queue:
-            wg, dy_total, x_total, db_local = self.queue.pop(0)
+            wg, dy_total, x_total, db_local, fp8 = self.queue.pop(0)
             wg.delay = False
-            dw, db = wg.compute(dy_total, x_total)
+            dw, db = wg.compute(dy_total, x_total, fp8)
             if wg.bias_from_local:
                 db = db_local
             if dw is not None and not wg.fuse:
@@ -93,9 +93,10 @@ class Wgrad:
         self.bias_from_local = bias_from_local
         self.plain = not (self.fuse or self.delay or is_distributed_weight(weight))
 
-    def __call__(self, dy_total, x_total, ub, dy_local=None):
+    def __call__(self, dy_total, x_total, ub, dy_local=None, fp8=None):
         """(dw for autograd, db for autograd): computed now, or (None, None)
-        after queueing the GEMM for backward_dw()."""
+        after queueing the GEMM for backward_dw(). fp8: the GEMM's FP8
+        operands (module/_fp8.wgrad_operands) under an FP8 autocast."""
         from ._steps import outside_buffers
 
         db_local = None
@@ -103,18 +104,22 @@ class Wgrad:
             db_local = dy_local.sum(0, dtype=torch.float32).to(dy_local.dtype)
         if self.delay:
             dy_total, x_total = outside_buffers(dy_total, ub), outside_buffers(x_total, ub)
-            self.owner.queue.append((self, dy_total, x_total, db_local))
+            self.owner.queue.append((self, dy_total, x_total, db_local, fp8))
             return None, None
-        dw, db = self.compute(dy_total, x_total)
+        dw, db = self.compute(dy_total, x_total, fp8)
         return dw, (db_local if self.bias_from_local else db)
 
-    def compute(self, dy_total, x_total):
+    def compute(self, dy_total, x_total, fp8=None):
         """dW = dY^T X (and the bias gradient, the sum of dY over tokens):
-        into main_grad with fuse_wgrad_accumulation, else returned."""
+        into main_grad with fuse_wgrad_accumulation, else returned. With
+        fp8 (the FP8 operands) the GEMM runs in FP8 and the bias gradient
+        is summed from dY in its own dtype."""
         with_bias = self.with_bias and not self.bias_from_local
         if not self.need_w:  # only the bias gradient: dY's column sums, no GEMM
             return None, (dy_total.sum(0, dtype=torch.float32).to(dy_total.dtype) if with_bias else None)
         w = self.weight
+        if fp8 is not None:
+            return self._compute_fp8(dy_total, fp8, with_bias)
         if not self.fuse or is_distributed_weight(w):
             res = _engine.gemm(dy_total, x_total, transa=True, bias_grad=with_bias)
             dw, db = res if with_bias else (res, None)
@@ -131,6 +136,21 @@ class Wgrad:
             dw, db = res if with_bias else (res, None)
             return self._into_main_grad(dw), db
         return self._dummy_grads(), db
+
+    def _compute_fp8(self, dy_total, ops, with_bias):
+        from ._fp8 import wgrad
+
+        db = dy_total.sum(0, dtype=torch.float32).to(dy_total.dtype) if with_bias else None
+        w = self.weight
+        if not self.fuse or is_distributed_weight(w):
+            dw = wgrad(ops, dy_total.dtype)
+            if self.fuse and not is_distributed_weight(w):
+                return self._into_main_grad(dw), db
+            return weight_grad(w, dw), db
+        if len(self.params) == 1:
+            wgrad(ops, torch.float32, out=main_grad_of(self.params[0]), accumulate=self.accumulate)
+            return self._dummy_grads(), db
+        return self._into_main_grad(wgrad(ops, torch.float32)), db
 
     def _into_main_grad(self, dw):
         """Add (or, on a first micro-batch, copy) dw into the main_grad of

@@ -196,6 +196,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
     # unpickled without one reads None too).
     _plan = None
     _plan_class = LinearPlan
+    _fp8_num_gemms = 1  # the GEMMs of the layer's fp8_meta (module/_fp8.py)
 
     def __init__(self, name=None):
         super().__init__()

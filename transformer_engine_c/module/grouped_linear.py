@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _engine
+from ..quantization import FP8GlobalStateManager
 from ._config import PARALLEL_MODES, compute_dtype, default_device, default_dtype
 from ._wgrad import main_grad_of
 from .base import TransformerEngineBaseModule, _set_tp_attributes, default_init_method
@@ -163,6 +164,9 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.tp_group = tp_group
 
     def forward(self, inp, m_splits, is_first_microbatch=None):
+        if FP8GlobalStateManager.FP8_ENABLED or FP8GlobalStateManager.FP8_CALIBRATION:
+            raise NotImplementedError("GroupedLinear does not compute in FP8 yet (inside an enabled FP8 autocast); "
+                                      "Linear, LayerNormLinear and LayerNormMLP do")
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"GroupedLinear: inp must be a tensor, got {type(inp).__name__}")
         if isinstance(m_splits, torch.Tensor):

@@ -102,6 +102,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                                                 plan.zcg, plan.rms, w, wg, extra)
         if not call.ready:
             dx = like_input(dx, ctx.inp_shape)
+        if call.fp8 is not None:
+            call.fp8.finish_backward()
         return dx, dgamma, dbeta, dw, db, None
 
 

@@ -61,7 +61,7 @@ def _forward(call, inp, g, beta, w1, b1, w2, b2, keep):
         x = _steps.outside_buffers(x, layer.ub)
     want_gathered = layer.return_layernorm_output_gathered and layer.tp.sp
     ln_out, stats, h, a, ln_total = _norm_fc1_act(call, x, g, beta, w1, b1, keep, want_gathered)
-    y = _steps.fprop(call, layer.tp2, layer.ub2, a, w2, b2)  # fc2's bias added once, after the reduction
+    y = _steps.fprop(call, layer.tp2, layer.ub2, a, w2, b2, gi=1)  # fc2's bias added once, after the reduction
     ln_ret = None
     if layer.return_layernorm_output:
         ln_ret = ln_total if want_gathered else ln_out
@@ -118,6 +118,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             w2 = layer._full_weight(fc2_weight, first_mb, dtype)
             g = cast(ln_weight, dtype)
         if layer.checkpoint:
+            if call.fp8 is not None:  # recomputed with the forward's scales and FP8 weight
+                call.fp8.recomputing = True
             ln_out, stats, h, a, _ = _norm_fc1_act(call, x, g, cast(ln_bias, dtype), w1, cast(fc1_bias, dtype),
                                                    True, False)
         need = ctx.needs_input_grad  # x, gamma, beta, w1, b1, w2, b2
@@ -132,7 +134,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             wg2 = wg_fc2.step(fc2_weight, ctx.has_b2 and need[6], call.first_mb,
                               bias_from_local=tp2.mode == "row" and tp2.sp, need_w=need[5])
         dact = _steps.temp(a, a.shape, call.dev, call.stream, _steps.T_DACT)
-        dact, dw2, db2 = _steps.linear_backward(call, tp2, layer.ub2, dy, a, w2, True, wg2, dact)
+        dact, dw2, db2 = _steps.linear_backward(call, tp2, layer.ub2, dy, a, w2, True, wg2, dact, gi=1)
         del a
 
         # the activation's backward, fc1's bias gradient fused (column sums)
@@ -156,6 +158,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
                                                                 plan.zcg, plan.rms, w1, wg1, extra)
         if not call.ready:
             dx = like_input(dx, ctx.inp_shape)
+        if call.fp8 is not None:
+            call.fp8.finish_backward()
         return dx, dgamma, dbeta, dw1, db1, dw2, db2, None
 
 
@@ -191,6 +195,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
     """
 
     _plan_class = MLPPlan
+    _fp8_num_gemms = 2
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, sequence_parallel=False, return_bias=False,
                  get_rng_state_tracker=None, tp_group=None, tp_size=1, init_method=None, bias=True,

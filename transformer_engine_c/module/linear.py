@@ -78,6 +78,8 @@ class _LinearFn(torch.autograd.Function):
         dx, dw, db = _steps.linear_backward(call, tp, layer.ub, dy, x, w, need[0], wg)
         if dx is not None and not call.ready:
             dx = like_input(dx, ctx.inp_shape)
+        if call.fp8 is not None:
+            call.fp8.finish_backward()
         return dx, dw, db, None
 
 

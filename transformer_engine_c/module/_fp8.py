@@ -1,0 +1,303 @@
+"""FP8 in the layers' GEMMs, per-tensor scaling (DelayedScaling and
+Float8CurrentScaling), with TransformerEngine 2.x's semantics.
+
+Inside an enabled autocast a layer call gets an FP8Call (call.fp8, made by
+module/_plan.make_call), and the steps (module/_steps.py) run each GEMM in
+FP8 through it; everything else (norms, activations, collectives, bias
+gradients) stays in the compute dtype. What enters a GEMM is quantized right
+before it, after any sequence-parallel gather, so a gathered tensor has one
+scale and one amax (current scaling's all-reduced amax, delayed scaling's
+maximum over the group's rows):
+
+* fprop   Y = X W^T: X and W in E4M3 (the forward format), fast accumulation
+          unless the recipe asks for split accumulation;
+* dgrad   dX = dY W: dY in E5M2 (HYBRID's backward format), W's transpose;
+* wgrad   dW = dY^T X: the transposes of dY and of the forward's X, split
+          accumulation, into the weight's fp32 main_grad when fused.
+
+The X of wgrad is the forward's FP8 value. Where the forward's GEMM read this
+rank's own rows, the quantize that fed it also wrote the transpose (one pass),
+kept for backward. Where it read gathered rows (column parallel under sequence
+parallelism), the layer keeps its local rows as it does without FP8,
+re-gathers them in backward and quantizes them with the scale the forward
+used, which gives the same FP8 values.
+
+Tensor roles follow TE's fp8_meta: GEMM i's input is forward role 3i, its
+weight 3i + 1, its output gradient backward role 2i. Under DelayedScaling
+each quantize uses the role's current scale and maxes the tensor's amax into
+the history's row 0; the autocast's exit reduces and updates the forward
+roles, the end of the first module's backward the backward roles
+(quantization.py). Under Float8CurrentScaling each quantize takes the
+tensor's own amax.
+
+Weights are quantized (with their transpose, when backward will run) on
+every call, or, when the caller passes is_first_microbatch, on the first
+micro-batch and reused from the layer's cache until the next first one (TE's
+weight caching: a weight changed between micro-batches of a step is not
+re-read).
+
+Userbuffers overlap is not used in FP8 (the FP8 overlap is still to come):
+a layer whose flags ask for it runs the plain collectives, with one warning.
+"""
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .. import _fp8_engine as E
+from .._fp8_meta import fp8_dtype_of, make_fp8_meta
+from ..quantization import FP8GlobalStateManager as _State
+from ..recipe import DelayedScaling, Float8CurrentScaling
+
+_E4M3 = torch.float8_e4m3fn
+
+
+class Operand:
+    """One tensor's FP8 form for the GEMMs: data (uint8, the tensor's shape)
+    and/or data_t (its [last dim, rows] transpose), the scale it was cast
+    with and scale_inv (float32, one element), the format, and src (the
+    tensor it was cast from, for the backward's memo)."""
+
+    __slots__ = ("data", "data_t", "scale", "scale_inv", "dtype", "src")
+
+    def __init__(self, data, data_t, scale, scale_inv, dtype, src=None):
+        self.data, self.data_t, self.scale, self.scale_inv, self.dtype, self.src = (
+            data, data_t, scale, scale_inv, dtype, src)
+
+
+def check_shape(t, name):
+    """TE's rule for a tensor entering an FP8 GEMM, named after the argument."""
+    E.check_fp8_gemm_shape(t.shape, name)
+
+
+def _meta_for(layer, recipe, device):
+    """The layer's fp8_meta (TE's layout), made or remade for `recipe`: a
+    DelayedScaling's with its scaling tensors, other recipes' the recipe
+    only. A meta of another recipe kind or history length is replaced; the
+    recipe and group are refreshed on every call, as TE does."""
+    meta = getattr(layer, "fp8_meta", None)
+    if isinstance(recipe, DelayedScaling):
+        fwd = meta.get("scaling_fwd") if meta else None
+        if fwd is None or fwd.amax_history.shape[0] != recipe.amax_history_len or fwd.scale.device != device:
+            meta = make_fp8_meta(recipe, type(layer)._fp8_num_gemms, device)
+            layer.fp8_meta = meta
+    elif meta is None or "scaling_fwd" in meta:
+        meta = layer.fp8_meta = {"recipe": recipe, "fp8_group": None}
+    meta["recipe"] = recipe
+    meta["fp8_group"] = _State.get_fp8_group()
+    return meta
+
+
+_warned = set()
+
+
+def _warn_no_overlap(layer):
+    uses = getattr(layer, "ub", None) is not None and layer.ub.enabled
+    uses = uses or (getattr(layer, "ub2", None) is not None and layer.ub2.enabled)
+    if uses and id(layer) not in _warned:
+        _warned.add(id(layer))
+        warnings.warn(f"{type(layer).__name__}: userbuffers overlap is not used in FP8 yet; this layer's FP8 "
+                      "calls run the plain collectives", UserWarning, stacklevel=5)
+
+
+def layer_call(layer, x, grad, first_mb):
+    """The FP8Call of one layer call inside an enabled autocast (x: the
+    layer input, checked against TE's FP8 shape rule; grad: backward will
+    run)."""
+    recipe = _State.get_fp8_recipe()
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise NotImplementedError(f"{type(layer).__name__}: {type(recipe).__name__} is not supported in the "
+                                  "layers (DelayedScaling and Float8CurrentScaling are)")
+    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
+        check_shape(x, "inp")
+    for name, p in layer._parameters.items():  # both dims of a weight are a GEMM's k or n
+        if p is not None and p.dim() == 2 and (p.shape[0] % 16 or p.shape[1] % 16):
+            raise ValueError(f"{type(layer).__name__}: FP8 execution requires both dims of {name} (this rank's "
+                             f"shard) to be divisible by 16, got {tuple(p.shape)}")
+    tp = layer.tp
+    if isinstance(recipe, DelayedScaling) and tp.sp and not recipe.reduce_amax:
+        raise ValueError(f"{type(layer).__name__}: sequence parallelism in FP8 with DelayedScaling needs "
+                         "reduce_amax=True (the gathered tensors share one scale over the group)")
+    _warn_no_overlap(layer)
+    return FP8Call(layer, recipe, grad, first_mb)
+
+
+class FP8Call:
+    """One layer call's FP8 state (see the module docstring): the recipe's
+    formats and accumulation modes, the forward's operands that backward
+    reads, and the backward's quantized output gradients. `gi` is the GEMM
+    the steps are running (0 or 1, LayerNormMLP's fc2 being 1)."""
+
+    __slots__ = ("layer", "recipe", "delayed", "meta", "fwd", "bwd", "split", "qparams", "grad", "first_mb",
+                 "reduce_bwd", "gi", "inputs", "weights", "grads", "need_wgrad", "recomputing", "keep_t")
+
+    def __init__(self, layer, recipe, grad, first_mb):
+        self.layer, self.recipe, self.grad, self.first_mb = layer, recipe, grad, first_mb
+        device = _param_device(layer)
+        self.meta = _meta_for(layer, recipe, device)
+        self.delayed = isinstance(recipe, DelayedScaling)
+        self.fwd = fp8_dtype_of(recipe.fp8_format, True)
+        self.bwd = fp8_dtype_of(recipe.fp8_format, False)
+        if self.delayed:
+            # TE's fixed accumulation modes for per-tensor delayed scaling
+            self.split = (False, True, True)
+            self.qparams = None
+            _State.add_fp8_tensors_to_global_buffer(self.meta)
+        else:
+            self.split = (recipe.fp8_gemm_fprop.use_split_accumulator, recipe.fp8_gemm_dgrad.use_split_accumulator,
+                          recipe.fp8_gemm_wgrad.use_split_accumulator)
+            self.qparams = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+        # the first FP8 module of the outermost autocast reduces the backward amaxes
+        self.reduce_bwd = _State.is_first_fp8_module() if grad else False
+        self.gi = 0
+        self.inputs, self.weights, self.grads = {}, {}, {}
+        self.need_wgrad = True
+        # LayerNormMLP(checkpoint=True) keeps no activations: its forward keeps
+        # only the scales, and backward's recompute uses them (recomputing)
+        self.recomputing = False
+        self.keep_t = not getattr(layer, "checkpoint", False)
+
+    # ----------------------------------------------------------- quantizing
+
+    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None):
+        """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
+        that scale and no amax; under delayed scaling the role's scale and
+        amax-history entry; under current scaling t's own amax."""
+        amax = None
+        if scale is None:
+            if self.delayed:
+                m = self.meta["scaling_fwd" if forward else "scaling_bwd"]
+                scale, amax = m.scale[role:role + 1], m.amax_history[0][role:role + 1]
+            else:
+                scale = E.scale_from_amax(E.amax(t), fp8_dtype, power_2_scale=qp.power_2_scale,
+                                          amax_epsilon=qp.amax_epsilon)[0]
+        data, data_t, scale_inv = E.quantize(t, fp8_dtype, scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
+        return Operand(data, data_t, scale, scale_inv, fp8_dtype, t)
+
+    def input(self, x, keep_t):
+        """The fprop input of GEMM gi: rowwise, and with keep_t its transpose
+        for wgrad (this rank's rows; else the scale is kept for a re-cast)."""
+        gi = self.gi
+        if self.recomputing:  # the forward's scale, no amax: the forward's FP8 values
+            q = self._quantize(x, self.fwd, 0, True, None, True, keep_t, scale=self.inputs[gi].scale)
+            self.inputs[gi] = Operand(None, q.data_t, q.scale, q.scale_inv, q.dtype)
+            return q
+        q = self._quantize(x, self.fwd, 3 * gi, True, self.qparams and self.qparams[0], True,
+                           self.grad and keep_t and self.keep_t)
+        if self.grad:
+            scale = q.scale if q.data_t is not None or not self.delayed else q.scale.clone()  # delayed: updated in place
+            self.inputs[gi] = Operand(None, q.data_t, scale, q.scale_inv, q.dtype)
+        return q
+
+    def weight(self, w):
+        """GEMM gi's weight in FP8 (with its transpose when backward runs):
+        cast now, or the layer's cached cast on a later micro-batch."""
+        gi, layer = self.gi, self.layer
+        if self.recomputing:
+            return self.weights[gi]
+        cache = layer.__dict__.setdefault("_fp8_weights", {})
+        kept = cache.get(gi)
+        if (self.first_mb is False and kept is not None and kept.dtype is self.fwd
+                and kept.data.shape == w.shape and kept.data.device == w.device
+                and (kept.data_t is not None or not self.grad)):
+            q = kept
+        else:
+            q = self._quantize(w, self.fwd, 3 * gi + 1, True, self.qparams and self.qparams[1], True, self.grad)
+            q.src = None
+            if self.first_mb is not None:
+                cache[gi] = q
+        if self.grad:
+            self.weights[gi] = q
+        return q
+
+    def grad_output(self, dy):
+        """GEMM gi's output gradient in FP8: rowwise for dgrad, its transpose
+        for wgrad (when need_wgrad), cast once per backward of the GEMM."""
+        gi = self.gi
+        q = self.grads.get(gi)
+        if q is None or q.src is not dy:
+            q = self._quantize(dy, self.bwd, 2 * gi, False, self.qparams and self.qparams[2], True,
+                               self.need_wgrad and dy.dim() >= 2)
+            self.grads[gi] = q
+        return q
+
+    def wgrad_input(self, xt):
+        """The forward's FP8 X^T of GEMM gi (xt: the same rows in the compute
+        dtype, re-gathered under sequence parallelism, re-cast with the
+        forward's scale where the transpose was not kept)."""
+        q = self.inputs[self.gi]
+        if q.data_t is None:
+            q = self._quantize(xt, self.fwd, 0, True, None, False, True, scale=q.scale)
+        return q
+
+    def begin_backward(self, gi, need_wgrad):
+        self.gi, self.need_wgrad = gi, need_wgrad
+
+    def finish_backward(self):
+        """End of a layer's backward: the first FP8 module of the autocast
+        reduces and updates the backward amaxes (delayed scaling)."""
+        self.inputs, self.weights, self.grads = {}, {}, {}
+        if self.reduce_bwd:
+            self.reduce_bwd = False
+            _State.reduce_and_update_fp8_tensors(forward=False)
+
+
+def _param_device(layer):
+    for p in layer.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------- the GEMMs
+
+
+def _as_2d(t):
+    return t if t.dim() == 2 else t.view(-1, t.shape[-1])
+
+
+def _bias_fused(out, b):
+    """Whether the FP8 GEMM may add b in its epilogue (a bf16 bias for a
+    bf16 or fp32 output, fp16 for fp16)."""
+    if b is None:
+        return False
+    return b.dtype is (torch.float16 if out.dtype is torch.float16 else torch.bfloat16)
+
+
+def fprop(f, x, w, b, out, keep_t):
+    """out = X W^T (+ b) in FP8 (x: [rows, k] or 3-D, out its [rows, n])."""
+    qx = f.input(x, keep_t)
+    qw = f.weight(w)
+    o = _as_2d(out)
+    fuse = _bias_fused(o, b)
+    E.fp8_gemm(_as_2d(qx.data), qx.scale_inv, qx.dtype, qw.data, qw.scale_inv, qw.dtype, out=o,
+               bias=b if fuse else None, use_split_accumulator=f.split[0])
+    if b is not None and not fuse:
+        o += b
+
+
+def dgrad(f, dy, out):
+    """out [rows, k] = dY W in FP8 (W's transpose of this call's forward)."""
+    qdy = f.grad_output(dy)
+    qw = f.weights[f.gi]
+    E.fp8_gemm(_as_2d(qdy.data), qdy.scale_inv, qdy.dtype, qw.data_t, qw.scale_inv, qw.dtype, out=_as_2d(out),
+               use_split_accumulator=f.split[1])
+
+
+def wgrad_operands(f, dy, xt):
+    """(dY^T, X^T) of GEMM gi as FP8 Operands, for wgrad now or later."""
+    return f.grad_output(dy), f.wgrad_input(xt), f.split[2]
+
+
+def wgrad(ops, out_dtype, out=None, accumulate=False):
+    """dW [n, k] = dY^T X from wgrad_operands' FP8 transposes, into `out`
+    (accumulated with `accumulate`, e.g. an fp32 main_grad) or a fresh
+    out_dtype tensor. A token count that is not a multiple of 16 (the GEMM's
+    inner dimension) is padded with zero columns."""
+    qdy, qx, split = ops
+    a, b = qdy.data_t, qx.data_t
+    rows = a.shape[1]
+    if rows % 16:
+        pad = 16 - rows % 16
+        a, b = F.pad(a, (0, pad)), F.pad(b, (0, pad))
+    return E.fp8_gemm(a, qdy.scale_inv, qdy.dtype, b, qx.scale_inv, qx.dtype, out_dtype=out_dtype, out=out,
+                      accumulate=accumulate, use_split_accumulator=split)
