@@ -52,12 +52,23 @@ _RECIPE_MODULES = ("transformer_engine_c.recipe", "transformer_engine.common.rec
 # ---------------------------------------------------------------- reading
 
 
+def _weights_only_detail(e):
+    """What torch's weights-only loader refused, without its advice."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))]
+    return lines[0] if lines else "torch's weights-only loader refused it"
+
+
 def _storage_from_bytes(b):
     """torch.storage._load_from_bytes with torch's weights-only loader (the
     original runs a full torch.load on the bytes)."""
     if not isinstance(b, (bytes, bytearray)):
         raise pickle.UnpicklingError(f"_extra_state: a tensor's storage must be bytes, got {type(b).__name__}")
-    storage = torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
+    try:
+        storage = torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"_extra_state: refusing a tensor storage that holds more than tensor data "
+                                     f"({_weights_only_detail(e)})") from None
     if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
         raise pickle.UnpicklingError(f"_extra_state: a tensor's storage held {type(storage).__name__}")
     return storage
@@ -129,8 +140,8 @@ def _load_bytesio(buf, name):
         with torch.serialization.safe_globals(recipes):
             return torch.load(buf, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(f"{name}: the checkpoint's _extra_state (io.BytesIO) holds more than the "
-                                     f"FP8 checkpoint format: {e}") from e
+        raise pickle.UnpicklingError(f"{name}: refusing the checkpoint's _extra_state (io.BytesIO): it holds more "
+                                     f"than the FP8 checkpoint format ({_weights_only_detail(e)})") from None
 
 
 def _checked_recipe(r, name):
