@@ -1,9 +1,11 @@
 """`python -m transformer_engine_c.bench`: the benchmark command.
 
-Without --tp1 it is the comm-GEMM overlap benchmark
+Without --tp1 or --fp8 it is the comm-GEMM overlap benchmark
 (transformer_engine_c.benchmarks.overlap); with --tp1 each layer against the
 same layer built from torch.nn modules on one device
-(transformer_engine_c.benchmarks.tp1)."""
+(transformer_engine_c.benchmarks.tp1); with --fp8 the FP8 training steps
+against our bf16 layers, torchao float8 and torch.nn on one device
+(transformer_engine_c.benchmarks.fp8)."""
 import sys
 
 
@@ -12,6 +14,9 @@ def main(argv=None):
     if "--tp1" in argv:
         from .benchmarks import tp1
         return tp1.main([a for a in argv if a != "--tp1"])
+    if "--fp8" in argv:
+        from .benchmarks import fp8
+        return fp8.main([a for a in argv if a != "--fp8"])
     from .benchmarks import overlap
     return overlap.main()
 

@@ -46,15 +46,7 @@ def parse(argv):
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
-    if args.shapes:
-        try:
-            args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-        except ValueError:
-            ap.error(f"--shapes must be TOKENSxHIDDENxN[,...], got {args.shapes!r}")
-        if any(len(s) != 3 or min(s) <= 0 for s in args.shapes):
-            ap.error(f"--shapes must be three positive ints each, got {args.shapes}")
-    else:
-        args.shapes = GPU_SHAPES if cuda else CPU_SHAPES
+    args.shapes = parse_shapes(ap, args.shapes) if args.shapes else (GPU_SHAPES if cuda else CPU_SHAPES)
     args.layers = [c for c in args.layers.split(",") if c]
     bad = [c for c in args.layers if c not in LAYERS]
     if bad:
@@ -65,6 +57,17 @@ def parse(argv):
     if args.batch < 1 or args.iters < 1 or args.warmup < 0:
         ap.error("--batch and --iters must be >= 1, --warmup >= 0")
     return args
+
+
+def parse_shapes(ap, text):
+    """[(tokens, hidden, n), ...] from --shapes' TOKENSxHIDDENxN[,...] (ap.error on a bad one)."""
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        ap.error(f"--shapes must be TOKENSxHIDDENxN[,...], got {text!r}")
+    if any(len(s) != 3 or min(s) <= 0 for s in shapes):
+        ap.error(f"--shapes must be three positive ints each, got {shapes}")
+    return shapes
 
 
 class TorchLNMLP(torch.nn.Module):
@@ -80,22 +83,26 @@ class TorchLNMLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
+def ours_layer(tec, layer, H, N, dtype, device):
+    """Our layer of that name, HIDDEN -> N (LayerNormMLP: hidden H, ffn N)."""
+    return getattr(tec, layer)(H, N, params_dtype=dtype, device=device)
+
+
 def build(tec, layer, H, N, dtype, device):
     """(ours, PyTorch's) with the same parameter values."""
-    kw = dict(params_dtype=dtype, device=device)
+    ours = ours_layer(tec, layer, H, N, dtype, device)
     with torch.no_grad():
         if layer == "Linear":
-            ours, ref = tec.Linear(H, N, **kw), torch.nn.Linear(H, N, dtype=dtype, device=device)
+            ref = torch.nn.Linear(H, N, dtype=dtype, device=device)
             ref.weight.copy_(ours.weight)
             ref.bias.copy_(ours.bias)
         elif layer == "LayerNormLinear":
-            ours = tec.LayerNormLinear(H, N, **kw)
             ref = torch.nn.Sequential(torch.nn.LayerNorm(H, dtype=dtype, device=device),
                                       torch.nn.Linear(H, N, dtype=dtype, device=device))
             ref[1].weight.copy_(ours.weight)
             ref[1].bias.copy_(ours.bias)
         else:
-            ours, ref = tec.LayerNormMLP(H, N, **kw), TorchLNMLP(H, N, dtype, device)
+            ref = TorchLNMLP(H, N, dtype, device)
             ref.fc1.weight.copy_(ours.fc1_weight)
             ref.fc1.bias.copy_(ours.fc1_bias)
             ref.fc2.weight.copy_(ours.fc2_weight)
