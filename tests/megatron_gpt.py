@@ -12,6 +12,21 @@ import torch.nn.functional as F
 VOCAB, SEQ, BATCH, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 8, 2, 32, 4, 2, 64, 2
 EPS = 1e-5
 TOL = 2e-5  # relative error of a whole tensor, fp32 against float64
+SEED = 1234
+
+
+def seed_like_megatron(seed=SEED):
+    """Megatron's training seeding (megatron/training/initialize.py,
+    _set_random_seed): the CPU generator, the same on every rank, then
+    model_parallel_cuda_manual_seed (the device's default generator, the
+    same on every rank, and the tracker's per-TP-rank states). Megatron-Core
+    itself never seeds the CPU generator, and PyTorch seeds it differently
+    in every process; the replicated position embeddings are initialised
+    from it (LanguageModelEmbedding, on the CPU whatever
+    use_cpu_initialization says), so without this the ranks' copies differ."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=True)
 
 
 def cpu_workarounds():
@@ -25,10 +40,14 @@ def cpu_workarounds():
       * megatron/core/transformer/moe/token_dispatcher.py: a CUDA event
         recorded on the current stream and synchronised for the
         device-to-host copy of the token counts;
-      * megatron/core/tensor_parallel/random.py: torch.cuda.manual_seed /
-        get_rng_state / set_rng_state for the default generator (the CPU's
-        here; the TE tracker, this package's CudaRNGStatesTracker, follows
-        the CPU generator on a CPU-only host by itself);
+      * megatron/core/tensor_parallel/random.py: torch.cuda.get_rng_state /
+        set_rng_state for the default generator (the CPU's here; the TE
+        tracker, this package's CudaRNGStatesTracker, follows the CPU
+        generator on a CPU-only host by itself). torch.cuda.manual_seed
+        seeds nothing: on a GPU it does not seed the CPU generator either,
+        so what Megatron leaves unseeded there (the CPU generator the
+        position embeddings are drawn from) is unseeded here too, and the
+        run seeds it as Megatron's training does (seed_like_megatron);
       * megatron/core/optimizer: torch.cuda.FloatTensor / IntTensor for the
         found-inf and norm buffers (clip_grads, optimizer);
       * tensors made with device="cuda" or moved with .cuda() (the
@@ -102,7 +121,7 @@ def cpu_workarounds():
     cuda.stream = lambda s=None: contextlib.nullcontext()
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda device=None: None
-    cuda.manual_seed = torch.manual_seed
+    cuda.manual_seed = lambda seed: None
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     cuda.FloatTensor = lambda *a: torch.FloatTensor(*a)
@@ -130,21 +149,27 @@ def apex_wgrad_stand_in():
     layers._grad_accum_fusion_available = True
 
 
-def transformer_config(tp, dev, sequence_parallel, grad_acc_fusion):
+def transformer_config(tp, dev, sequence_parallel, grad_acc_fusion, cpu_init=None):
+    """cpu_init: Megatron's use_cpu_initialization (the full weight made on
+    the CPU from the CPU generator, this rank's shard kept), default on a CPU
+    run; otherwise each layer initialises its shard on the run's device
+    under the tracker's per-TP-rank fork (a GPU run's default)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+    if cpu_init is None:
+        cpu_init = dev.type == "cpu"
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         ffn_hidden_size=FFN, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-        use_cpu_initialization=dev.type == "cpu", params_dtype=torch.float32, hidden_dropout=0.0,
+        use_cpu_initialization=cpu_init, params_dtype=torch.float32, hidden_dropout=0.0,
         attention_dropout=0.0, gradient_accumulation_fusion=grad_acc_fusion, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         use_te_rng_tracker=True, init_method_std=0.05, layernorm_epsilon=EPS)
 
 
-def build_model(tp, dev, sequence_parallel, grad_acc_fusion):
+def build_model(tp, dev, sequence_parallel, grad_acc_fusion, cpu_init=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    config = transformer_config(tp, dev, sequence_parallel, grad_acc_fusion)
+    config = transformer_config(tp, dev, sequence_parallel, grad_acc_fusion, cpu_init)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
                      vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=False)
@@ -252,13 +277,26 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _largest_difference(a, b):
+    """Where a and b differ most, and their values there."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    d = (a - b).abs().nan_to_num(float("inf"))
+    i = int(torch.argmax(d))
+    at = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), a.shape)) if a.dim() else ()
+    return f"at {list(at)}: {a.flatten()[i].item():.6g} vs {b.flatten()[i].item():.6g}"
+
+
 def compare(model, loss, ref_loss, ref_grads, group, grad_of, what):
-    """Errors (strings) of the loss and every parameter's gradient against
-    the reference's shard of it."""
-    errors = []
+    """(errors, summary). errors: the loss and each parameter gradient
+    further than TOL from the reference's shard of it, the furthest first.
+    summary: the loss against the reference and the gradient furthest from
+    its reference, by how much and where (on a pass too)."""
+    errors, off = [], []
+    loss_line = f"loss {loss.item():.8f} vs reference {ref_loss.item():.8f}"
     if abs(loss.item() - ref_loss.item()) > TOL * abs(ref_loss.item()):
-        errors.append(f"{what}: loss {loss.item():.8f} vs reference {ref_loss.item():.8f}")
+        errors.append(f"{what}: {loss_line}")
     seen = set()
+    worst = (-1.0, "no gradient compared", "")
     for n, p in model.named_parameters():
         n = n.removeprefix("module.")
         seen.add(n)
@@ -271,26 +309,44 @@ def compare(model, loss, ref_loss, ref_grads, group, grad_of, what):
             errors.append(f"{what}: {n} gradient {tuple(g.shape)} vs reference shard {tuple(want.shape)}")
             continue
         err = _rel(g, want)
+        err = float("inf") if err != err else err
+        if err > worst[0]:
+            worst = (err, n, _largest_difference(g, want))
         if not err <= TOL:
-            errors.append(f"{what}: {n} gradient relative error {err:.3g} > {TOL}")
+            off.append((err, f"{what}: {n} gradient relative error {err:.3g} > {TOL} ({_largest_difference(g, want)})"))
+    errors += [line for _, line in sorted(off, key=lambda e: -e[0])]
     missing = set(ref_grads) - seen
     if missing:
         errors.append(f"{what}: the reference has parameters the model lacks: {sorted(missing)}")
-    return errors
+    summary = f"{what}: {loss_line}; largest gradient error {worst[1]} {worst[0]:.3g} {worst[2]}"
+    return errors, summary
 
 
-def replicated_equal(model, group):
-    """Parameters that are not tensor-parallel must be equal on every rank."""
+def same_on_every_rank(named, group, what):
+    """Errors (strings) for each (name, tensor) of `named` that is not the
+    same on every rank of `group`, with the largest difference between this
+    rank's and another's. Tensors must be on the group's device."""
     errors = []
     size = dist.get_world_size(group)
-    for n, p in model.named_parameters():
-        if getattr(p, "tensor_model_parallel", False) or size == 1:
-            continue
-        parts = [torch.empty_like(p.detach()) for _ in range(size)]
-        dist.all_gather(parts, p.detach().contiguous(), group=group)
-        if not all(torch.equal(parts[0], q) for q in parts[1:]):
-            errors.append(f"{n}: replicated parameter differs across the tensor-parallel ranks after training")
+    if size == 1:
+        return errors
+    me = dist.get_rank(group)
+    for n, t in named:
+        t = t.detach().contiguous()
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t, group=group)
+        differ = [r for r, q in enumerate(parts) if not torch.equal(t, q)]
+        if differ:
+            d = max((t.double() - parts[r].double()).abs().max().item() for r in differ)
+            errors.append(f"{what}: {n} differs across the tensor-parallel ranks (rank {me} against ranks "
+                          f"{differ}: largest difference {d:.3g})")
     return errors
+
+
+def replicated_equal(model, group, when):
+    """Parameters that are not tensor-parallel must be equal on every rank."""
+    named = [(n, p) for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)]
+    return same_on_every_rank(named, group, f"replicated parameter {when}")
 
 
 def ddp_and_optimizer(model, lr=3e-3):

@@ -162,18 +162,25 @@ def test_extra_state_matches_te_format(name):
     build(name).load_state_dict(back, strict=True)
 
 
-def test_extra_state_missing_key_is_an_error_and_fp8_state_is_ignored():
+def test_extra_state_missing_key_is_an_error_and_fp8_state_is_read():
+    """A missing key fails strict loading; TE's FP8 state (a pickled dict
+    with the recipe and delayed scaling's tensors) is loaded into the
+    layer's fp8_meta (tests/test_fp8_extra_state.py has the rest)."""
     m = te.Linear(8, 8, device="cpu")
     sd = m.state_dict()
     del sd["_extra_state"]
     with pytest.raises(RuntimeError, match="_extra_state"):
         m.load_state_dict(sd, strict=True)
-    fp8 = torch.frombuffer(bytearray(pickle.dumps({"recipe": None})), dtype=torch.uint8)
-    sd["_extra_state"] = fp8
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
+    state = {"recipe": te.recipe.DelayedScaling(amax_history_len=2), "scale_fwd": torch.full((3,), 2.0),
+             "amax_history_fwd": torch.ones(2, 3), "scale_bwd": torch.full((2,), 4.0),
+             "amax_history_bwd": torch.ones(2, 2), "extra_fp8_variables": {"fp8_checkpoint": True}}
+    sd["_extra_state"] = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         m.load_state_dict(sd, strict=True)
-    assert any("FP8 metadata" in str(x.message) for x in w), [str(x.message) for x in w]
+    assert torch.equal(m.fp8_meta["scaling_fwd"].scale, state["scale_fwd"])
+    assert torch.equal(m.fp8_meta["scaling_bwd"].scale_inv, torch.full((2,), 0.25))
+    assert m.state_dict()["_extra_state"].numel() > 0
     sd["_extra_state"] = {"not": "a tensor"}
     with pytest.raises(TypeError, match="_extra_state"):
         m.load_state_dict(sd, strict=True)

@@ -89,9 +89,11 @@ def test_fuse_wgrad_accumulation_needs_main_grad():
 def test_fp8_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="FP8"):
         tec.Linear(16, 8, device="cpu")(torch.randn(4, 16), fp8_output=True)
-    with tec.fp8_autocast():
-        with pytest.raises(NotImplementedError, match="FP8"):
-            tec.Linear(16, 8, device="cpu")(torch.randn(4, 16))
+    with tec.fp8_autocast():  # the layers run in FP8 there, on shapes FP8 can run
+        with pytest.raises(ValueError, match="FP8 execution requires .* of inp"):
+            tec.Linear(16, 16, device="cpu")(torch.randn(4, 16))
+        with pytest.raises(NotImplementedError, match="GroupedLinear"):
+            tec.GroupedLinear(2, 16, 16, device="cpu")(torch.randn(16, 16), [8, 8])
 
 
 def test_unknown_parallel_mode():

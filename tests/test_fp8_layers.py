@@ -420,3 +420,24 @@ def test_sequence_parallel_delayed_scaling_needs_amax_reduction():
     with te.autocast(enabled=True, recipe=DelayedScaling(reduce_amax=False)):
         with pytest.raises(ValueError, match="reduce_amax"):
             lin(torch.randn(16, 64))
+
+
+def test_a_changed_history_length_keeps_the_scales():
+    """TE's adjust_amax_history_length: the scales stay, the history is cut
+    to its newest rows (or padded with zeros), and the layer keeps updating."""
+    lin = linear("cpu")
+    x = torch.randn(16, 64) * 3
+    for _ in range(3):
+        with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=8)):
+            lin(x).sum().backward()
+    before = scales(lin)
+    hist = lin.fp8_meta["scaling_fwd"].amax_history.clone()
+    with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+        y = lin(x)
+        assert torch.equal(lin.fp8_meta["scaling_fwd"].amax_history[1:], hist[1:4])
+    y.sum().backward()
+    assert torch.equal(scales(lin)[0], before[0])  # the same amax: the same scale
+    x2 = x * 2
+    with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+        lin(x2).sum().backward()
+    assert scales(lin)[0].item() == (torch.tensor([448.0]) / x2.abs().max()).item()

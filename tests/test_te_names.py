@@ -70,15 +70,15 @@ def test_positional_call_means_what_it_means_in_te():
 def test_fp8_contexts(ctx):
     fn = getattr(te, ctx)
     with fn(enabled=False):  # a no-op: the layers run as without it
-        m = te.Linear(16, 8, device="cpu")
+        m = te.Linear(16, 16, device="cpu")
         y = m(torch.randn(4, 16))
-    assert y.dtype == torch.float32 and y.shape == (4, 8)
+    assert y.dtype == torch.float32 and y.shape == (4, 16)
     if ctx in ("fp8_autocast", "autocast"):  # the layer computes in FP8 under it, and without it after
         x = torch.randn(16, 16)
         with fn(enabled=True):
             y8 = m(x)
         y = m(x)
-        assert y8.shape == y.shape == (16, 8) and not torch.equal(y8, y)
+        assert y8.shape == y.shape == (16, 16) and not torch.equal(y8, y)
     else:
         with pytest.raises(NotImplementedError, match="FP8"):
             with fn(enabled=True):

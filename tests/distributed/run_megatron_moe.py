@@ -55,10 +55,9 @@ def main():
     mg.cpu_workarounds()
     from megatron.core import parallel_state
     from megatron.core.extensions.transformer_engine import TEGroupedLinear
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, expert_model_parallel_size=world,
                                              expert_tensor_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234, te_rng_tracker=True)
+    mg.seed_like_megatron()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if broken:
         from megatron.core.transformer.moe import moe_utils

@@ -2,7 +2,9 @@
 package through the `transformer_engine` alias: its TE GPT layer spec, a
 2-layer GPTModel at TP=2 with sequence parallelism on the CPU (gloo)
 against a float64 reference, and training with Megatron's DDP and optimizer
-(run_megatron_gpt.py). Skipped only when megatron-core is not installed."""
+(run_megatron_gpt.py), initialised on the CPU (use_cpu_initialization) and
+as a CUDA run initialises (each layer its shard under the per-rank RNG
+fork). Skipped only when megatron-core is not installed."""
 import importlib.util
 import os
 import subprocess
@@ -18,9 +20,12 @@ needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is 
 
 
 @needs_megatron
-def test_megatron_gpt_tp2_sequence_parallel_cpu():
-    out = run_torchrun("run_megatron_gpt.py", 2, timeout=600, pass_line="PASS run_megatron_gpt (TP=2, cpu)")
-    assert "compared loss and 29 parameter gradients" in out, out[-3000:]
+@pytest.mark.parametrize("init", ["cpu", "device"])
+def test_megatron_gpt_tp2_sequence_parallel_cpu(init):
+    out = run_torchrun("run_megatron_gpt.py", 2, ["--init", init], timeout=600,
+                       pass_line="PASS run_megatron_gpt (TP=2, cpu)")
+    assert "compared loss and 29 parameter gradients" in out and f"init {init}" in out, out[-3000:]
+    assert "plain: loss" in out and "largest gradient error" in out, out[-3000:]
 
 
 @needs_megatron
@@ -29,6 +34,18 @@ def test_megatron_gpt_checker_catches_a_wrong_gradient():
     proc = torchrun("run_megatron_gpt.py", 2, ["--corrupt", name, "--steps", "1"], timeout=600)
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert f"plain: {name} gradient relative error" in proc.stdout, proc.stdout[-3000:]
+
+
+@needs_megatron
+def test_megatron_gpt_checker_catches_unequal_replicated_parameters():
+    """Seeded only as Megatron-Core seeds (not the CPU generator, which
+    PyTorch seeds per process), the position embeddings differ across the
+    ranks: the run must fail naming them, before comparing gradients."""
+    proc = torchrun("run_megatron_gpt.py", 2, ["--skip-cpu-seed", "--init", "device", "--steps", "1"], timeout=600)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    want = ("replicated parameter before the first step: embedding.position_embeddings.weight differs across "
+            "the tensor-parallel ranks")
+    assert want in proc.stdout, proc.stdout[-3000:]
 
 
 @needs_megatron
@@ -43,10 +60,12 @@ def test_megatron_moe_grouped_experts_and_fused_router():
 
 @needs_megatron
 @pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU")
-def test_megatron_gpt_cuda():
-    """TP=1 on one GPU, or TP=N with TEC_SHARE_GPU=N ranks sharing it."""
+@pytest.mark.parametrize("init", ["device", "cpu"])
+def test_megatron_gpt_cuda(init):
+    """TP=1 on one GPU, or TP=N with TEC_SHARE_GPU=N ranks sharing it; the
+    layers initialised on the GPU, or on the CPU and moved."""
     n = max(1, min(gpu_count(), 2))
-    run_torchrun("run_megatron_gpt.py", n, ["--device", "cuda"], timeout=600,
+    run_torchrun("run_megatron_gpt.py", n, ["--device", "cuda", "--init", init], timeout=600,
                  pass_line=f"PASS run_megatron_gpt (TP={n}, cuda)")
 
 

@@ -78,14 +78,32 @@ def _meta_for(layer, recipe, device):
     meta = getattr(layer, "fp8_meta", None)
     if isinstance(recipe, DelayedScaling):
         fwd = meta.get("scaling_fwd") if meta else None
-        if fwd is None or fwd.amax_history.shape[0] != recipe.amax_history_len or fwd.scale.device != device:
+        if fwd is None or fwd.scale.device != device:
             meta = make_fp8_meta(recipe, type(layer)._fp8_num_gemms, device)
             layer.fp8_meta = meta
+        elif fwd.amax_history.shape[0] != recipe.amax_history_len:
+            _adjust_history(meta, recipe.amax_history_len)
     elif meta is None or "scaling_fwd" in meta:
         meta = layer.fp8_meta = {"recipe": recipe, "fp8_group": None}
     meta["recipe"] = recipe
     meta["fp8_group"] = _State.get_fp8_group()
     return meta
+
+
+def _adjust_history(meta, length):
+    """TE's rule for a recipe whose history length differs from the meta's
+    (a loaded checkpoint, a changed recipe): the newest `length` rows are
+    kept (row 0 first), or zero rows appended; the scales stay. The meta is
+    registered again (its history is a new tensor)."""
+    for key in ("scaling_fwd", "scaling_bwd"):
+        m = meta[key]
+        h = m.amax_history
+        if length < h.shape[0]:
+            h = h[:length].clone()
+        else:
+            h = F.pad(h, (0, 0, 0, length - h.shape[0]))
+        meta[key] = type(m).of(m.scale, m.scale_inv, h)
+    meta.pop(_State.get_buffer_info(), None)
 
 
 _warned = set()

@@ -18,13 +18,12 @@ module/_steps.py; the per-configuration plan and the per-call facts in
 module/_plan.py; the weight-gradient policy in module/_wgrad.py.
 """
 import enum
-import io
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
+from . import _extra_state
 from ._config import TPConfig, UBConfig, check_same_size
 from ._plan import PLAN_ATTRS, LinearPlan
 from ._weights import is_distributed_weight
@@ -176,27 +175,17 @@ def _set_tp_attributes(t, is_parallel, dim):
 
 
 class ExtraStateMixin:
-    """TransformerEngine's `_extra_state` entry of a module's state_dict, so
-    that TE's state_dicts and ours load into each other with strict=True.
-    TE's modules save their FP8 metadata there as a pickled uint8 CPU tensor,
-    and an empty uint8 tensor when there is none (every non-FP8 model); this
-    package has no FP8 state and always saves the empty tensor. On load: None
-    or an empty tensor is nothing to restore; a non-empty tensor (or TE 1.x's
-    io.BytesIO) is FP8 scaling metadata, which is not read (it is not
-    unpickled) and is ignored with a warning; anything else is a TypeError."""
+    """TransformerEngine's `_extra_state` entry of a module's state_dict, in
+    TE's format (the FP8 recipe and delayed scaling's fp8_meta, pickled into
+    a uint8 CPU tensor; an empty one without FP8 state), so that TE's
+    state_dicts and ours load into each other with strict=True. Reading and
+    writing it is module/_extra_state.py's."""
 
     def get_extra_state(self):
-        return torch.empty(0, dtype=torch.uint8)
+        return _extra_state.get_extra_state(self)
 
     def set_extra_state(self, state):
-        if state is None or isinstance(state, torch.Tensor) and state.numel() == 0:
-            return
-        if isinstance(state, (torch.Tensor, io.BytesIO)):
-            warnings.warn(f"{type(self).__name__}: the checkpoint's _extra_state holds TransformerEngine FP8 "
-                          "metadata, which this package does not use; it is ignored", stacklevel=3)
-            return
-        raise TypeError(f"{type(self).__name__}: _extra_state must be a uint8 tensor (TransformerEngine's format), "
-                        f"got {type(state).__name__}")
+        _extra_state.set_extra_state(self, state)
 
 
 class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):

@@ -87,6 +87,8 @@ class GroupedLinear(TransformerEngineBaseModule):
     is_first_microbatch=None). Userbuffers overlap and delay_wgrad_compute
     raise NotImplementedError."""
 
+    _fp8_num_gemms = None  # no FP8 yet: a checkpoint's FP8 state is ignored (module/_extra_state.py)
+
     def __init__(self, num_gemms, in_features, out_features, sequence_parallel=False, fuse_wgrad_accumulation=False,
                  tp_group=None, tp_size=1, get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
                  bias=True, return_bias=False, params_dtype=None, parallel_mode=None, device=None,
