@@ -307,3 +307,59 @@ def test_fp8_gemm_with_k_zero(device):
     acc = torch.full((16, 32), 2.0, device=device)
     F.fp8_gemm(a, one, E4M3, b, one, E4M3, out=acc, accumulate=True)
     assert torch.equal(acc.cpu(), torch.full((16, 32), 2.0))
+
+
+def _history_cases(gen, length, n):
+    h = torch.rand(length, n, generator=gen) * torch.exp2(torch.randint(-20, 20, (length, n), generator=gen).float())
+    h[:, 0] = 0.0                                 # amax 0: the old scale stays
+    if length > 1:
+        h[1, 1] = float("nan")                    # NaN entries are skipped by "max"
+        h[0, 2] = float("inf")                    # inf: the old scale stays
+    h[0, 3] = float("nan")                        # most_recent NaN: the old scale stays
+    h[:, 4] = 1e-44                               # fp8_max / amax overflows: FLT_MAX
+    return h
+
+
+@pytest.mark.parametrize("length", [1, 2, 31, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 1, 0.5])
+def test_delayed_update_equals_the_rule(device, length, algo, margin):
+    """The engine's one-call update is bit-identical to _fp8_meta's rule in
+    torch operations (which a callable amax_compute_algo still takes)."""
+    from transformer_engine_c import _fp8_meta
+    from transformer_engine_c.recipe import DelayedScaling
+
+    gen = torch.Generator().manual_seed(length)
+    n = 6
+    h = _history_cases(gen, length, n).to(device)
+    scale = (torch.rand(n, generator=gen) + 0.5).to(device)
+    fast = _fp8_meta.FP8TensorMeta.of(scale.clone(), torch.zeros(n, device=device), h.clone())
+    slow = _fp8_meta.FP8TensorMeta.of(scale.clone(), torch.zeros(n, device=device), h.clone())
+    recipe = DelayedScaling(amax_history_len=length, amax_compute_algo=algo, margin=margin)
+    _fp8_meta.amax_and_scale_update(fast, 448.0, recipe)
+    torch_rule = (lambda t: t[0]) if algo == "most_recent" else \
+        (lambda t: torch.where(t.isnan(), torch.zeros_like(t), t).max(dim=0).values)
+    _fp8_meta.amax_and_scale_update(slow, 448.0, DelayedScaling(amax_history_len=length, amax_compute_algo=torch_rule,
+                                                                margin=margin))
+    for a, b in ((fast.scale, slow.scale), (fast.scale_inv, slow.scale_inv), (fast.amax_history, slow.amax_history)):
+        assert torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
+    assert not torch.equal(fast.scale.cpu(), scale.cpu())  # something was updated
+
+
+def test_delayed_update_checker_sees_a_wrong_scale():
+    from transformer_engine_c import _fp8_meta
+    from transformer_engine_c.recipe import DelayedScaling
+
+    h = torch.rand(4, 3) + 0.1
+    a = _fp8_meta.FP8TensorMeta.of(torch.ones(3), torch.ones(3), h.clone())
+    b = _fp8_meta.FP8TensorMeta.of(torch.ones(3), torch.ones(3), h.clone())
+    _fp8_meta.amax_and_scale_update(a, 448.0, DelayedScaling(amax_history_len=4))
+    _fp8_meta.amax_and_scale_update(b, 448.0, DelayedScaling(amax_history_len=4, margin=1))
+    assert not torch.equal(a.scale, b.scale)
+
+
+def test_delayed_update_bad_input():
+    with pytest.raises(ValueError, match="history length"):
+        F.delayed_update(torch.zeros(F.HISTORY_MAX + 1, 2), torch.ones(2), torch.ones(2), 448.0)
+    with pytest.raises(ValueError, match="scale must be"):
+        F.delayed_update(torch.zeros(4, 2), torch.ones(3), torch.ones(2), 448.0)

@@ -119,6 +119,25 @@ def scale_from_amax(amax, fp8_dtype, *, power_2_scale=False, amax_epsilon=0.0, s
     return scale, scale_inv
 
 
+HISTORY_MAX = 8192  # TEC_FP8_HISTORY_MAX
+
+
+def delayed_update(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=False):
+    """Delayed scaling's update of n roles in one engine call (tec.h's
+    tec_fp8_delayed_update; _fp8_meta's rule with "max" or "most_recent"
+    and the default scale rule): history [len, n], scale and scale_inv [n],
+    contiguous float32 tensors on one device, updated in place."""
+    length, n = history.shape
+    for t, name, shape in ((history, "history", (length, n)), (scale, "scale", (n,)), (scale_inv, "scale_inv", (n,))):
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device != history.device:
+            raise ValueError(f"delayed_update: {name} must be a contiguous float32 {shape} tensor on {history.device}")
+    if not 1 <= length <= HISTORY_MAX:
+        raise ValueError(f"delayed_update: history length {length} is not in 1..{HISTORY_MAX}")
+    _C.fp8_delayed_update(device_code(history.device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(),
+                          length, n, float(fp8_max), float(divisor), int(bool(most_recent)),
+                          stream_of(history.device))
+
+
 def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torch.bfloat16, bias=None, out=None,
              accumulate=False, use_split_accumulator=True):
     """out[m, n] (+)= (a_scale_inv * A[m, k]) @ (b_scale_inv * B[n, k])^T (+ bias).

@@ -26,6 +26,7 @@ import enum
 
 import torch
 
+from . import _fp8_engine
 from .recipe import DelayedScaling, Format
 
 __all__ = ["FP8FwdTensors", "FP8BwdTensors", "FP8TensorMeta", "make_fp8_meta", "amax_and_scale_update",
@@ -128,7 +129,14 @@ def amax_and_scale_update(meta, fp8_max, recipe):
     rule in this module's docstring). In-place copies keep every tensor's
     storage, so quantizers holding views of scale / amax_history stay valid."""
     history = meta.amax_history
-    amax = _amax_from_history(history, recipe.amax_compute_algo)
+    algo = recipe.amax_compute_algo
+    if (recipe.scaling_factor_compute_algo is None and algo in ("max", "most_recent")
+            and history.shape[0] <= _fp8_engine.HISTORY_MAX and history.is_contiguous()):
+        # the same rule in one engine call (no op per step of the rule)
+        _fp8_engine.delayed_update(history, meta.scale, meta.scale_inv, fp8_max, 2.0 ** recipe.margin,
+                                   algo == "most_recent")
+        return
+    amax = _amax_from_history(history, algo)
     if recipe.scaling_factor_compute_algo is None:
         new_scale = default_scale_from_amax(amax, meta.scale, fp8_max, recipe)
     else:

@@ -40,6 +40,8 @@ typedef struct tec_fp8_ops {
     tec_status (*scale_from_amax)(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
                                   float fp8_max, int pow2, float epsilon, void *stream);
     tec_status (*gemm)(int device, const tec_fp8_gemm_args *a, void *stream);
+    tec_status (*delayed_update)(int device, float *history, float *scale, float *scale_inv, int64_t len, int64_t n,
+                                 float fp8_max, float divisor, int most_recent, void *stream);
 } tec_fp8_ops;
 
 typedef struct tec_backend {
@@ -62,7 +64,8 @@ typedef struct tec_backend {
     const tec_fp8_ops *fp8;
 } tec_backend;
 
-#define TEC_BACKEND_ABI 6 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8 */
+#define TEC_BACKEND_ABI 7 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
+                            * 7: fp8 delayed_update */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {

@@ -83,6 +83,26 @@ tec_status tec_fp8_scale_from_amax(int device, const float *amax, float *scale, 
     return ops->scale_from_amax(device, amax, scale, scale_inv, n, fp8_max, pow2 != 0, epsilon, stream);
 }
 
+tec_status tec_fp8_delayed_update(int device, float *history, float *scale, float *scale_inv, int64_t len, int64_t n,
+                                  float fp8_max, float divisor, int most_recent, void *stream)
+{
+    const tec_fp8_ops *ops = NULL;
+    tec_status st = fp8_backend("fp8 delayed_update", device, &ops);
+    if (st)
+        return st;
+    if (len < 1 || len > TEC_FP8_HISTORY_MAX || n < 0 || n > (int64_t)1 << 20)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 delayed_update: history length %lld (1..%d) or %lld roles "
+                             "out of range", (long long)len, TEC_FP8_HISTORY_MAX, (long long)n);
+    if (!(fp8_max > 0.0f && fp8_max < 3.4e38f) || !(divisor > 0.0f && divisor < 3.4e38f))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 delayed_update: fp8_max %g and divisor %g must be finite and > 0",
+                             (double)fp8_max, (double)divisor);
+    if (n > 0 && (!history || !scale || !scale_inv))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 delayed_update: missing history, scale or scale_inv");
+    if (n == 0)
+        return TEC_OK;
+    return ops->delayed_update(device, history, scale, scale_inv, len, n, fp8_max, divisor, most_recent != 0, stream);
+}
+
 tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream)
 {
     const tec_fp8_ops *ops = NULL;

@@ -359,6 +359,17 @@ tec_status tec_fp8_amax(int device, const void *x, int64_t n, tec_dtype dtype, f
 tec_status tec_fp8_scale_from_amax(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
                                    float fp8_max, int pow2, float epsilon, void *stream);
 
+/* Delayed scaling's update of n tensor roles after a step, in place:
+ * history is [len, n] float32 row-major (row 0 the step's amaxes). For each
+ * role c: amax = the max of its column with NaN entries skipped (its row 0
+ * with most_recent); s = (fp8_max / amax) / divisor (FLT_MAX when that
+ * overflows); scale[c] = s where amax is finite and > 0, else unchanged;
+ * scale_inv[c] = 1 / scale[c]; the column rolls one row up (row 0 to the
+ * end) and its new row 0 is zeroed. len <= TEC_FP8_HISTORY_MAX. */
+#define TEC_FP8_HISTORY_MAX 8192
+tec_status tec_fp8_delayed_update(int device, float *history, float *scale, float *scale_inv, int64_t len, int64_t n,
+                                  float fp8_max, float divisor, int most_recent, void *stream);
+
 /* FP8 GEMM, the TN layout of cuBLASLt: row-major
  *   C[m, n] (+)= (a_scale_inv * A[m, k]) @ (b_scale_inv * B[n, k])^T (+ bias)
  * A and B are FP8 (lda, ldb >= k; at most one of them E5M2); scales one

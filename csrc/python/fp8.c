@@ -71,6 +71,23 @@ static PyObject *py_fp8_scale_from_amax(PyObject *m, PyObject *const *args, Py_s
     return run(m, st);
 }
 
+/* fp8_delayed_update(device, history, scale, scale_inv, len, n, fp8_max,
+ *                    divisor, most_recent, stream) */
+static PyObject *py_fp8_delayed_update(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_delayed_update", 10);
+    int dev, recent;
+    int64_t len, n;
+    void *hist, *scale, *scale_inv, *stream;
+    double fp8_max, divisor;
+    DEV(0, dev); PTR(1, hist); PTR(2, scale); PTR(3, scale_inv); I64(4, len); I64(5, n); DBL(6, fp8_max);
+    DBL(7, divisor); BOOL(8, recent, "most_recent"); PTR(9, stream);
+    tec_status st;
+    CALL(tec_fp8_delayed_update(dev, (float *)hist, (float *)scale, (float *)scale_inv, len, n, (float)fp8_max,
+                                (float)divisor, recent, stream));
+    return run(m, st);
+}
+
 /* fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv,
  *          b_scale_inv, c, ldc, c_dtype, bias, accumulate, fast_accum,
  *          workspace, workspace_bytes, stream) */
@@ -96,6 +113,8 @@ PyMethodDef tec_fp8_methods[] = {
     {"fp8_amax", (PyCFunction)(void (*)(void))py_fp8_amax, METH_FASTCALL, "fp8_amax(device, dtype, n, x, amax, stream)"},
     {"fp8_scale_from_amax", (PyCFunction)(void (*)(void))py_fp8_scale_from_amax, METH_FASTCALL,
      "fp8_scale_from_amax(device, n, amax, scale, scale_inv, fp8_max, pow2, epsilon, stream)"},
+    {"fp8_delayed_update", (PyCFunction)(void (*)(void))py_fp8_delayed_update, METH_FASTCALL,
+     "fp8_delayed_update(device, history, scale, scale_inv, len, n, fp8_max, divisor, most_recent, stream)"},
     {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_FASTCALL,
      "fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv, b_scale_inv, c, ldc, c_dtype, "
      "bias, accumulate, fast_accum, workspace, workspace_bytes, stream)"},

@@ -44,12 +44,16 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .. import _C
 from .. import _fp8_engine as E
+from .._engine import DTYPE_CODES
 from .._fp8_meta import fp8_dtype_of, make_fp8_meta
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8CurrentScaling
 
 _E4M3 = torch.float8_e4m3fn
+_U8, _F32 = torch.uint8, torch.float32
+_CODES, _MAX = E.FP8_DTYPES, E.FP8_MAX
 
 
 class Operand:
@@ -118,10 +122,11 @@ def _warn_no_overlap(layer):
                       "calls run the plain collectives", UserWarning, stacklevel=5)
 
 
-def layer_call(layer, x, grad, first_mb):
-    """The FP8Call of one layer call inside an enabled autocast (x: the
-    layer input, checked against TE's FP8 shape rule; grad: backward will
-    run)."""
+def layer_call(call, layer, x, grad, first_mb):
+    """The FP8Call of one layer call (module/_plan.Call: the engine device
+    code, stream and workspace the casts and GEMMs use) inside an enabled
+    autocast (x: the layer input, checked against TE's FP8 shape rule;
+    grad: backward will run)."""
     recipe = _State.get_fp8_recipe()
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise NotImplementedError(f"{type(layer).__name__}: {type(recipe).__name__} is not supported in the "
@@ -137,7 +142,7 @@ def layer_call(layer, x, grad, first_mb):
         raise ValueError(f"{type(layer).__name__}: sequence parallelism in FP8 with DelayedScaling needs "
                          "reduce_amax=True (the gathered tensors share one scale over the group)")
     _warn_no_overlap(layer)
-    return FP8Call(layer, recipe, grad, first_mb)
+    return FP8Call(call, layer, recipe, grad, first_mb)
 
 
 class FP8Call:
@@ -146,10 +151,11 @@ class FP8Call:
     reads, and the backward's quantized output gradients. `gi` is the GEMM
     the steps are running (0 or 1, LayerNormMLP's fc2 being 1)."""
 
-    __slots__ = ("layer", "recipe", "delayed", "meta", "fwd", "bwd", "split", "qparams", "grad", "first_mb",
+    __slots__ = ("call", "layer", "recipe", "delayed", "meta", "fwd", "bwd", "split", "qparams", "grad", "first_mb",
                  "reduce_bwd", "gi", "inputs", "weights", "grads", "need_wgrad", "recomputing", "keep_t")
 
-    def __init__(self, layer, recipe, grad, first_mb):
+    def __init__(self, call, layer, recipe, grad, first_mb):
+        self.call = call
         self.layer, self.recipe, self.grad, self.first_mb = layer, recipe, grad, first_mb
         device = _param_device(layer)
         self.meta = _meta_for(layer, recipe, device)
@@ -181,15 +187,30 @@ class FP8Call:
         """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
         that scale and no amax; under delayed scaling the role's scale and
         amax-history entry; under current scaling t's own amax."""
-        amax = None
+        c = self.call
+        amax = 0
+        code = DTYPE_CODES[t.dtype]
         if scale is None:
             if self.delayed:
                 m = self.meta["scaling_fwd" if forward else "scaling_bwd"]
-                scale, amax = m.scale[role:role + 1], m.amax_history[0][role:role + 1]
-            else:
-                scale = E.scale_from_amax(E.amax(t), fp8_dtype, power_2_scale=qp.power_2_scale,
-                                          amax_epsilon=qp.amax_epsilon)[0]
-        data, data_t, scale_inv = E.quantize(t, fp8_dtype, scale, amax=amax, rowwise=rowwise, columnwise=columnwise)
+                scale = m.scale[role:role + 1]
+                amax = m.amax_history.data_ptr() + 4 * role  # row 0's entry
+            else:  # the tensor's amax, then its scale (tec.h's current-scaling rule), on the device
+                buf = torch.empty(2, dtype=_F32, device=t.device)
+                p = buf.data_ptr()
+                _C.fp8_amax(c.dev, code, t.numel(), t.data_ptr(), p, c.stream)
+                _C.fp8_scale_from_amax(c.dev, 1, p, p + 4, 0, _MAX[fp8_dtype], int(qp.power_2_scale),
+                                       float(qp.amax_epsilon), c.stream)
+                scale = buf[1:2]
+        # t is contiguous (the steps' tensors are), viewed as [rows, last dim]
+        cols = t.shape[-1]
+        rows = t.numel() // cols if cols else 0
+        data = torch.empty(t.shape, dtype=_U8, device=t.device) if rowwise else None
+        data_t = torch.empty((cols, rows), dtype=_U8, device=t.device) if columnwise else None
+        scale_inv = torch.empty(1, dtype=_F32, device=t.device)
+        _C.fp8_quantize(c.dev, code, _CODES[fp8_dtype], rows, cols, t.data_ptr(), scale.data_ptr(),
+                        0 if data is None else data.data_ptr(), 0 if data_t is None else data_t.data_ptr(), amax,
+                        scale_inv.data_ptr(), c.stream)
         return Operand(data, data_t, scale, scale_inv, fp8_dtype, t)
 
     def input(self, x, keep_t):
@@ -281,14 +302,25 @@ def _bias_fused(out, b):
     return b.dtype is (torch.float16 if out.dtype is torch.float16 else torch.bfloat16)
 
 
+def _gemm(c, a, qa, b, qb, out, bias, accumulate, split):
+    """out [m, n] (+)= A [m, k] B [n, k]^T (+ bias) on FP8 data a, b of the
+    Operands qa, qb (their scale_inv and format), through the call's
+    device, workspace and stream; the layer checked the shapes."""
+    m, k = a.shape
+    n = b.shape[0]
+    _C.fp8_gemm(c.dev, m, n, k, _CODES[qa.dtype], _CODES[qb.dtype], a.data_ptr(), max(k, 1), b.data_ptr(), max(k, 1),
+                qa.scale_inv.data_ptr(), qb.scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
+                0 if bias is None else bias.data_ptr(), int(accumulate), 0 if split else 1, c.ws, c.nbytes, c.stream)
+    return out
+
+
 def fprop(f, x, w, b, out, keep_t):
     """out = X W^T (+ b) in FP8 (x: [rows, k] or 3-D, out its [rows, n])."""
     qx = f.input(x, keep_t)
     qw = f.weight(w)
     o = _as_2d(out)
     fuse = _bias_fused(o, b)
-    E.fp8_gemm(_as_2d(qx.data), qx.scale_inv, qx.dtype, qw.data, qw.scale_inv, qw.dtype, out=o,
-               bias=b if fuse else None, use_split_accumulator=f.split[0])
+    _gemm(f.call, _as_2d(qx.data), qx, qw.data, qw, o, b if fuse else None, False, f.split[0])
     if b is not None and not fuse:
         o += b
 
@@ -297,13 +329,12 @@ def dgrad(f, dy, out):
     """out [rows, k] = dY W in FP8 (W's transpose of this call's forward)."""
     qdy = f.grad_output(dy)
     qw = f.weights[f.gi]
-    E.fp8_gemm(_as_2d(qdy.data), qdy.scale_inv, qdy.dtype, qw.data_t, qw.scale_inv, qw.dtype, out=_as_2d(out),
-               use_split_accumulator=f.split[1])
+    _gemm(f.call, _as_2d(qdy.data), qdy, qw.data_t, qw, _as_2d(out), None, False, f.split[1])
 
 
 def wgrad_operands(f, dy, xt):
     """(dY^T, X^T) of GEMM gi as FP8 Operands, for wgrad now or later."""
-    return f.grad_output(dy), f.wgrad_input(xt), f.split[2]
+    return f.grad_output(dy), f.wgrad_input(xt), f.split[2], f.call
 
 
 def wgrad(ops, out_dtype, out=None, accumulate=False):
@@ -311,11 +342,12 @@ def wgrad(ops, out_dtype, out=None, accumulate=False):
     (accumulated with `accumulate`, e.g. an fp32 main_grad) or a fresh
     out_dtype tensor. A token count that is not a multiple of 16 (the GEMM's
     inner dimension) is padded with zero columns."""
-    qdy, qx, split = ops
+    qdy, qx, split, c = ops
     a, b = qdy.data_t, qx.data_t
     rows = a.shape[1]
     if rows % 16:
         pad = 16 - rows % 16
         a, b = F.pad(a, (0, pad)), F.pad(b, (0, pad))
-    return E.fp8_gemm(a, qdy.scale_inv, qdy.dtype, b, qx.scale_inv, qx.dtype, out_dtype=out_dtype, out=out,
-                      accumulate=accumulate, use_split_accumulator=split)
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+    return _gemm(c, a, qdy, b, qx, out, None, accumulate, split)

@@ -128,7 +128,7 @@ def make_call(layer, plan, x, w, params, is_first_microbatch):
                                   "implemented")
     if _FP8State.FP8_ENABLED:  # the GEMMs run in FP8 (module/_fp8.py)
         from ._fp8 import layer_call
-        c.fp8 = layer_call(layer, x, _is_grad_enabled(), is_first_microbatch)
+        c.fp8 = layer_call(c, layer, x, _is_grad_enabled(), is_first_microbatch)
     dtype = w.dtype
     ready = False
     shapes = plan.shapes

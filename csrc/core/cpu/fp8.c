@@ -205,9 +205,37 @@ done:
     return st;
 }
 
+static tec_status cpu_delayed_update(int device, float *history, float *scale, float *scale_inv, int64_t len,
+                                     int64_t n, float fp8_max, float divisor, int most_recent, void *stream)
+{
+    (void)device; (void)stream;
+    for (int64_t c = 0; c < n; c++) {
+        float amax = -INFINITY;
+        for (int64_t i = 0; i < len; i++) { /* NaN entries count as 0 */
+            const float v = history[i * n + c];
+            amax = fmaxf(amax, isnan(v) ? 0.0f : v);
+        }
+        if (most_recent)
+            amax = history[c];
+        float s = (fp8_max / amax) / divisor;
+        if (isinf(s))
+            s = 3.40282347e38f;
+        if (isfinite(amax) && amax > 0.0f)
+            scale[c] = s;
+        scale_inv[c] = 1.0f / scale[c];
+        const float first = history[c];
+        for (int64_t i = 0; i + 1 < len; i++)
+            history[i * n + c] = history[(i + 1) * n + c];
+        history[(len - 1) * n + c] = first;
+        history[c] = 0.0f;
+    }
+    return TEC_OK;
+}
+
 const tec_fp8_ops tec_cpu_fp8 = {
     .quantize = cpu_quantize,
     .amax = cpu_amax,
     .scale_from_amax = cpu_scale_from_amax,
     .gemm = cpu_fp8_gemm,
+    .delayed_update = cpu_delayed_update,
 };

@@ -394,9 +394,52 @@ out:
     return s;
 }
 
+/* Delayed scaling's update (tec.h): one block per role, its history
+ * column staged in shared memory so that the roll reads before it writes. */
+__global__ void __launch_bounds__(256) delayed_update_kernel(float *hist, float *scale, float *scale_inv, int64_t len,
+                                                             int64_t n, float fp8_max, float divisor, int most_recent)
+{
+    extern __shared__ float col[];
+    __shared__ float amax_s;
+    const int64_t c = blockIdx.x;
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+        const float v = hist[i * n + c];
+        col[i] = v;
+        m = fmaxf(m, isnan(v) ? 0.0f : v);
+    }
+    m = block_max(m); /* (its own __syncthreads: col is complete after it) */
+    if (threadIdx.x == 0) {
+        const float amax = most_recent ? col[0] : m;
+        float s = (fp8_max / amax) / divisor;
+        if (isinf(s))
+            s = 3.40282347e38f;
+        float cur = scale[c];
+        if (isfinite(amax) && amax > 0.0f)
+            cur = s;
+        scale[c] = cur;
+        scale_inv[c] = 1.0f / cur;
+        amax_s = amax;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x)
+        hist[i * n + c] = i == 0 ? 0.0f : (i == len - 1 ? col[0] : col[i + 1]);
+}
+
+static tec_status cuda_delayed_update(int device, float *history, float *scale, float *scale_inv, int64_t len,
+                                      int64_t n, float fp8_max, float divisor, int most_recent, void *stream)
+{
+    TEC_CUDA_ENTER(device);
+    delayed_update_kernel<<<(unsigned)n, 256, (size_t)len * sizeof(float), (cudaStream_t)stream>>>(
+        history, scale, scale_inv, len, n, fp8_max, divisor, most_recent);
+    TEC_CUDA_LAUNCH_CHECK("fp8 delayed_update kernel");
+    return TEC_OK;
+}
+
 const tec_fp8_ops tec_cuda_fp8 = {
     cuda_quantize,        /* quantize */
     cuda_amax,            /* amax */
     cuda_scale_from_amax, /* scale_from_amax */
     cuda_fp8_gemm,        /* gemm */
+    cuda_delayed_update,  /* delayed_update */
 };
