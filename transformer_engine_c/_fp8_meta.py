@@ -118,7 +118,10 @@ def default_scale_from_amax(amax, scale, fp8_max, recipe):
     """TE's rule: fp8_max / amax / 2^margin where amax is finite and > 0,
     else the old scale; FLT_MAX where the quotient is inf."""
     # IEEE division (a float divided by a tensor is a reciprocal and a product in torch, an ulp off)
-    sf = (torch.full_like(amax, fp8_max) / amax) / (2.0 ** recipe.margin)
+    # (and a tensor divisor: on CUDA a tensor divided by a number is a product with its reciprocal)
+    sf = torch.full_like(amax, fp8_max) / amax
+    if recipe.margin:
+        sf = sf / torch.full_like(sf, 2.0 ** recipe.margin)
     sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FLT_MAX), sf)
     keep = ~(torch.isfinite(amax) & (amax > 0))
     return torch.where(keep, scale, sf)
