@@ -51,7 +51,6 @@ from .._fp8_meta import fp8_dtype_of, make_fp8_meta
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8CurrentScaling
 
-_E4M3 = torch.float8_e4m3fn
 _U8, _F32 = torch.uint8, torch.float32
 _CODES, _MAX = E.FP8_DTYPES, E.FP8_MAX
 
