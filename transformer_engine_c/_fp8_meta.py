@@ -105,6 +105,22 @@ def make_fp8_meta(recipe, num_gemms=1, device=None):
     }
 
 
+def fit_history(h, length):
+    """TE's rule for an amax history of another length: its first `length`
+    rows (row 0, the newest, first), or zero rows appended."""
+    if h.shape[0] > length:
+        return h[:length]
+    return torch.nn.functional.pad(h, (0, 0, 0, length - h.shape[0])) if h.shape[0] < length else h
+
+
+def module_device(module):
+    """The device of a module's parameters (the CPU without any): where its
+    fp8_meta lives."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
 def _amax_from_history(history, algo):
     if callable(algo):
         return algo(history)

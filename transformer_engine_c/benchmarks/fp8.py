@@ -109,12 +109,7 @@ def parse(argv):
         args.shapes = {b: shapes for b in BLOCKS}
     else:
         args.shapes = GPU_SHAPES if cuda else {b: [CPU_SHAPE] for b in BLOCKS}
-    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
-    args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
-    args.iters = args.iters if args.iters is not None else (30 if cuda else 3)
-    if args.batch < 1 or args.iters < 1 or args.warmup < 0:
-        ap.error("--batch and --iters must be >= 1, --warmup >= 0")
-    return args
+    return tp1.sampling_defaults(ap, args, cuda, cpu_iters=3)
 
 
 def why(exc):

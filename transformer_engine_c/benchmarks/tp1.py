@@ -51,9 +51,15 @@ def parse(argv):
     bad = [c for c in args.layers if c not in LAYERS]
     if bad:
         ap.error(f"unknown layer(s) {bad}; expected some of {LAYERS}")
+    return sampling_defaults(ap, args, cuda, cpu_iters=5)
+
+
+def sampling_defaults(ap, args, cuda, cpu_iters):
+    """--dtype, --warmup and --iters defaulted for the device, --batch /
+    --iters / --warmup checked (this benchmark's and the --fp8 one's)."""
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
-    args.iters = args.iters if args.iters is not None else (30 if cuda else 5)
+    args.iters = args.iters if args.iters is not None else (30 if cuda else cpu_iters)
     if args.batch < 1 or args.iters < 1 or args.warmup < 0:
         ap.error("--batch and --iters must be >= 1, --warmup >= 0")
     return args

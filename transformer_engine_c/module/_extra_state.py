@@ -31,10 +31,9 @@ import pickle
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from .. import recipe as _recipe
-from .._fp8_meta import make_fp8_meta
+from .._fp8_meta import fit_history, make_fp8_meta, module_device
 
 __all__ = ["get_extra_state", "set_extra_state", "loads"]
 
@@ -186,20 +185,6 @@ def _checked_scaling(state, num_gemms, name):
     return out
 
 
-def _fit_history(h, length):
-    """TE's rule for an amax history of another length: the first `length`
-    rows, or zero rows appended."""
-    if h.shape[0] > length:
-        return h[:length]
-    return F.pad(h, (0, 0, 0, length - h.shape[0])) if h.shape[0] < length else h
-
-
-def _param_device(module):
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _fits(meta, num_gemms, length, device):
     fwd = meta.get("scaling_fwd") if meta else None
     return (fwd is not None and fwd.scale.numel() == 3 * num_gemms and fwd.amax_history.shape[0] == length
@@ -247,7 +232,7 @@ def set_extra_state(module, state):
     meta = getattr(module, "fp8_meta", None)
     if isinstance(recipe, _recipe.DelayedScaling):
         scaling = _checked_scaling(state, num_gemms, name)
-        device = _param_device(module)
+        device = module_device(module)
         if not _fits(meta, num_gemms, recipe.amax_history_len, device):
             meta = make_fp8_meta(recipe, num_gemms, device)
             module.fp8_meta = meta
@@ -259,7 +244,7 @@ def set_extra_state(module, state):
                 m = meta[f"scaling_{d}"]
                 m.scale.copy_(scaling[f"scale_{d}"])
                 torch.reciprocal(m.scale, out=m.scale_inv)
-                m.amax_history.copy_(_fit_history(scaling[f"amax_history_{d}"], recipe.amax_history_len))
+                m.amax_history.copy_(fit_history(scaling[f"amax_history_{d}"], recipe.amax_history_len))
     else:
         if meta is None or "scaling_fwd" in meta:
             meta = module.fp8_meta = {"recipe": recipe, "fp8_group": None}

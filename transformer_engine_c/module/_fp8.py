@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from .. import _C
 from .. import _fp8_engine as E
 from .._engine import DTYPE_CODES
-from .._fp8_meta import fp8_dtype_of, make_fp8_meta
+from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8CurrentScaling
 
@@ -100,12 +100,7 @@ def _adjust_history(meta, length):
     registered again (its history is a new tensor)."""
     for key in ("scaling_fwd", "scaling_bwd"):
         m = meta[key]
-        h = m.amax_history
-        if length < h.shape[0]:
-            h = h[:length].clone()
-        else:
-            h = F.pad(h, (0, 0, 0, length - h.shape[0]))
-        meta[key] = type(m).of(m.scale, m.scale_inv, h)
+        meta[key] = type(m).of(m.scale, m.scale_inv, fit_history(m.amax_history, length).clone())
     meta.pop(_State.get_buffer_info(), None)
 
 
@@ -156,7 +151,7 @@ class FP8Call:
     def __init__(self, call, layer, recipe, grad, first_mb):
         self.call = call
         self.layer, self.recipe, self.grad, self.first_mb = layer, recipe, grad, first_mb
-        device = _param_device(layer)
+        device = module_device(layer)
         self.meta = _meta_for(layer, recipe, device)
         self.delayed = isinstance(recipe, DelayedScaling)
         self.fwd = fp8_dtype_of(recipe.fp8_format, True)
@@ -278,12 +273,6 @@ class FP8Call:
         if self.reduce_bwd:
             self.reduce_bwd = False
             _State.reduce_and_update_fp8_tensors(forward=False)
-
-
-def _param_device(layer):
-    for p in layer.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 # --------------------------------------------------------------- the GEMMs
