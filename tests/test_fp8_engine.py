@@ -79,7 +79,12 @@ def test_quantize_checker_catches_a_wrong_byte():
     assert_fp8_differs(got, want)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (127, 129), (8, 1000), (1000, 8), (2, 3, 48)])
+# (264, 520) and (136, 2056): the vector cast+transpose (rows and cols
+# multiples of 8) over several tiles with partial ones at both edges
+SHAPES = [(1, 1), (3, 5), (127, 129), (8, 1000), (1000, 8), (2, 3, 48), (264, 520), (136, 2056)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_quantize_shapes_and_fused_amax(device, shape, columnwise):
     gen = torch.Generator().manual_seed(sum(shape))
@@ -92,6 +97,43 @@ def test_quantize_shapes_and_fused_amax(device, shape, columnwise):
     if columnwise:
         assert_same_fp8(data_t.cpu(), want.reshape(-1, shape[-1]).t().contiguous(), E5M2)
     assert amax.item() == x.float().abs().max().item()
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(300, 16)])
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_fused_bias_gradient(device, shape, columnwise, dtype):
+    """dbias: x's column sums from the cast's own pass (float32 sums), the
+    codes unchanged by it, and the same sums on every run (a fixed order)."""
+    gen = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    cols = shape[-1]
+    want = x.double().reshape(-1, cols).sum(0)
+    sc = torch.tensor([2.0], device=device)
+    xd = x.to(device)
+    dbs = []
+    for _ in range(2):
+        db = torch.full((cols,), float("nan"), dtype=dtype, device=device)
+        data, data_t, _ = F.quantize(xd, E5M2, sc, columnwise=columnwise, dbias=db)
+        dbs.append(db.cpu())
+    assert_same_fp8(data.cpu(), torch_quantize(x, E5M2, 2.0), E5M2)
+    rows = x.numel() // cols
+    tol = dict(rtol=0, atol=(2e-5 * rows ** 0.5 + 1e-6) * 3) if dtype is torch.float32 else \
+        dict(rtol=1e-2, atol=1e-2 * 3 * rows ** 0.5)
+    torch.testing.assert_close(dbs[0].double(), want, **tol)
+    assert torch.equal(dbs[0], dbs[1])
+    bad = dbs[0].double().clone()
+    bad[cols // 2] += 1.0 + abs(float(want[cols // 2]))  # the check catches one wrong sum
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(bad, want, **tol)
+
+
+def test_quantize_dbias_bad_input():
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"dbias must be a contiguous torch.float32 tensor of shape \(16,\)"):
+        F.quantize(x, E4M3, torch.ones(1), dbias=torch.empty(8))
+    with pytest.raises(ValueError, match="dbias must be"):
+        F.quantize(x, E4M3, torch.ones(1), dbias=torch.empty(16, dtype=torch.bfloat16))
 
 
 def test_fused_amax_keeps_a_larger_value_and_ignores_nan(device):
@@ -262,9 +304,11 @@ def test_engine_checks_reach_python():
     one = torch.ones(1)
     with pytest.raises(ValueError, match="missing scale"):
         _C.fp8_quantize(-1, 0, 0, 1, 1, torch.ones(1).data_ptr(), 0, torch.empty(1, dtype=torch.uint8).data_ptr(),
-                        0, 0, 0, 0)
+                        0, 0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="format"):
-        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0)
+        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="dbias needs a workspace of 4 bytes, got 0"):
+        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, 0, 0, one.data_ptr(), 0, 0, 0)
     with pytest.raises(ValueError, match="fp8_max must be finite"):
         _C.fp8_scale_from_amax(-1, 1, one.data_ptr(), one.data_ptr(), 0, 0.0, 0, 0.0, 0)
     with pytest.raises(ValueError, match="leading dimension too small"):

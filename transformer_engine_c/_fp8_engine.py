@@ -51,12 +51,14 @@ def check_fp8_gemm_shape(shape, name):
 
 
 def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, out=None, out_t=None,
-             scale_inv=None):
+             scale_inv=None, dbias=None):
     """Cast x (float32/bf16/fp16, contiguous, viewed as [rows, last dim])
     to FP8 with `scale`: data = fp8(x * scale), saturating. Returns
     (data [x's shape] or None, data_t [last dim, rows] or None, scale_inv).
     amax, if given (float32, one element, e.g. an amax-history entry),
-    becomes max(amax, max |x|). out / out_t / scale_inv: preallocated outputs."""
+    becomes max(amax, max |x|). out / out_t / scale_inv: preallocated outputs.
+    dbias, if given (x's dtype, [last dim]), receives x's column sums (a bias
+    gradient, summed in float32) from the same pass."""
     check_tensor(x, "input")
     code = fp8_code(fp8_dtype)
     _scalar(scale, "scale", x.device)
@@ -83,9 +85,20 @@ def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, 
         scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     else:
         _scalar(scale_inv, "scale_inv", x.device)
+    ws, nbytes = None, 0
+    if dbias is not None:
+        if (not isinstance(dbias, torch.Tensor) or dbias.dtype != x.dtype or dbias.device != x.device
+                or tuple(dbias.shape) != (cols,) or not dbias.is_contiguous()):
+            raise ValueError(f"quantize: dbias must be a contiguous {x.dtype} tensor of shape ({cols},) on "
+                             f"{x.device}, got {getattr(dbias, 'dtype', type(dbias).__name__)} of shape "
+                             f"{tuple(getattr(dbias, 'shape', ()))} on {getattr(dbias, 'device', None)}")
+        nbytes = _C.fp8_quantize_workspace_bytes(rows, cols)
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     _C.fp8_quantize(device_code(x.device), DTYPE_CODES[x.dtype], code, rows, cols, x.data_ptr(), scale.data_ptr(),
                     out.data_ptr() if out is not None else 0, out_t.data_ptr() if out_t is not None else 0,
-                    amax.data_ptr() if amax is not None else 0, scale_inv.data_ptr(), stream_of(x.device))
+                    amax.data_ptr() if amax is not None else 0, scale_inv.data_ptr(),
+                    0 if dbias is None else dbias.data_ptr(), 0 if ws is None else ws.data_ptr(), nbytes,
+                    stream_of(x.device))
     return out, out_t, scale_inv
 
 

@@ -64,8 +64,8 @@ typedef struct tec_backend {
     const tec_fp8_ops *fp8;
 } tec_backend;
 
-#define TEC_BACKEND_ABI 7 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
-                            * 7: fp8 delayed_update */
+#define TEC_BACKEND_ABI 8 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
+                            * 7: fp8 delayed_update. 8: fp8 quantize's dbias */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {

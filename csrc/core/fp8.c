@@ -38,11 +38,25 @@ tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *st
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: unknown FP8 format %d", (int)a->format);
     if (!a->scale)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: missing scale");
-    if (!a->out && !a->out_t && !a->amax && !a->scale_inv)
-        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: no output (out, out_t, amax or scale_inv)");
+    if (!a->out && !a->out_t && !a->amax && !a->scale_inv && !a->dbias)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: no output (out, out_t, amax, scale_inv or dbias)");
+    if (a->dbias) {
+        const size_t need = tec_fp8_quantize_workspace_bytes(a->rows, a->cols);
+        if (need && (!a->workspace || a->workspace_bytes < need))
+            return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: dbias needs a workspace of %zu bytes, got %zu",
+                                 need, a->workspace ? a->workspace_bytes : (size_t)0);
+    }
     if (a->rows * a->cols > 0 && !a->x)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: missing input");
     return ops->quantize(device, a, stream);
+}
+
+size_t tec_fp8_quantize_workspace_bytes(int64_t rows, int64_t cols)
+{
+    size_t bytes;
+    if (rows <= 0 || cols <= 0 || !tec_mul3((rows + 127) / 128, cols, 4, &bytes))
+        return 0;
+    return bytes;
 }
 
 tec_status tec_fp8_amax(int device, const void *x, int64_t n, tec_dtype dtype, float *amax, void *stream)

@@ -335,7 +335,10 @@ float tec_fp8_max(tec_fp8_format f);
  * fp8() rounds to nearest even and saturates to +-max (infinities too);
  * NaN stays NaN. amax, if given, becomes max(*amax, max |x|) (NaN inputs
  * are ignored, as fmaxf does): it may be a row of an amax history. scale_inv,
- * if given, receives 1 / *scale. scale: one float. */
+ * if given, receives 1 / *scale. scale: one float. dbias, if given,
+ * receives x's column sums [cols] in `dtype` (a bias gradient, summed in
+ * float32), with workspace: tec_fp8_quantize_workspace_bytes() bytes of
+ * device memory (the partial sums, a fixed order: deterministic). */
 typedef struct {
     int64_t rows, cols;
     tec_dtype dtype;
@@ -346,8 +349,15 @@ typedef struct {
     uint8_t *out_t;
     float *amax;
     float *scale_inv;
+    void *dbias;
+    void *workspace;
+    size_t workspace_bytes;
 } tec_fp8_quantize_args;
 tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *stream);
+
+/* The workspace tec_fp8_quantize needs with dbias: ceil(rows / 128) * cols
+ * float32 partial sums (0 when rows or cols is not positive). */
+size_t tec_fp8_quantize_workspace_bytes(int64_t rows, int64_t cols);
 
 /* *amax = max |x| over n elements of `dtype` (overwritten; 0 for n == 0). */
 tec_status tec_fp8_amax(int device, const void *x, int64_t n, tec_dtype dtype, float *amax, void *stream);

@@ -25,19 +25,29 @@ static PyObject *run(PyObject *module, tec_status st)
 }
 
 /* fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax,
- *              scale_inv, stream) */
+ *              scale_inv, dbias, workspace, workspace_bytes, stream) */
 static PyObject *py_fp8_quantize(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("fp8_quantize", 12);
+    ARGC("fp8_quantize", 15);
     int dev;
     tec_fp8_quantize_args a = {0};
     void *stream;
     DEV(0, dev); DTYPE(1, a.dtype, "dtype"); FMT(2, a.format, "format"); I64(3, a.rows); I64(4, a.cols);
     PTR(5, a.x); PTR(6, a.scale); PTR(7, a.out); PTR(8, a.out_t); PTR(9, a.amax); PTR(10, a.scale_inv);
-    PTR(11, stream);
+    PTR(11, a.dbias); PTR(12, a.workspace); SIZE(13, a.workspace_bytes, "workspace_bytes"); PTR(14, stream);
     tec_status st;
     CALL(tec_fp8_quantize(dev, &a, stream));
     return run(m, st);
+}
+
+/* fp8_quantize_workspace_bytes(rows, cols) */
+static PyObject *py_fp8_quantize_workspace_bytes(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    ARGC("fp8_quantize_workspace_bytes", 2);
+    int64_t rows, cols;
+    I64(0, rows); I64(1, cols);
+    return PyLong_FromSize_t(tec_fp8_quantize_workspace_bytes(rows, cols));
 }
 
 /* fp8_amax(device, dtype, n, x, amax, stream) */
@@ -109,7 +119,10 @@ static PyObject *py_fp8_gemm(PyObject *m, PyObject *const *args, Py_ssize_t narg
 
 PyMethodDef tec_fp8_methods[] = {
     {"fp8_quantize", (PyCFunction)(void (*)(void))py_fp8_quantize, METH_FASTCALL,
-     "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, stream)"},
+     "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, dbias, workspace, "
+     "workspace_bytes, stream)"},
+    {"fp8_quantize_workspace_bytes", (PyCFunction)(void (*)(void))py_fp8_quantize_workspace_bytes, METH_FASTCALL,
+     "fp8_quantize_workspace_bytes(rows, cols)"},
     {"fp8_amax", (PyCFunction)(void (*)(void))py_fp8_amax, METH_FASTCALL, "fp8_amax(device, dtype, n, x, amax, stream)"},
     {"fp8_scale_from_amax", (PyCFunction)(void (*)(void))py_fp8_scale_from_amax, METH_FASTCALL,
      "fp8_scale_from_amax(device, n, amax, scale, scale_inv, fp8_max, pow2, epsilon, stream)"},

@@ -59,13 +59,14 @@ class Operand:
     """One tensor's FP8 form for the GEMMs: data (uint8, the tensor's shape)
     and/or data_t (its [last dim, rows] transpose), the scale it was cast
     with and scale_inv (float32, one element), the format, and src (the
-    tensor it was cast from, for the backward's memo)."""
+    tensor it was cast from, for the backward's memo), and dbias (src's
+    column sums from the same pass, or None)."""
 
-    __slots__ = ("data", "data_t", "scale", "scale_inv", "dtype", "src")
+    __slots__ = ("data", "data_t", "scale", "scale_inv", "dtype", "src", "dbias")
 
-    def __init__(self, data, data_t, scale, scale_inv, dtype, src=None):
-        self.data, self.data_t, self.scale, self.scale_inv, self.dtype, self.src = (
-            data, data_t, scale, scale_inv, dtype, src)
+    def __init__(self, data, data_t, scale, scale_inv, dtype, src=None, dbias=None):
+        self.data, self.data_t, self.scale, self.scale_inv, self.dtype, self.src, self.dbias = (
+            data, data_t, scale, scale_inv, dtype, src, dbias)
 
 
 def check_shape(t, name):
@@ -146,7 +147,8 @@ class FP8Call:
     the steps are running (0 or 1, LayerNormMLP's fc2 being 1)."""
 
     __slots__ = ("call", "layer", "recipe", "delayed", "meta", "fwd", "bwd", "split", "qparams", "grad", "first_mb",
-                 "reduce_bwd", "gi", "inputs", "weights", "grads", "need_wgrad", "recomputing", "keep_t")
+                 "reduce_bwd", "gi", "inputs", "weights", "grads", "need_wgrad", "want_dbias", "recomputing",
+                 "keep_t")
 
     def __init__(self, call, layer, recipe, grad, first_mb):
         self.call = call
@@ -169,7 +171,7 @@ class FP8Call:
         self.reduce_bwd = _State.is_first_fp8_module() if grad else False
         self.gi = 0
         self.inputs, self.weights, self.grads = {}, {}, {}
-        self.need_wgrad = True
+        self.need_wgrad, self.want_dbias = True, False
         # LayerNormMLP(checkpoint=True) keeps no activations: its forward keeps
         # only the scales, and backward's recompute uses them (recomputing)
         self.recomputing = False
@@ -177,10 +179,11 @@ class FP8Call:
 
     # ----------------------------------------------------------- quantizing
 
-    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None):
+    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None, dbias=False):
         """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
         that scale and no amax; under delayed scaling the role's scale and
-        amax-history entry; under current scaling t's own amax."""
+        amax-history entry; under current scaling t's own amax. dbias: the
+        same pass also sums t's columns (the Operand's dbias)."""
         c = self.call
         amax = 0
         code = DTYPE_CODES[t.dtype]
@@ -202,10 +205,17 @@ class FP8Call:
         data = torch.empty(t.shape, dtype=_U8, device=t.device) if rowwise else None
         data_t = torch.empty((cols, rows), dtype=_U8, device=t.device) if columnwise else None
         scale_inv = torch.empty(1, dtype=_F32, device=t.device)
+        db = ws = None
+        nbytes = 0
+        if dbias:
+            db = t.new_empty(cols)
+            nbytes = _C.fp8_quantize_workspace_bytes(rows, cols)
+            ws = torch.empty(nbytes, dtype=_U8, device=t.device)  # held until the call returns
         _C.fp8_quantize(c.dev, code, _CODES[fp8_dtype], rows, cols, t.data_ptr(), scale.data_ptr(),
                         0 if data is None else data.data_ptr(), 0 if data_t is None else data_t.data_ptr(), amax,
-                        scale_inv.data_ptr(), c.stream)
-        return Operand(data, data_t, scale, scale_inv, fp8_dtype, t)
+                        scale_inv.data_ptr(), 0 if db is None else db.data_ptr(), 0 if ws is None else ws.data_ptr(),
+                        nbytes, c.stream)
+        return Operand(data, data_t, scale, scale_inv, fp8_dtype, t, db)
 
     def input(self, x, keep_t):
         """The fprop input of GEMM gi: rowwise, and with keep_t its transpose
@@ -245,12 +255,13 @@ class FP8Call:
 
     def grad_output(self, dy):
         """GEMM gi's output gradient in FP8: rowwise for dgrad, its transpose
-        for wgrad (when need_wgrad), cast once per backward of the GEMM."""
+        for wgrad (when need_wgrad), cast once per backward of the GEMM; with
+        want_dbias the cast also sums the bias gradient (bias_grad)."""
         gi = self.gi
         q = self.grads.get(gi)
         if q is None or q.src is not dy:
             q = self._quantize(dy, self.bwd, 2 * gi, False, self.qparams and self.qparams[2], True,
-                               self.need_wgrad and dy.dim() >= 2)
+                               self.need_wgrad and dy.dim() >= 2, dbias=self.want_dbias and dy.dim() >= 2)
             self.grads[gi] = q
         return q
 
@@ -263,8 +274,10 @@ class FP8Call:
             q = self._quantize(xt, self.fwd, 0, True, None, False, True, scale=q.scale)
         return q
 
-    def begin_backward(self, gi, need_wgrad):
-        self.gi, self.need_wgrad = gi, need_wgrad
+    def begin_backward(self, gi, need_wgrad, want_dbias=False):
+        """GEMM gi's backward begins: need_wgrad, its weight gradient is
+        wanted; want_dbias, the bias gradient over the rows of its dY."""
+        self.gi, self.need_wgrad, self.want_dbias = gi, need_wgrad, want_dbias
 
     def finish_backward(self):
         """End of a layer's backward: the first FP8 module of the autocast
@@ -318,6 +331,19 @@ def dgrad(f, dy, out):
     qdy = f.grad_output(dy)
     qw = f.weights[f.gi]
     _gemm(f.call, _as_2d(qdy.data), qdy, qw.data_t, qw, _as_2d(out), None, False, f.split[1])
+
+
+def bias_grad(f, dy):
+    """dY's column sums (the bias gradient) from the cast of GEMM gi's
+    output gradient, or None where that cast did not sum them (no bias
+    gradient wanted, or another tensor than dy)."""
+    q = f.grads.get(f.gi)
+    return q.dbias if q is not None and q.dbias is not None and same_tensor(q.src, dy) else None
+
+
+def same_tensor(a, b):
+    """a and b are the same elements (b perhaps a 2-D view of a)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype is b.dtype)
 
 
 def wgrad_operands(f, dy, xt):

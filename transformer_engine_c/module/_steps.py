@@ -151,6 +151,12 @@ def bias_grad_only(dy, n):
     return (dy if dy.dim() == 2 else dy.reshape(-1, n)).sum(0, dtype=_F32).to(dy.dtype)
 
 
+def _bias_grad(call, dy, n):
+    """The bias gradient: in FP8 the sums dY's cast took, else dY's own."""
+    db = None if call.fp8 is None else _fp8.bias_grad(call.fp8, dy)
+    return db if db is not None else bias_grad_only(dy, n)
+
+
 def _rows(t):
     sh = t.shape
     return sh[0] if len(sh) == 2 else sh[0] * sh[1]
@@ -408,7 +414,8 @@ def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None, gi=0):
     where they pay at this shape. gi: which of the layer's GEMMs this is
     (its FP8 roles)."""
     if call.fp8 is not None:
-        call.fp8.begin_backward(gi, wg is not None and wg.need_w)
+        call.fp8.begin_backward(gi, wg is not None and wg.need_w,
+                                wg is not None and wg.with_bias and not wg.bias_from_local)
         ub = NO_UB
     if dy.dim() != x.dim():  # a 2-D output (a communicator's) of a 3-D input
         dy = dy.view((-1,) + tuple(x.shape[1:-1]) + (dy.shape[-1],))
@@ -452,7 +459,7 @@ def _fused_linear_bwd(call, rows, dy, x, w, dx, wg, with_db):
             _dgrad_gemm(call, rows, n, k, dy, w, dx)
         if wg is not None and wg.plain and wg.need_w:
             dw = _fp8.wgrad(_fp8.wgrad_operands(call.fp8, dy, x), dy.dtype)
-            db = bias_grad_only(dy, n) if with_db else None
+            db = _bias_grad(call, dy, n) if with_db else None
         return dw, db
     if wg is not None and wg.plain and wg.need_w:
         dw = w.new_empty(n, k)
@@ -473,10 +480,10 @@ def _wgrad(call, wg, dy, xt, ub, dy_local=None):
         return wg(_as_2d(dy), _as_2d(xt), ub, None if dy_local is None else _as_2d(dy_local), fp8=ops)
     db_local = bias_grad_only(dy_local, n) if wg.bias_from_local and wg.with_bias else None
     if not wg.need_w:
-        return None, (db_local if wg.bias_from_local else bias_grad_only(dy, n) if wg.with_bias else None)
+        return None, (db_local if wg.bias_from_local else _bias_grad(call, dy, n) if wg.with_bias else None)
     if ops is not None:
         dw = _fp8.wgrad(ops, dy.dtype)
-        return dw, (db_local if wg.bias_from_local else bias_grad_only(dy, n) if wg.with_bias else None)
+        return dw, (db_local if wg.bias_from_local else _bias_grad(call, dy, n) if wg.with_bias else None)
     dw = xt.new_empty(n, k)
     db = xt.new_empty(n) if wg.with_bias and not wg.bias_from_local else None
     _C.gemm(call.dev, call.code, call.code, 1, 0, n, k, _rows(dy), dy.data_ptr(), n, xt.data_ptr(), k, dw.data_ptr(),
@@ -506,7 +513,7 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
             ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
             dw, db = wg(_as_2d(dy), _as_2d(x), ub, fp8=ops)
         elif need_w and not wg.need_w:
-            db = bias_grad_only(dy, n) if wg.with_bias else None
+            db = _bias_grad(call, dy, n) if wg.with_bias else None
         return dx, dw, db
     xt = gathering = bulk_gather = None
     if need_w:

@@ -113,7 +113,7 @@ class Wgrad:
         """dW = dY^T X (and the bias gradient, the sum of dY over tokens):
         into main_grad with fuse_wgrad_accumulation, else returned. With
         fp8 (the FP8 operands) the GEMM runs in FP8 and the bias gradient
-        is summed from dY in its own dtype."""
+        comes from dY's FP8 cast, which summed it."""
         with_bias = self.with_bias and not self.bias_from_local
         if not self.need_w:  # only the bias gradient: dY's column sums, no GEMM
             return None, (dy_total.sum(0, dtype=torch.float32).to(dy_total.dtype) if with_bias else None)
@@ -138,9 +138,14 @@ class Wgrad:
         return self._dummy_grads(), db
 
     def _compute_fp8(self, dy_total, ops, with_bias):
-        from ._fp8 import wgrad
+        from ._fp8 import same_tensor, wgrad
 
-        db = dy_total.sum(0, dtype=torch.float32).to(dy_total.dtype) if with_bias else None
+        db = None
+        if with_bias:  # the sums the dY cast took (one pass), else dY's own
+            qdy = ops[0]
+            db = qdy.dbias if qdy.dbias is not None and same_tensor(qdy.src, dy_total) else None
+            if db is None:
+                db = dy_total.sum(0, dtype=torch.float32).to(dy_total.dtype)
         w = self.weight
         if not self.fuse or is_distributed_weight(w):
             dw = wgrad(ops, dy_total.dtype)

@@ -71,14 +71,21 @@ static tec_status cpu_quantize(int device, const tec_fp8_quantize_args *a, void 
     const fp8_fmt *f = &k_fmt[a->format];
     const float s = *a->scale;
     float amax = 0.0f;
-    float *row = malloc((size_t)(a->cols > 0 ? a->cols : 1) * sizeof(float));
-    if (!row)
+    const size_t ncols = (size_t)(a->cols > 0 ? a->cols : 1);
+    float *row = malloc(ncols * sizeof(float));
+    float *sum = a->dbias ? calloc(ncols, sizeof(float)) : NULL; /* column sums, rows in order */
+    if (!row || (a->dbias && !sum)) {
+        free(row);
+        free(sum);
         return tec_set_error(TEC_ERR_NO_MEMORY, "fp8 quantize: no memory for a row of %lld", (long long)a->cols);
+    }
     for (int64_t r = 0; r < a->rows; r++) {
         tec_load_row(row, (const char *)a->x + r * a->cols * (int64_t)tec_dtype_size(a->dtype), a->cols, a->dtype);
         for (int64_t c = 0; c < a->cols; c++) {
             const float v = row[c];
             amax = fmaxf(amax, fabsf(v));
+            if (sum)
+                sum[c] += v;
             if (a->out || a->out_t) {
                 const uint8_t q = fp8_encode(v * s, f);
                 if (a->out)
@@ -89,6 +96,10 @@ static tec_status cpu_quantize(int device, const tec_fp8_quantize_args *a, void 
         }
     }
     free(row);
+    if (sum) {
+        tec_store_row(a->dbias, sum, a->cols, a->dtype);
+        free(sum);
+    }
     if (a->amax)
         *a->amax = fmaxf(*a->amax, amax);
     if (a->scale_inv)

@@ -149,6 +149,155 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const
         *scale_inv = 1.0f / s;
 }
 
+/* Two floats to two FP8 codes (x in the low byte), one instruction. */
+template <bool E5M2> __device__ __forceinline__ uint32_t fp8x2(float a, float b)
+{
+    return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+/* Cast + transpose, the vector path (rows and cols multiples of 8, x 16-byte
+ * and out / out_t 8-byte aligned). A block of 8 warps covers a tile of
+ * kVRows x kVCols; a lane holds 8 x 8 sub-tiles: it loads 8 rows of 8
+ * elements (16 bytes for 16-bit types), writes their rowwise codes from
+ * registers (8 bytes per row), transposes the 8 x 8 codes in registers and
+ * stages each column's 8 codes in shared memory. The block then writes
+ * out_t's rows from the stage, 8 bytes per lane, kVRows bytes per row. The
+ * stage's 8-byte slots are XOR-swizzled by the writing lane, so that neither
+ * the writes nor the reads conflict on banks. With partial (dbias), the
+ * block's column sums of x (fp32, a fixed order) go to
+ * partial[blockIdx.y, c]. */
+constexpr int kVGroups = 2;             /* 8-row blocks per warp */
+constexpr int kVRows = 64 * kVGroups;   /* == kDbiasRows */
+constexpr int kVCols = 256;
+constexpr int kVSlots = kVRows / 8;     /* 8-byte slots per staged row */
+constexpr int kDbiasRows = 128;         /* rows per partial sum (tec.h's workspace) */
+static_assert(kVRows == kDbiasRows, "one partial row per tile row");
+
+template <typename T, bool E5M2, bool DBIAS>
+__global__ void __launch_bounds__(256)
+cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale,
+                          uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
+                          float *__restrict__ partial)
+{
+    __shared__ uint2 stage[kVCols][kVSlots];
+    __shared__ float red[DBIAS ? 8 : 1][DBIAS ? kVCols : 8];
+    const float s = *scale;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r0 = (int64_t)blockIdx.y * kVRows, c0 = (int64_t)blockIdx.x * kVCols;
+    const int64_t c = c0 + 8 * lane;
+    const bool col_in = c < cols;
+    float m = 0.0f;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int g = 0; g < kVGroups; g++) {
+        const int b = g * 8 + warp; /* the tile's 8-row block */
+        const int64_t rb = r0 + 8 * b;
+        uint32_t lo[8], hi[8]; /* row i's codes of columns c..c+3 and c+4..c+7 */
+        tec_vec<T, 8> v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (col_in && rb + i < rows)
+                v[i] = *reinterpret_cast<const tec_vec<T, 8> *>(x + (rb + i) * cols + c);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            lo[i] = hi[i] = 0u;
+            if (!(col_in && rb + i < rows))
+                continue;
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                f[e] = tec_vget(v[i], e);
+                m = fmaxf(m, fabsf(f[e]));
+                if (DBIAS)
+                    acc[e] += f[e];
+            }
+            lo[i] = fp8x2<E5M2>(f[0] * s, f[1] * s) | (fp8x2<E5M2>(f[2] * s, f[3] * s) << 16);
+            hi[i] = fp8x2<E5M2>(f[4] * s, f[5] * s) | (fp8x2<E5M2>(f[6] * s, f[7] * s) << 16);
+            if (out)
+                *reinterpret_cast<uint2 *>(out + (rb + i) * cols + c) = make_uint2(lo[i], hi[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) { /* column c + j: rows rb..rb+3 in t0, rb+4..rb+7 in t1 */
+            const int sh = 8 * (j & 3);
+            uint32_t t0 = 0u, t1 = 0u;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                t0 |= (((j < 4 ? lo[i] : hi[i]) >> sh) & 0xffu) << (8 * i);
+                t1 |= (((j < 4 ? lo[i + 4] : hi[i + 4]) >> sh) & 0xffu) << (8 * i);
+            }
+            stage[8 * lane + j][b ^ (lane & (kVSlots - 1))] = make_uint2(t0, t1);
+        }
+    }
+    if (DBIAS) {
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            red[warp][8 * lane + e] = acc[e];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __shared__ float warp_max[8];
+    if (lane == 0)
+        warp_max[warp] = m;
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kVCols * kVSlots; idx += 256) {
+        const int cr = idx / kVSlots, slot = idx % kVSlots;
+        const int b = slot ^ ((cr >> 3) & (kVSlots - 1)); /* the writer's swizzle undone */
+        const int64_t gc = c0 + cr, gr = r0 + 8 * b;
+        if (gc < cols && gr < rows)
+            *reinterpret_cast<uint2 *>(out_t + gc * rows + gr) = stage[cr][slot];
+    }
+    if (DBIAS && c0 + threadIdx.x < cols) {
+        float t = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++)
+            t += red[w][threadIdx.x];
+        partial[(int64_t)blockIdx.y * cols + c0 + threadIdx.x] = t;
+    }
+    if (threadIdx.x == 0) {
+        float bm = warp_max[0];
+#pragma unroll
+        for (int w = 1; w < 8; w++)
+            bm = fmaxf(bm, warp_max[w]);
+        if (amax)
+            atomic_max_nonneg(amax, bm);
+        if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0)
+            *scale_inv = 1.0f / s;
+    }
+}
+
+/* partial[b, c] = the sum of x[r, c] over the rows r of block b (kDbiasRows
+ * each): the column sums of a path without the vector kernel, one column per
+ * thread. */
+template <typename T>
+__global__ void __launch_bounds__(256)
+column_partial_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, float *__restrict__ partial)
+{
+    const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    if (c >= cols)
+        return;
+    const int64_t r0 = (int64_t)blockIdx.y * kDbiasRows;
+    const int64_t r1 = r0 + kDbiasRows < rows ? r0 + kDbiasRows : rows;
+    float t = 0.0f;
+    for (int64_t r = r0; r < r1; r++)
+        t += tec_to_f32(x[r * cols + c]);
+    partial[(int64_t)blockIdx.y * cols + c] = t;
+}
+
+/* dbias[c] = the sum of partial[b, c] over the nb blocks, in order. */
+template <typename T>
+__global__ void __launch_bounds__(256) dbias_sum_kernel(const float *__restrict__ partial, int64_t nb, int64_t cols,
+                                                        T *__restrict__ dbias)
+{
+    const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    if (c >= cols)
+        return;
+    float t = 0.0f;
+    for (int64_t b = 0; b < nb; b++)
+        t += partial[b * cols + c];
+    dbias[c] = tec_from_f32<T>(t);
+}
+
 /* The current-scaling rule of tec.h (the CPU's in cpu/fp8.c). */
 __global__ void scale_from_amax_kernel(const float *amax, float *scale, float *scale_inv, int64_t n, float fp8_max,
                                        int pow2, float epsilon)
@@ -203,6 +352,18 @@ unsigned grid_for(int64_t work, int threads, int sms)
     return (unsigned)(g > 0 ? g : 1);
 }
 
+template <typename T, bool E5M2>
+void launch_vec(const tec_fp8_quantize_args *a, dim3 grid, cudaStream_t st)
+{
+    if (a->dbias)
+        cast_transpose_vec_kernel<T, E5M2, true><<<grid, 256, 0, st>>>(
+            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv,
+            (float *)a->workspace);
+    else
+        cast_transpose_vec_kernel<T, E5M2, false><<<grid, 256, 0, st>>>(
+            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL);
+}
+
 template <typename T>
 tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStream_t st)
 {
@@ -211,25 +372,53 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
     tec_status s = tec_cuda_sm_count(device, &sms);
     if (s != TEC_OK)
         return s;
+    const int64_t nb = (a->rows + kDbiasRows - 1) / kDbiasRows; /* the dbias partial rows */
+    const dim3 vgrid((unsigned)((a->cols + kVCols - 1) / kVCols), (unsigned)nb);
+    bool partial_done = false;
     if (a->out_t && n > 0) {
-        dim3 grid((unsigned)((a->cols + kTile - 1) / kTile), (unsigned)((a->rows + kTile - 1) / kTile));
-        if (grid.y > 65535)
-            return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 cast+transpose: %lld rows is too many",
-                                 (long long)a->rows);
-        cast_transpose_kernel<T><<<grid, dim3(kTile, 4), 0, st>>>((const T *)a->x, a->rows, a->cols, a->scale,
-                                                                 a->format, a->out, a->out_t, a->amax, a->scale_inv);
-        TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
-        return TEC_OK;
+        const bool vec = a->rows % 8 == 0 && a->cols % 8 == 0 && tec_cuda_aligned16(a->x) &&
+                         ((uintptr_t)a->out & 7u) == 0 && ((uintptr_t)a->out_t & 7u) == 0 && nb <= 65535;
+        if (vec) {
+            if (a->format == TEC_FP8_E5M2)
+                launch_vec<T, true>(a, vgrid, st);
+            else
+                launch_vec<T, false>(a, vgrid, st);
+            TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
+            partial_done = true;
+        } else {
+            dim3 grid((unsigned)((a->cols + kTile - 1) / kTile), (unsigned)((a->rows + kTile - 1) / kTile));
+            if (grid.y > 65535)
+                return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 cast+transpose: %lld rows is too many",
+                                     (long long)a->rows);
+            cast_transpose_kernel<T><<<grid, dim3(kTile, 4), 0, st>>>((const T *)a->x, a->rows, a->cols, a->scale,
+                                                                     a->format, a->out, a->out_t, a->amax,
+                                                                     a->scale_inv);
+            TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
+        }
+    } else if (a->out || a->amax || a->scale_inv) {
+        constexpr int kVec = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T);
+        const bool vec = tec_cuda_aligned16(a->x) && ((uintptr_t)a->out & (kVec - 1)) == 0;
+        if (vec)
+            quantize_kernel<T, kVec><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
+                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv);
+        else
+            quantize_kernel<T, 1><<<grid_for(n, 256, sms), 256, 0, st>>>((const T *)a->x, n, a->scale, a->format,
+                                                                          a->out, a->amax, a->scale_inv);
+        TEC_CUDA_LAUNCH_CHECK("fp8 quantize kernel");
     }
-    constexpr int kVec = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T);
-    const bool vec = tec_cuda_aligned16(a->x) && ((uintptr_t)a->out & (kVec - 1)) == 0;
-    if (vec)
-        quantize_kernel<T, kVec><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
-            (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv);
-    else
-        quantize_kernel<T, 1><<<grid_for(n, 256, sms), 256, 0, st>>>((const T *)a->x, n, a->scale, a->format,
-                                                                      a->out, a->amax, a->scale_inv);
-    TEC_CUDA_LAUNCH_CHECK("fp8 quantize kernel");
+    if (a->dbias && a->cols > 0) {
+        if (nb > 65535)
+            return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 quantize: the bias gradient of %lld rows is too many",
+                                 (long long)a->rows);
+        if (!partial_done && nb > 0) {
+            column_partial_kernel<T><<<vgrid, 256, 0, st>>>((const T *)a->x, a->rows, a->cols,
+                                                            (float *)a->workspace);
+            TEC_CUDA_LAUNCH_CHECK("fp8 quantize column-sum kernel");
+        }
+        dbias_sum_kernel<T><<<(unsigned)((a->cols + 255) / 256), 256, 0, st>>>((const float *)a->workspace, nb,
+                                                                              a->cols, (T *)a->dbias);
+        TEC_CUDA_LAUNCH_CHECK("fp8 quantize bias-gradient kernel");
+    }
     return TEC_OK;
 }
 
