@@ -253,6 +253,37 @@ def test_layer_in_fp8_is_close_to_high_precision(device, kind, recipe):
         assert rel(g1[name], g0[name]) < tol, name
 
 
+def saved_bytes(layer, x, recipe):
+    """The bytes of storage a forward saves for backward (autograd's
+    saved-tensor hooks see everything save_for_backward keeps)."""
+    seen = []
+
+    def pack(t):
+        seen.append(t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+    y.sum().backward()
+    return sum(seen), seen
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "MLP:gelu"])
+def test_fp8_saves_no_bf16_copy_of_a_gemm_only_input(kind):
+    """Where wgrad reads the FP8 transpose the forward wrote, the layer
+    keeps no high-precision copy of that GEMM input (a one-element
+    stand-in): less is saved than without FP8, by the inputs' bytes."""
+    layer = make(kind, "cpu", torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    plain, _ = saved_bytes(layer, x, None)
+    fp8, sizes = saved_bytes(layer, x, DelayedScaling())
+    gemm_inputs = 32 * 64 * 2 + (32 * 128 * 2 if kind.startswith("MLP") else 0)  # ln_out / x, the activation
+    if kind == "Linear":  # x is the caller's tensor: its storage is what is kept (not a copy)
+        assert min(sizes) == 2 and plain - fp8 == gemm_inputs - 2
+    else:
+        assert plain - fp8 == gemm_inputs - 2 * (2 if kind.startswith("MLP") else 1)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_grad_forward_equals_the_training_forward(kind):
     layer = make(kind, "cpu")

@@ -279,6 +279,24 @@ class FP8Call:
         wanted; want_dbias, the bias gradient over the rows of its dY."""
         self.gi, self.need_wgrad, self.want_dbias = gi, need_wgrad, want_dbias
 
+    def end_gemm(self, gi):
+        """GEMM gi's backward is done: its operands are dropped (a delayed
+        weight gradient holds what it reads)."""
+        self.inputs.pop(gi, None)
+        self.weights.pop(gi, None)
+        self.grads.pop(gi, None)
+
+    def saved_input(self, t, gi):
+        """What a layer saves for the backward of GEMM gi's input t: where
+        the forward kept t's FP8 transpose (all that wgrad reads), a stand-in
+        with t's shape, dtype and device over one element of storage (the
+        steps read only its shape: the bf16 copy is not kept, as TE keeps
+        only the FP8 one); t itself otherwise."""
+        q = self.inputs.get(gi) if self.grad else None
+        if q is None or q.data_t is None or self.recomputing or not self.keep_t:
+            return t
+        return t.new_empty(1).expand(t.shape)
+
     def finish_backward(self):
         """End of a layer's backward: the first FP8 module of the autocast
         reduces and updates the backward amaxes (delayed scaling)."""

@@ -413,10 +413,17 @@ def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None, gi=0):
     fresh tensor. The userbuffers overlaps run as the layer's flags ask,
     where they pay at this shape. gi: which of the layer's GEMMs this is
     (its FP8 roles)."""
-    if call.fp8 is not None:
+    if call.fp8 is not None:  # GEMM gi's FP8 operands are dropped once its backward is done
         call.fp8.begin_backward(gi, wg is not None and wg.need_w,
                                 wg is not None and wg.with_bias and not wg.bias_from_local)
-        ub = NO_UB
+        try:
+            return _linear_backward(call, tp, NO_UB, dy, x, w, need_dx, wg, dx_out)
+        finally:
+            call.fp8.end_gemm(gi)
+    return _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
+
+
+def _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     if dy.dim() != x.dim():  # a 2-D output (a communicator's) of a 3-D input
         dy = dy.view((-1,) + tuple(x.shape[1:-1]) + (dy.shape[-1],))
     if _rows(dy) == 0 or _rows(x) == 0:

@@ -57,6 +57,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias, call):
         y, ln_ret, (x, ln_out, stats) = _forward(call, inp, ln_weight, ln_bias, weight, bias, True)
+        if call.fp8 is not None:
+            ln_out = call.fp8.saved_input(ln_out, 0)
         if type(weight) in _PLAIN:
             ctx.save_for_backward(x, ln_out, stats, ln_weight, weight)
             ctx.objects = None

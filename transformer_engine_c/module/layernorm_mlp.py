@@ -83,6 +83,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if layer.checkpoint:  # TE's checkpoint=True: norm, fc1, activation recomputed in backward
             tensors = (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight)
         else:
+            if call.fp8 is not None:
+                ln_out, a = call.fp8.saved_input(ln_out, 0), call.fp8.saved_input(a, 1)
             tensors = (x, ln_weight, fc1_weight, fc2_weight, ln_out, stats, h, a)
         if type(fc1_weight) in _PLAIN and type(fc2_weight) in _PLAIN:
             ctx.save_for_backward(*tensors)

@@ -37,6 +37,9 @@ class _LinearFn(torch.autograd.Function):
         # backward. save_original_input keeps the caller's tensor instead (no
         # second copy when the cast or 2-D view made one).
         kept = inp if layer.save_original_input else x
+        if call.fp8 is not None:  # where wgrad reads only the FP8 transpose, a stand-in
+            stand_in = call.fp8.saved_input(x, 0)
+            kept = kept if stand_in is x else stand_in
         if layer.ub.enabled:
             kept = _steps.outside_buffers(kept, layer.ub)
         if type(weight) in _PLAIN:
