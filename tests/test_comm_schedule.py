@@ -1,5 +1,5 @@
 """The overlap schedules of csrc/core/comm.c against a mock transport (tests/c/comm_schedule_test.c):
-plain C, built with the C compiler together with comm.c, tec.c and error.c and run on any
+plain C, built with the C compiler together with comm.c, comm_lifetime.c, tec.c and error.c and run on any
 machine. The mock drains every rank's streams in random orders the schedule's own waits
 and events allow, so a missing wait shows as a wrong output; timeouts (an absent rank)
 and mismatched shapes across ranks must be reported with their messages. Captured
@@ -23,6 +23,7 @@ def test_schedules_against_a_mock_transport(tmp_path):
     exe = str(tmp_path / "comm_schedule_test")
     subprocess.run([cc, "-std=c11", "-Wall", "-Werror", "-O1", "-I", core,
                     os.path.join(ROOT, "tests", "c", "comm_schedule_test.c"), os.path.join(core, "comm.c"),
+                    os.path.join(core, "comm_lifetime.c"),
                     os.path.join(core, "tec.c"), os.path.join(core, "error.c"), "-o", exe,
                     "-ldl", "-lpthread", "-lm"], check=True)
     proc = subprocess.run([exe], capture_output=True, text=True, timeout=120)

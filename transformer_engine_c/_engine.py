@@ -249,7 +249,7 @@ def engine_device(device):
     return d
 
 
-# Activations (csrc/core/activation.h). TE's names; the gated ones take a
+# Activations (tec.h: tec_activation). TE's names; the gated ones take a
 # [rows, 2 * cols] input laid out [activation half | gate half].
 ACTIVATIONS = {"gelu": 0, "relu": 1, "qgelu": 2, "srelu": 3, "silu": 4, "geglu": 16, "reglu": 17,
                "qgeglu": 18, "sreglu": 19, "swiglu": 20, "clamped_swiglu": 21, "glu": 22}

@@ -1,7 +1,10 @@
 """Tensor-parallel plumbing over torch.distributed: group resolution and the
 non-overlapped sequence-parallel collectives (along the first dimension of a
 2-D token-major tensor), through the process group or, for CUDA tensors with
-`set_collectives("engine")`, through the engine's own NCCL communicator."""
+`set_collectives("engine")`, through the engine's own NCCL communicator;
+and, as TE's `transformer_engine.pytorch.distributed`, its first-dimension
+collectives, with its RNG tracker and checkpointing re-exported
+(te_distributed.py, checkpoint.py)."""
 import os
 import pickle
 import threading
@@ -11,6 +14,11 @@ import torch.distributed as dist
 
 from . import _C
 from ._engine import DTYPE_CODES, _raw_stream, device_code
+# TE's transformer_engine.pytorch.distributed names beyond the plumbing here
+from .checkpoint import checkpoint  # noqa: F401
+from .te_distributed import (  # noqa: F401
+    CudaRNGStatesTracker, activation_recompute_forward, get_all_rng_states, in_fp8_activation_recompute_phase,
+    is_fp8_activation_recompute_enabled)
 
 # The layers' collectives call the process group's own methods: torch.distributed's
 # functions add their Python (argument checks, group lookups, logging wrappers) on
@@ -375,8 +383,43 @@ set_collectives(os.environ.get("TEC_COLLECTIVES", "auto") or "auto",
                 os.environ.get("TEC_COLLECTIVES_TIMEOUT") or None)
 
 
-# TE's transformer_engine.pytorch.distributed names beyond the plumbing above
-from .checkpoint import checkpoint  # noqa: E402,F401
-from .te_distributed import (  # noqa: E402,F401
-    CudaRNGStatesTracker, activation_recompute_forward, gather_along_first_dim, get_all_rng_states,
-    in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled, reduce_scatter_along_first_dim)
+# ------------------------------------------- TE's first-dimension collectives
+
+def _group_size(group):
+    return dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+
+
+def gather_along_first_dim(inp, process_group, async_op=False, quantizer=None, output_tensor=None,
+                           external_coalescing=False):
+    """TE's all-gather of `inp` along its first dimension over
+    `process_group`, rank-major: (output, work) with work None unless
+    async_op (then output is valid after work.wait())."""
+    if quantizer is not None:
+        raise NotImplementedError("gather_along_first_dim(quantizer=...): quantized gathers (FP8) are not "
+                                  "supported")
+    size = _group_size(process_group)
+    if size == 1:
+        return inp, None
+    shape = (inp.shape[0] * size,) + tuple(inp.shape[1:])
+    if output_tensor is None:
+        out = torch.empty(shape, dtype=inp.dtype, device=inp.device)
+    else:
+        if tuple(output_tensor.shape) != shape or output_tensor.dtype != inp.dtype:
+            raise ValueError(f"gather_along_first_dim: output_tensor must be {shape} of {inp.dtype}, got "
+                             f"{tuple(output_tensor.shape)} of {output_tensor.dtype}")
+        out = output_tensor
+    work = _all_gather_into(out, inp.contiguous(), process_group, async_op)
+    return out, work if async_op else None
+
+
+def reduce_scatter_along_first_dim(inp, tp_group, async_op=False):
+    """TE's reduce-scatter along the first dimension: (this rank's share of
+    the sum, work or None)."""
+    size = _group_size(tp_group)
+    if size == 1:
+        return inp, None
+    if inp.shape[0] % size:
+        raise ValueError(f"reduce_scatter_along_first_dim: {inp.shape[0]} rows do not split over {size} ranks")
+    out = torch.empty((inp.shape[0] // size,) + tuple(inp.shape[1:]), dtype=inp.dtype, device=inp.device)
+    work = dist.reduce_scatter_tensor(out, inp.contiguous(), group=tp_group, async_op=async_op)
+    return out, work if async_op else None

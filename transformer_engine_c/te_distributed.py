@@ -1,6 +1,8 @@
-"""`transformer_engine.pytorch.distributed`'s names beyond the layers' own
-plumbing (distributed.py re-exports them): the RNG states tracker, the
-activation-recompute context, and the first-dimension collectives.
+"""`transformer_engine.pytorch.distributed`'s names that need none of the
+layers' collectives (distributed.py re-exports them beside its TE-named
+first-dimension collectives): the RNG states tracker and the
+activation-recompute context. Imports nothing of distributed.py, which
+checkpoint.py and distributed.py itself build on.
 
 The tracker's states are those of the generator a model's random ops draw
 from: the current CUDA device's where CUDA is available (TE's), else the
@@ -9,13 +11,12 @@ host too (`device=` picks one explicitly)."""
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from .quantization import FP8GlobalStateManager
 
 __all__ = ["CudaRNGStatesTracker", "get_all_rng_states", "activation_recompute_forward",
            "is_fp8_activation_recompute_enabled",
-           "in_fp8_activation_recompute_phase", "gather_along_first_dim", "reduce_scatter_along_first_dim"]
+           "in_fp8_activation_recompute_phase"]
 
 _recompute = {"region": False, "phase": False}
 _all_states = {}  # name -> state of every tracker's named states (TE's get_all_rng_states)
@@ -135,44 +136,3 @@ class CudaRNGStatesTracker:
         finally:
             self.states_[name] = _get_state(self._device)
             _set_state(before, self._device)
-
-
-def _group_size(group):
-    return dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
-
-
-def gather_along_first_dim(inp, process_group, async_op=False, quantizer=None, output_tensor=None,
-                           external_coalescing=False):
-    """TE's all-gather of `inp` along its first dimension over
-    `process_group`, rank-major: (output, work) with work None unless
-    async_op (then output is valid after work.wait())."""
-    from .distributed import _all_gather_into
-    if quantizer is not None:
-        raise NotImplementedError("gather_along_first_dim(quantizer=...): quantized gathers (FP8) are not "
-                                  "supported")
-    size = _group_size(process_group)
-    if size == 1:
-        return inp, None
-    shape = (inp.shape[0] * size,) + tuple(inp.shape[1:])
-    if output_tensor is None:
-        out = torch.empty(shape, dtype=inp.dtype, device=inp.device)
-    else:
-        if tuple(output_tensor.shape) != shape or output_tensor.dtype != inp.dtype:
-            raise ValueError(f"gather_along_first_dim: output_tensor must be {shape} of {inp.dtype}, got "
-                             f"{tuple(output_tensor.shape)} of {output_tensor.dtype}")
-        out = output_tensor
-    work = _all_gather_into(out, inp.contiguous(), process_group, async_op)
-    return out, work if async_op else None
-
-
-def reduce_scatter_along_first_dim(inp, tp_group, async_op=False):
-    """TE's reduce-scatter along the first dimension: (this rank's share of
-    the sum, work or None)."""
-    size = _group_size(tp_group)
-    if size == 1:
-        return inp, None
-    if inp.shape[0] % size:
-        raise ValueError(f"reduce_scatter_along_first_dim: {inp.shape[0]} rows do not split over {size} ranks")
-    out = torch.empty((inp.shape[0] // size,) + tuple(inp.shape[1:]), dtype=inp.dtype, device=inp.device)
-    work = dist.reduce_scatter_tensor(out, inp.contiguous(), group=tp_group, async_op=async_op)
-    return out, work if async_op else None

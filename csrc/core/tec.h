@@ -147,6 +147,161 @@ tec_status tec_gemm(int device, const tec_gemm_args *a, void *stream);
 /* Workspace tec_gemm_args needs on `device` (0 if the backend is not loaded). */
 size_t tec_gemm_workspace_bytes(int device);
 
+/* ------------------------------------------------------------ activations
+ *
+ * The MLP activations, forward and backward with an optional fused bias /
+ * bias gradient: TransformerEngine's functions (checks and dispatch in
+ * csrc/core/activation.c; tests/test_activations.py). */
+
+/* Element-wise functions (low 4 bits) and their gated forms (+16).
+ *   gelu   x * (0.5 + 0.5 tanh(sqrt(2/pi) (x + 0.044715 x^3)))  (tanh form)
+ *   relu   max(x, 0)          qgelu  x * sigmoid(1.702 x)
+ *   srelu  max(x, 0)^2        silu   x * sigmoid(x)
+ *   clamped silu (gpt-oss): m = min(x, limit); m * sigmoid(alpha m)
+ *   sigmoid (glu only)
+ * Gated: the input row is [a | g] of 2*cols values (TE's layout of fc1's
+ * doubled output: the activation half first, the linear "gate" half
+ * second); y = f(a) * g. clamped_swiglu uses
+ * (clamp(g, -limit, limit) + glu_offset) as the gate. */
+typedef enum {
+    TEC_ACT_GELU = 0,
+    TEC_ACT_RELU = 1,
+    TEC_ACT_QGELU = 2,
+    TEC_ACT_SRELU = 3,
+    TEC_ACT_SILU = 4,
+    TEC_ACT_GEGLU = 16,
+    TEC_ACT_REGLU = 17,
+    TEC_ACT_QGEGLU = 18,
+    TEC_ACT_SREGLU = 19,
+    TEC_ACT_SWIGLU = 20,
+    TEC_ACT_CLAMPED_SWIGLU = 21,
+    TEC_ACT_GLU = 22
+} tec_activation;
+
+#define TEC_ACT_GATED 16
+static inline int tec_act_is_gated(tec_activation act) { return ((int)act & TEC_ACT_GATED) != 0; }
+/* Width of the input row for `cols` outputs. */
+static inline int64_t tec_act_in_cols(tec_activation act, int64_t cols)
+{
+    return tec_act_is_gated(act) ? 2 * cols : cols;
+}
+
+/* y[rows, cols] = act(x + bias). x is [rows, in_cols] (in_cols =
+ * tec_act_in_cols(act, cols)), bias [in_cols] or NULL; x, bias and y share
+ * `dtype`, all contiguous; arithmetic in float32. limit, alpha, glu_offset:
+ * clamped_swiglu only (TE's defaults 7.0, 1.702, 1.0). */
+typedef struct {
+    tec_activation act;
+    int64_t rows, cols;
+    tec_dtype dtype;
+    const void *x;
+    const void *bias;
+    void *y;
+    float limit, alpha, glu_offset;
+} tec_act_fwd_args;
+
+/* dx[rows, in_cols] = d act(x) / dx * dy, with x the activation's input
+ * (bias already added) and dy [rows, cols]. dbias, if not NULL, receives the
+ * column sums of dx ([in_cols], dtype; float32 sums in a fixed order, so the
+ * result is deterministic); it needs the workspace of
+ * tec_act_bwd_workspace_bytes. */
+typedef struct {
+    tec_activation act;
+    int64_t rows, cols;
+    tec_dtype dtype;
+    const void *dy;
+    const void *x;
+    void *dx;
+    void *dbias;
+    void *workspace;
+    size_t workspace_bytes;
+    float limit, alpha, glu_offset;
+} tec_act_bwd_args;
+
+/* Validate, then run on the device's backend (the CPU, or the loaded CUDA
+ * library). `stream` as for every backend call. */
+tec_status tec_act_fwd(int device, const tec_act_fwd_args *a, void *stream);
+tec_status tec_act_bwd(int device, const tec_act_bwd_args *a, void *stream);
+/* Workspace of a backward with dbias (0 if the backend is not loaded). */
+size_t tec_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols);
+
+/* ------------------------------------------------------ composite steps
+ *
+ * A layer's steps that chain the operations above, one call each (the
+ * Python package's module/_steps.py makes one engine call per step). Each
+ * runs its parts in the order given on `stream`, checked as the parts
+ * are; what a part has written stays written when a later part fails.
+ * csrc/core/steps.c; tests/test_one_path.py. */
+
+/* The backward of Y[m, n] = X[m, k] W[n, k]^T (+ b), all row-major and
+ * contiguous in `dtype`: dgrad dx = dy W (when dx is not NULL), then wgrad
+ * dw = dy^T X with db = dy's column sums (when dw is not NULL; db may be
+ * NULL, and needs dw). The workspace is tec_gemm's. */
+typedef struct {
+    int64_t m, n, k;
+    tec_dtype dtype;
+    const void *dy;  /* [m, n] */
+    const void *x;   /* [m, k] */
+    const void *w;   /* [n, k] */
+    void *dx;        /* [m, k] or NULL */
+    void *dw;        /* [n, k] or NULL */
+    void *db;        /* [n] or NULL */
+    void *workspace;
+    size_t workspace_bytes;
+} tec_linear_bwd_args;
+tec_status tec_linear_bwd(int device, const tec_linear_bwd_args *a, void *stream);
+
+/* LayerNorm (beta and mu given) or RMSNorm of x [rows, k] into ln_out (as
+ * tec_norm_fwd), then y [rows, n] = ln_out w^T (+ bias) with w [n, k] (as
+ * tec_gemm, whose workspace this is). */
+typedef struct {
+    int64_t rows, k, n;
+    tec_dtype dtype;
+    const void *x;
+    const void *gamma;
+    const void *beta;
+    void *ln_out;
+    float *mu;
+    float *rsigma;
+    float eps;
+    int zero_centered_gamma;
+    const void *w;
+    const void *bias;
+    void *y;
+    void *workspace;
+    size_t workspace_bytes;
+} tec_norm_linear_fwd_args;
+tec_status tec_norm_linear_fwd(int device, const tec_norm_linear_fwd_args *a, void *stream);
+
+/* The backward of tec_norm_linear_fwd: dln [rows, k] = dy w (dln: scratch),
+ * then dw = dy^T ln_out with db (when dw is not NULL; db may be NULL, and
+ * needs dw), then the norm's backward of dln into dx, dgamma and dbeta
+ * (dbeta and mu NULL for RMSNorm). norm_workspace: tec_norm_bwd's;
+ * workspace: tec_gemm's. */
+typedef struct {
+    int64_t rows, k, n;
+    tec_dtype dtype;
+    const void *dy;      /* [rows, n] */
+    const void *x;       /* the norm's input [rows, k] */
+    const void *ln_out;  /* its output [rows, k] */
+    const float *mu;
+    const float *rsigma;
+    const void *gamma;
+    int zero_centered_gamma;
+    const void *w;       /* [n, k] */
+    void *dln;           /* [rows, k] */
+    void *dx;
+    void *dgamma;
+    void *dbeta;
+    void *dw;
+    void *db;
+    void *norm_workspace;
+    size_t norm_workspace_bytes;
+    void *workspace;
+    size_t workspace_bytes;
+} tec_norm_linear_bwd_args;
+tec_status tec_norm_linear_bwd(int device, const tec_norm_linear_bwd_args *a, void *stream);
+
 /* ---------------------------------------------------------- communicators
  *
  * A tec_comm owns one registered region per rank of a tensor-parallel group,

@@ -1,11 +1,11 @@
 /* ops.c - CPython entry points for the engine's stateless operations
- * (normalisation, GEMM, backend loading, and the layers' fused steps:
- * linear_bwd, norm_linear_fwd/bwd). Positional METH_FASTCALL with
+ * (normalisation, GEMM, activations, backend loading, and the layers'
+ * composite steps: linear_bwd, norm_linear_fwd/bwd), one tec.h call each,
+ * arguments converted and nothing composed here. Positional METH_FASTCALL with
  * addresses as ints; friendly checks live in transformer_engine_c/_engine.py
  * and module/_steps.py. tests/test_kernels.py exercises every function here,
- * tests/test_one_path.py the layers' fused steps. */
+ * tests/test_one_path.py the composite steps. */
 #include "module.h"
-#include "../core/activation.h"
 
 #define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
 #define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
@@ -105,109 +105,61 @@ static PyObject *py_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* linear_bwd(device, dtype, m, n, k, dy, x, w, dx, dw, db, workspace,
- *            workspace_bytes, stream): the backward of Y[m, n] = X[m, k] W[n, k]^T
- * (+ b) in one call, all row-major and contiguous: dx = dy W (when dx is not
- * 0), then dw = dy^T X with db = dy's column sums (when dw is not 0; db may
- * be 0). The layers' steps (module/_steps.py): one binding call per step. */
+ *            workspace_bytes, stream): tec_linear_bwd (0 for a NULL). */
 static PyObject *py_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("linear_bwd", 14);
     int dev;
-    tec_dtype dt;
-    int64_t rows, n, k;
-    void *dy, *x, *w, *dx, *dw, *db, *ws, *stream;
-    size_t nbytes;
-    DEV(0, dev); DTYPE(1, dt, "dtype"); I64(2, rows); I64(3, n); I64(4, k);
-    PTR(5, dy); PTR(6, x); PTR(7, w); PTR(8, dx); PTR(9, dw); PTR(10, db); PTR(11, ws);
-    SIZE(12, nbytes, "workspace_bytes"); PTR(13, stream);
-    tec_gemm_args d = {.ab_dtype = dt, .c_dtype = dt, .m = rows, .n = k, .k = n, .a = dy, .lda = n,
-                       .b = w, .ldb = k, .c = dx, .ldc = k, .workspace = ws, .workspace_bytes = nbytes};
-    tec_gemm_args g = {.ab_dtype = dt, .c_dtype = dt, .transa = 1, .m = n, .n = k, .k = rows, .a = dy,
-                       .lda = n, .b = x, .ldb = k, .c = dw, .ldc = k, .bias_grad = db, .workspace = ws,
-                       .workspace_bytes = nbytes};
-    if (db && !dw)
-        return PyErr_Format(PyExc_ValueError, "linear_bwd: db needs dw (the bias gradient comes with wgrad)");
-    tec_status st = TEC_OK;
-    Py_BEGIN_ALLOW_THREADS
-    if (dx)
-        st = tec_gemm(dev, &d, stream);
-    if (st == TEC_OK && dw)
-        st = tec_gemm(dev, &g, stream);
-    Py_END_ALLOW_THREADS
+    tec_linear_bwd_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.m); I64(3, a.n); I64(4, a.k);
+    PTR(5, a.dy); PTR(6, a.x); PTR(7, a.w); PTR(8, a.dx); PTR(9, a.dw); PTR(10, a.db); PTR(11, a.workspace);
+    SIZE(12, a.workspace_bytes, "workspace_bytes"); PTR(13, stream);
+    tec_status st;
+    CALL(tec_linear_bwd(dev, &a, stream));
     return run(m, st);
 }
 
 /* norm_linear_fwd(device, dtype, rows, k, n, x, gamma, beta, ln_out, mu, rsigma,
  *                 eps, zero_centered_gamma, w, b, y, workspace, workspace_bytes,
- *                 stream): LayerNorm (beta given) or RMSNorm of x [rows, k] into
- * ln_out, then y [rows, n] = ln_out w^T (+ b), in one call (the layers' fast
- * path). */
+ *                 stream): tec_norm_linear_fwd. */
 static PyObject *py_norm_linear_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("norm_linear_fwd", 19);
     int dev;
     double eps;
-    int64_t n;
-    void *w, *b, *y, *stream;
-    tec_norm_fwd_args a = {0};
-    tec_gemm_args g = {.transb = 1};
-    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.cols); I64(4, n);
-    PTR(5, a.x); PTR(6, a.gamma); PTR(7, a.beta); PTR(8, a.y); PTR(9, a.mu); PTR(10, a.rsigma);
-    DBL(11, eps); BOOL(12, a.zero_centered_gamma, "zero_centered_gamma"); PTR(13, w); PTR(14, b); PTR(15, y);
-    PTR(16, g.workspace); SIZE(17, g.workspace_bytes, "workspace_bytes"); PTR(18, stream);
+    tec_norm_linear_fwd_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.k); I64(4, a.n);
+    PTR(5, a.x); PTR(6, a.gamma); PTR(7, a.beta); PTR(8, a.ln_out); PTR(9, a.mu); PTR(10, a.rsigma);
+    DBL(11, eps); BOOL(12, a.zero_centered_gamma, "zero_centered_gamma"); PTR(13, a.w); PTR(14, a.bias);
+    PTR(15, a.y); PTR(16, a.workspace); SIZE(17, a.workspace_bytes, "workspace_bytes"); PTR(18, stream);
     if (!(eps >= 0.0 && eps <= 3.4e38))
         return PyErr_Format(PyExc_ValueError, "argument 11 (eps) must be a finite float >= 0, got %R", args[11]);
     a.eps = (float)eps;
-    g.ab_dtype = g.c_dtype = a.dtype;
-    g.m = a.rows; g.n = n; g.k = a.cols;
-    g.a = a.y; g.lda = a.cols; g.b = w; g.ldb = a.cols; g.c = y; g.ldc = n; g.bias = b;
     tec_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = tec_norm_fwd(dev, &a, stream);
-    if (st == TEC_OK)
-        st = tec_gemm(dev, &g, stream);
-    Py_END_ALLOW_THREADS
+    CALL(tec_norm_linear_fwd(dev, &a, stream));
     return run(m, st);
 }
 
 /* norm_linear_bwd(device, dtype, rows, k, n, dy, x, ln_out, mu, rsigma, gamma,
  *                 zero_centered_gamma, w, dln, dx, dgamma, dbeta, dw, db,
  *                 norm_workspace, norm_workspace_bytes, workspace,
- *                 workspace_bytes, stream): the backward of norm_linear_fwd in
- * one call: dln [rows, k] = dy w (dln: scratch), dw = dy^T ln_out with db
- * (when dw is not 0; db may be 0), then the norm's backward of dln into dx,
- * dgamma, dbeta (0 for RMSNorm, with mu). */
+ *                 workspace_bytes, stream): tec_norm_linear_bwd. */
 static PyObject *py_norm_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     ARGC("norm_linear_bwd", 24);
     int dev;
-    tec_dtype dt;
-    int64_t rows, k, n;
-    void *dy, *ln_out, *w, *dw, *db, *ws, *stream;
-    size_t nbytes;
-    tec_norm_bwd_args a = {0};
-    DEV(0, dev); DTYPE(1, dt, "dtype"); I64(2, rows); I64(3, k); I64(4, n);
-    PTR(5, dy); PTR(6, a.x); PTR(7, ln_out); PTR(8, a.mu); PTR(9, a.rsigma); PTR(10, a.gamma);
-    BOOL(11, a.zero_centered_gamma, "zero_centered_gamma"); PTR(12, w); PTR(13, a.dy); PTR(14, a.dx);
-    PTR(15, a.dgamma); PTR(16, a.dbeta); PTR(17, dw); PTR(18, db); PTR(19, a.workspace);
-    SIZE(20, a.workspace_bytes, "norm_workspace_bytes"); PTR(21, ws); SIZE(22, nbytes, "workspace_bytes");
-    PTR(23, stream);
-    if (db && !dw)
-        return PyErr_Format(PyExc_ValueError, "norm_linear_bwd: db needs dw (the bias gradient comes with wgrad)");
-    a.dtype = dt; a.rows = rows; a.cols = k;
-    tec_gemm_args d = {.ab_dtype = dt, .c_dtype = dt, .m = rows, .n = k, .k = n, .a = dy, .lda = n,
-                       .b = w, .ldb = k, .c = (void *)a.dy, .ldc = k, .workspace = ws, .workspace_bytes = nbytes};
-    tec_gemm_args g = {.ab_dtype = dt, .c_dtype = dt, .transa = 1, .m = n, .n = k, .k = rows, .a = dy,
-                       .lda = n, .b = ln_out, .ldb = k, .c = dw, .ldc = k, .bias_grad = db, .workspace = ws,
-                       .workspace_bytes = nbytes};
+    tec_norm_linear_bwd_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.k); I64(4, a.n);
+    PTR(5, a.dy); PTR(6, a.x); PTR(7, a.ln_out); PTR(8, a.mu); PTR(9, a.rsigma); PTR(10, a.gamma);
+    BOOL(11, a.zero_centered_gamma, "zero_centered_gamma"); PTR(12, a.w); PTR(13, a.dln); PTR(14, a.dx);
+    PTR(15, a.dgamma); PTR(16, a.dbeta); PTR(17, a.dw); PTR(18, a.db); PTR(19, a.norm_workspace);
+    SIZE(20, a.norm_workspace_bytes, "norm_workspace_bytes"); PTR(21, a.workspace);
+    SIZE(22, a.workspace_bytes, "workspace_bytes"); PTR(23, stream);
     tec_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = tec_gemm(dev, &d, stream);
-    if (st == TEC_OK && dw)
-        st = tec_gemm(dev, &g, stream);
-    if (st == TEC_OK)
-        st = tec_norm_bwd(dev, &a, stream);
-    Py_END_ALLOW_THREADS
+    CALL(tec_norm_linear_bwd(dev, &a, stream));
     return run(m, st);
 }
 
@@ -313,7 +265,7 @@ PyMethodDef tec_ops_methods[] = {
     {"norm_linear_fwd", (PyCFunction)(void (*)(void))py_norm_linear_fwd, METH_FASTCALL, "Norm then GEMM (+ bias)."},
     {"norm_linear_bwd", (PyCFunction)(void (*)(void))py_norm_linear_bwd, METH_FASTCALL, "Backward of norm_linear_fwd."},
     {"gemm_workspace_bytes", (PyCFunction)(void (*)(void))py_gemm_ws, METH_FASTCALL, "Workspace of gemm."},
-    {"act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL, "Activation forward (see activation.h)."},
+    {"act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL, "Activation forward (see tec.h)."},
     {"act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL, "Activation backward, optional dbias."},
     {"act_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_act_bwd_ws, METH_FASTCALL, "Workspace of act_bwd with dbias."},
     {"load_cuda_backend", (PyCFunction)(void (*)(void))py_load_cuda, METH_FASTCALL, "Load the CUDA backend library."},

@@ -1,5 +1,5 @@
 /* The overlap schedules of csrc/core/comm.c against a mock transport and backend, on
- * the CPU, in one process: built with comm.c, tec.c and error.c and run by
+ * the CPU, in one process: built with comm.c, comm_lifetime.c, tec.c and error.c and run by
  * tests/test_comm_schedule.py. Prints "PASS comm_schedule_test" and exits 0.
  *
  * The mock runs every rank's comm stream and compute stream as queues that a seeded

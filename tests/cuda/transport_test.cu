@@ -26,7 +26,7 @@
 #include "cuda/cuda_transport.h"
 #include "error.h"
 
-/* Region layout as csrc/core/comm.c builds it. */
+/* Region layout as csrc/core/comm_lifetime.c builds it. */
 static const size_t DATA = (size_t)1 << 20;
 static const size_t FLAGS_OFF = 2 * DATA;
 static const size_t REGION = FLAGS_OFF + 512;

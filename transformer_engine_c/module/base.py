@@ -174,6 +174,20 @@ def _set_tp_attributes(t, is_parallel, dim):
     t.partition_stride = 1
 
 
+def _init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name, partition_dim):
+    """Initialise weight parameter w as TE does (init_method, default
+    normal(0, 0.023), under the RNG tracker's fork when given) and give it
+    TE's tensor-parallel attributes."""
+    init = init_method or default_init_method
+    if get_rng_state_tracker is None:
+        init(w.data)
+    else:
+        tracker = get_rng_state_tracker()
+        with (tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()):
+            init(w.data)
+    _set_tp_attributes(w, True, partition_dim)
+
+
 class ExtraStateMixin:
     """TransformerEngine's `_extra_state` entry of a module's state_dict, in
     TE's format (the FP8 recipe and delayed scaling's fp8_meta, pickled into
@@ -211,20 +225,48 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
 
     def _setup_tp(self, parallel_mode, sequence_parallel, tp_group, tp_size, ub_flags, ub_name, ub_comm,
                   symmetric_ar_type, delay_wgrad_compute, fuse_wgrad_accumulation):
+        self._setup_parallel(parallel_mode, sequence_parallel, tp_group, tp_size, symmetric_ar_type)
+        self.ub = UBConfig(self, ub_flags, ub_name, ub_comm, self.tp)
+        self.ub_name = ub_name
+        self._setup_wgrad_policy(delay_wgrad_compute, fuse_wgrad_accumulation)
+
+    def _setup_parallel(self, parallel_mode, sequence_parallel, tp_group, tp_size, symmetric_ar_type):
+        """The tensor-parallel facts of the layer's (first) GEMM: self.tp."""
         if symmetric_ar_type is not None:
             raise NotImplementedError(f"symmetric_ar_type={symmetric_ar_type!r}: symmetric-memory all-reduce "
                                       "is not supported (use None)")
         self.tp = TPConfig(parallel_mode, sequence_parallel, tp_group, tp_size)
         self.tp_size, self.tp_group = self.tp.size, self.tp.group
-        self.ub = UBConfig(self, ub_flags, ub_name, ub_comm, self.tp)
-        self.ub_name = ub_name
+        self.symmetric_ar_type = symmetric_ar_type
+
+    def _setup_wgrad_policy(self, delay_wgrad_compute, fuse_wgrad_accumulation):
+        """fuse_wgrad_accumulation and delay_wgrad_compute, the latter checked
+        against the userbuffers flags (self.ub) as TE checks it."""
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         if self.delay_wgrad_compute and self.ub["ub_bulk_wgrad"]:
             raise ValueError(f"{type(self).__name__}: delay_wgrad_compute cannot be combined with ub_bulk_wgrad "
                              "(the bulk reduce-scatter of dgrad runs under the wgrad GEMM), as in "
                              "TransformerEngine")
-        self.symmetric_ar_type = symmetric_ar_type
+
+    def _make_norm_params(self, features, normalization, dtype, device):
+        """layer_norm_weight [features] (ones, zeros with zero_centered_gamma)
+        and, for LayerNorm, layer_norm_bias (zeros; None for RMSNorm)."""
+        init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(init_gamma(features, dtype=dtype, device=device))
+        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(features, dtype=dtype, device=device))
+                                if normalization == "LayerNorm" else None)
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is None:
+                continue
+            # Replicated over the group (partial gradients under sequence
+            # parallelism, which the framework sums), except in row mode:
+            # there each rank owns its slice of the features and sees every
+            # token, so its gradient is complete. TE marks those too, and a
+            # framework that sums them gets tp-fold wrong gradients; we do not.
+            p.sequence_parallel = self.tp.sp and self.tp.mode != "row"
+            if self.tp.mode == "row":
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
     def _make_linear_params(self, out_features, in_local, dtype, device, init_method, get_rng_state_tracker,
                             rng_tracker_name, bias, parameters_split):
@@ -240,19 +282,12 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
             sizes = [n // self.tp.size for n in sizes]
         self.parameter_split_sizes = sizes
         out_local = sum(sizes)
-        init = init_method or default_init_method
         weight = torch.empty(out_local, in_local, dtype=dtype, device=device)
         biases = torch.zeros(out_local, dtype=dtype, device=device) if bias else None
         row = 0
         for i, n in enumerate(sizes):
             w = torch.nn.Parameter(weight[row:row + n])
-            if get_rng_state_tracker is None:
-                init(w.data)
-            else:
-                tracker = get_rng_state_tracker()
-                with (tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()):
-                    init(w.data)
-            _set_tp_attributes(w, True, 1 if self.tp.mode == "row" else 0)
+            _init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name, 1 if self.tp.mode == "row" else 0)
             self.register_parameter(self.weight_names[i], w)
             if bias:
                 b = torch.nn.Parameter(biases[row:row + n])
@@ -269,10 +304,17 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
             if c.device != torch.device(device):
                 raise ValueError(f"{type(self).__name__}: communicator '{c.name}' ({role}) is on {c.device} but the "
                                  f"layer's parameters are on {device} (pass device= to initialize_ub / CommOverlap)")
-        self._wgrads = [WeightGrads(self, self.weight_names, self.bias_names)]
+        self._setup_wgrads([(self.weight_names, self.bias_names)], bias)
+
+    def _setup_wgrads(self, gemms, bias):
+        """One WeightGrads per GEMM from its (weight names, bias names), in
+        backward_dw's order; with delay_wgrad_compute the parameters skip
+        their post-backward hooks (TE's attribute: backward_dw runs them)."""
+        self._wgrads = [WeightGrads(self, weights, biases) for weights, biases in gemms]
         if self.delay_wgrad_compute:
-            for name in self.weight_names + (self.bias_names if bias else []):
-                getattr(self, name).skip_backward_post_hook = True
+            for weights, biases in gemms:
+                for name in weights + (biases if bias else []):
+                    getattr(self, name).skip_backward_post_hook = True
 
     # -- per call -----------------------------------------------------------
 

@@ -15,7 +15,7 @@ from .. import _engine
 from ..quantization import FP8GlobalStateManager
 from ._config import PARALLEL_MODES, compute_dtype, default_device, default_dtype
 from ._wgrad import main_grad_of
-from .base import TransformerEngineBaseModule, _set_tp_attributes, default_init_method
+from .base import TransformerEngineBaseModule, _init_weight, _set_tp_attributes
 
 __all__ = ["GroupedLinear"]
 
@@ -130,16 +130,9 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.apply_bias = self.use_bias and not self.return_bias
         self.save_original_input, self.ub_name = save_original_input, ub_name
         self.params_dtype = dtype
-        init = init_method or default_init_method
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-            if get_rng_state_tracker is None:
-                init(w.data)
-            else:
-                tracker = get_rng_state_tracker()
-                with (tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()):
-                    init(w.data)
-            _set_tp_attributes(w, True, 1 if parallel_mode == "row" else 0)
+            _init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name, 1 if parallel_mode == "row" else 0)
             self.register_parameter(f"weight{i}", w)
             if self.use_bias:
                 b = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))

@@ -151,21 +151,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.in_features, self.out_features = self.in_local, self.out_local  # this rank's, as in TE
         dtype, device = default_dtype(params_dtype), default_device(device)
         self.rng_tracker_name = rng_tracker_name
-        init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.layer_norm_weight = torch.nn.Parameter(init_gamma(self.in_local, dtype=dtype, device=device))
-        self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(self.in_local, dtype=dtype, device=device))
-                                if normalization == "LayerNorm" else None)
-        for p in (self.layer_norm_weight, self.layer_norm_bias):
-            if p is None:
-                continue
-            # Replicated over the group (partial gradients under sequence
-            # parallelism, which the framework sums), except in row mode:
-            # there each rank owns its slice of the features and sees every
-            # token, so its gradient is complete. TE marks those too, and a
-            # framework that sums them gets tp-fold wrong gradients; we do not.
-            p.sequence_parallel = self.tp.sp and self.tp.mode != "row"
-            if self.tp.mode == "row":
-                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+        self._make_norm_params(self.in_local, normalization, dtype, device)
         self._make_linear_params(out_features, self.in_local, dtype, device, init_method, get_rng_state_tracker,
                                  rng_tracker_name, bias, parameters_split)
 

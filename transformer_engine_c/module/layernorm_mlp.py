@@ -9,11 +9,10 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _steps
-from ._config import UBConfig, TPConfig, as_2d, cast, check_input, check_same_size, default_device, default_dtype
+from ._config import UBConfig, TPConfig, as_2d, cast, check_input, default_device, default_dtype
 from ._config import like_input
 from ._plan import MLPPlan, apply, check_params, check_saved, grad_output, make_call
-from ._wgrad import WeightGrads
-from .base import TransformerEngineBaseModule, _set_tp_attributes, default_init_method
+from .base import TransformerEngineBaseModule, _init_weight, _set_tp_attributes
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACT_PARAM_KEYS = ("limit", "alpha", "glu_linear_offset")
@@ -222,9 +221,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
         for what, n in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{what} must be a positive int, got {n!r}")
-        if symmetric_ar_type is not None:
-            raise NotImplementedError(f"symmetric_ar_type={symmetric_ar_type!r}: symmetric-memory all-reduce "
-                                      "is not supported (use None)")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.eps, self.normalization, self.activation = float(eps), normalization, activation
         self.activation_params = activation_params
@@ -233,14 +229,12 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.return_layernorm_output = bool(return_layernorm_output)
         self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered and return_layernorm_output)
         self.set_parallel_mode, self.checkpoint = bool(set_parallel_mode), bool(checkpoint)
-        self.seq_length, self.micro_batch_size, self.symmetric_ar_type = seq_length, micro_batch_size, None
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
 
+        # fc1 is the base's GEMM (self.tp, self.ub); fc2 has its own (tp2, ub2)
         spm = self.set_parallel_mode
-        self.tp = TPConfig("column" if spm else None, sequence_parallel, tp_group, tp_size)
+        self._setup_parallel("column" if spm else None, sequence_parallel, tp_group, tp_size, symmetric_ar_type)
         self.tp2 = TPConfig("row" if spm else None, sequence_parallel, tp_group, tp_size)
-        self.tp_size, self.tp_group = self.tp.size, self.tp.group
         if ffn_hidden_size % self.tp_size:
             raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by the tensor-parallel size "
                              f"{self.tp_size}")
@@ -248,25 +242,17 @@ class LayerNormMLP(TransformerEngineBaseModule):
         flags = dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
                      ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
         self.ub, self.ub2 = self._ub_configs(flags, ub_comm)
-        if self.delay_wgrad_compute and self.ub["ub_bulk_wgrad"]:
-            raise ValueError("LayerNormMLP: delay_wgrad_compute cannot be combined with ub_bulk_wgrad (the bulk "
-                             "reduce-scatter of dgrad runs under the wgrad GEMM), as in TransformerEngine")
+        self._setup_wgrad_policy(delay_wgrad_compute, fuse_wgrad_accumulation)
 
         gated = activation in _engine.GATED_ACTIVATIONS
         fc1_out = 2 * self.size_per_partition if gated else self.size_per_partition
         dtype, device = default_dtype(params_dtype), default_device(device)
-        init_gamma = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.layer_norm_weight = torch.nn.Parameter(init_gamma(hidden_size, dtype=dtype, device=device))
-        self.layer_norm_weight.sequence_parallel = self.tp.sp
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-            self.layer_norm_bias.sequence_parallel = self.tp.sp
-        else:
-            self.layer_norm_bias = None
-        tracker = (get_rng_state_tracker, rng_tracker_name)
-        self.fc1_weight = _weight(fc1_out, hidden_size, dtype, device, init_method, tracker, 0)
-        self.fc2_weight = _weight(hidden_size, self.size_per_partition, dtype, device, output_layer_init_method,
-                                  tracker, 1)
+        self._make_norm_params(hidden_size, normalization, dtype, device)
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
+        _init_weight(self.fc1_weight, init_method, get_rng_state_tracker, rng_tracker_name, 0)
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, self.size_per_partition, dtype=dtype,
+                                                         device=device))
+        _init_weight(self.fc2_weight, output_layer_init_method, get_rng_state_tracker, rng_tracker_name, 1)
         if bias:
             self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
             _set_tp_attributes(self.fc1_bias, True, 0)
@@ -277,11 +263,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
             self.fc2_bias = torch.empty(0, dtype=dtype, device=device)
         # backward_dw's order: fc2, then fc1 (fc1's bias gradient comes from the activation's backward)
-        self._wgrads = [WeightGrads(self, ["fc2_weight"], ["fc2_bias"]),
-                        WeightGrads(self, ["fc1_weight"], ["fc1_bias"])]
-        if self.delay_wgrad_compute:
-            for n in ("fc1_weight", "fc2_weight") + (("fc1_bias", "fc2_bias") if bias else ()):
-                getattr(self, n).skip_backward_post_hook = True
+        self._setup_wgrads([(["fc2_weight"], ["fc2_bias"]), (["fc1_weight"], ["fc1_bias"])], bias)
 
     def _ub_configs(self, flags, ub_comm):
         """(fc1's UBConfig, fc2's) from TE's flags; UBConfig ignores (with a
@@ -333,11 +315,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
         return res[0] if len(res) == 1 else res
 
     def set_tensor_parallel_group(self, tp_group):
-        """TE's setter: the collectives use `tp_group` from now on (same size)."""
-        check_same_size(self, tp_group)
-        self.tp = TPConfig(self.tp.mode, self.tp.sp, tp_group, self.tp.size)
+        """TE's setter: both GEMMs' collectives use `tp_group` from now on
+        (same size)."""
+        super().set_tensor_parallel_group(tp_group)
         self.tp2 = TPConfig(self.tp2.mode, self.tp2.sp, tp_group, self.tp2.size)
-        self.tp_group = self.tp.group
 
     def ub_comms(self):
         """{TE name: CommOverlap} of the communicators this module uses."""
@@ -357,18 +338,3 @@ def _param(module, params, name):
     t = params.get(name)
     return t if t is not None else getattr(module, name)
 
-
-def _weight(rows, cols, dtype, device, init_method, tracker, partition_dim):
-    """A weight parameter initialised as TE does (init_method, default
-    normal(0, 0.023), under the RNG tracker's fork when given)."""
-    w = torch.nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
-    init = init_method or default_init_method
-    get_tracker, name = tracker
-    if get_tracker is None:
-        init(w.data)
-    else:
-        t = get_tracker()
-        with (t.fork(name) if name else t.fork()):
-            init(w.data)
-    _set_tp_attributes(w, True, partition_dim)
-    return w
