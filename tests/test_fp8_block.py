@@ -335,3 +335,188 @@ def test_quantizer_and_tensor_in_te_style(device):
     assert q.is_quantizable(x) and not q.is_quantizable(torch.randn(200, 384))
     with pytest.raises(ValueError, match="block_scaling_dim"):
         Float8BlockQuantizer(E4M3, rowwise=True, columnwise=True, block_scaling_dim=3)
+
+
+# ------------------------------------------------------- the recipe
+
+
+def test_recipe_fields_and_checks_are_te_2x():
+    r = Float8BlockScaling()
+    assert (r.fp8_format, r.x_block_scaling_dim, r.w_block_scaling_dim, r.grad_block_scaling_dim) == \
+        (Format.E4M3, 1, 2, 1)
+    assert r.fp8_quant_fwd_inp == QParams(power_2_scale=True, amax_epsilon=0.0)
+    assert all(getattr(r, f"fp8_gemm_{g}").use_split_accumulator for g in ("fprop", "dgrad", "wgrad"))
+    assert "x_block_scaling_dim=1" in repr(r)
+    for kw, match in (({"x_block_scaling_dim": 2}, "x_block_scaling_dim and w_block_scaling_dim"),
+                      ({"w_block_scaling_dim": 1, "x_block_scaling_dim": 2, "grad_block_scaling_dim": 2},
+                       "x_block_scaling_dim and grad_block_scaling_dim"),
+                      ({"w_block_scaling_dim": 3}, "w_block_scaling_dim must be 1"),
+                      ({"fp8_gemm_fprop": te.recipe.MMParams(use_split_accumulator=False)}, "fp8_gemm_fprop"),
+                      ({"fp8_format": Format.E5M2}, "pure E5M2")):
+        with pytest.raises(ValueError, match=match):
+            Float8BlockScaling(**kw)
+
+
+def test_block_scaling_availability_follows_te(monkeypatch):
+    from transformer_engine_c import quantization as Q
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    for cc, ok, match in (((9, 0), True, ""), ((10, 0), False, "MXFP8"), ((8, 9), False, "9.0")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cc=cc: cc)
+        got, reason = Q.is_fp8_block_scaling_available(return_reason=True)
+        assert got is ok and match in reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert Q.is_fp8_block_scaling_available() is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    with pytest.raises(RuntimeError, match="MXFP8"):
+        with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+            pass
+
+
+# ------------------------------------------------------- the layers
+
+
+def block_deq(t, block_dim, columnwise=False):
+    """t's FP8 value under block scaling (float64): the rowwise copy, or the
+    columnwise copy transposed back."""
+    d, s, dt, st = ref_block_quantize(t.detach().cpu(), E4M3, block_dim)
+    if columnwise:
+        return ref_dequantize(dt, st, block_dim, E4M3).t()
+    return ref_dequantize(d, s, block_dim, E4M3)
+
+
+def fp8_tol(device):
+    return 1e-5 if device == "cpu" else 5e-4
+
+
+def test_linear_steps_match_the_block_reference(device):
+    """Fprop reads X's 1x128 and W's 128x128 blocks, dgrad dY's 1x128 and W's
+    transpose, wgrad the 128x1 (columnwise) blocks of dY and X (TE's
+    linear.py usages)."""
+    torch.manual_seed(0)
+    lin = te.Linear(256, 192, params_dtype=torch.float32, device=device)
+    # features of other magnitudes: a 1x128 block of a row mixes them, a 128x1 block does not
+    mx, mdy = (torch.exp2(torch.randint(-8, 8, (1, n)).float()) for n in (256, 192))
+    x = (torch.randn(160, 256) * mx).to(device).requires_grad_()
+    dy = (torch.randn(160, 192) * mdy).to(device)
+    with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+        y = lin(x)
+    y.backward(dy)
+    w = lin.weight.detach()
+    want_y = block_deq(x, 1) @ block_deq(w, 2).t() + lin.bias.detach().cpu().double()
+    assert rel(y.detach().cpu(), want_y) < fp8_tol(device)
+    assert rel(x.grad.cpu(), block_deq(dy, 1) @ block_deq(w, 2)) < fp8_tol(device)
+    want_dw = block_deq(dy, 1, columnwise=True).t() @ block_deq(x, 1, columnwise=True)
+    norm = mdy.t().double() * mx.double()  # every entry of dW on one scale
+    assert rel(lin.weight.grad.cpu() / norm, want_dw / norm) < fp8_tol(device)
+    rowwise_dw = block_deq(dy, 1).t() @ block_deq(x, 1)  # the other usage: a different product
+    assert rel(lin.weight.grad.cpu() / norm, rowwise_dw / norm) > 10 * fp8_tol(device)
+
+
+def make(kind, device, **kw):
+    torch.manual_seed(1)
+    common = dict(params_dtype=torch.float32, device=device, **kw)
+    if kind == "Linear":
+        return te.Linear(256, 192, **common)
+    if kind == "LayerNormLinear":
+        return te.LayerNormLinear(256, 192, **common)
+    if kind == "RMSNormLinear":
+        return te.LayerNormLinear(256, 192, normalization="RMSNorm", **common)
+    return te.LayerNormMLP(256, 384, activation=kind.split(":")[1], **common)
+
+
+def run(layer, x, dy, recipe, steps=1, **kw):
+    for _ in range(steps):
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x, **kw)
+        y.backward(dy)
+    return y.detach(), x.grad.clone(), {n: None if p.grad is None else p.grad.clone()
+                                        for n, p in layer.named_parameters()}
+
+
+KINDS = ["Linear", "LayerNormLinear", "RMSNormLinear", "MLP:gelu", "MLP:swiglu"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layers_in_block_fp8_are_close_to_high_precision(device, kind):
+    """test_numerics.py's FP8 tolerances (rtol 0.125, atol 0.0675) on the
+    output and every gradient, and within FP8's error in norm."""
+    layer = make(kind, device)
+    x = torch.randn(2, 96, 256, device=device, requires_grad=True)
+    dy = torch.randn(2, 96, 256 if kind.startswith("MLP") else 192, device=device) * 0.02
+    y0, dx0, g0 = run(layer, x, dy, None)
+    y1, dx1, g1 = run(layer, x, dy, Float8BlockScaling(), steps=2)
+    torch.testing.assert_close(y1, y0, rtol=0.125, atol=0.0675)
+    torch.testing.assert_close(dx1, dx0, rtol=0.125, atol=0.0675)
+    assert 1e-4 < rel(y1, y0) < 0.1 and rel(dx1, dx0) < 0.1
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0.125, atol=0.0675, msg=name)
+        assert rel(g1[name], g0[name]) < 0.1, name
+
+
+def test_bf16_layer_trains_under_block_scaling(device):
+    torch.manual_seed(4)
+    layer = te.LayerNormMLP(256, 512, params_dtype=torch.bfloat16, device=device)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    x = torch.randn(128, 256, device=device, dtype=torch.bfloat16)
+    target = torch.randn(128, 256, device=device, dtype=torch.bfloat16) * 0.1
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+            loss = ((layer(x) - target).float() ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_weight_cached_over_micro_batches_under_block_scaling():
+    lin = make("Linear", "cpu")
+    x = torch.randn(128, 256)
+    recipe = Float8BlockScaling()
+    with te.autocast(enabled=True, recipe=recipe):
+        y_first = lin(x, is_first_microbatch=True)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with te.autocast(enabled=True, recipe=recipe):
+        y_cached = lin(x, is_first_microbatch=False)
+        y_new = lin(x, is_first_microbatch=None)
+        y_recast = lin(x, is_first_microbatch=True)
+    assert torch.equal(y_cached, y_first)
+    assert not torch.equal(y_new, y_first)
+    assert torch.equal(y_recast, y_new)
+    with te.autocast(enabled=True, recipe=te.recipe.Float8CurrentScaling()):  # another recipe: cast again
+        y_other = lin(x, is_first_microbatch=False)
+    assert not torch.equal(y_other, y_recast)
+
+
+def test_mlp_checkpoint_and_delayed_wgrad_equal_the_plain_layer():
+    x = torch.randn(64, 256, requires_grad=True)
+    dy = torch.randn(64, 256)
+    ra = run(make("MLP:gelu", "cpu"), x, dy, Float8BlockScaling())
+    rb = run(make("MLP:gelu", "cpu", checkpoint=True), x, dy, Float8BlockScaling())
+    c = make("MLP:gelu", "cpu", delay_wgrad_compute=True)
+    rc = run(c, x, dy, Float8BlockScaling())
+    c.backward_dw()
+    rc = (rc[0], rc[1], {n: p.grad for n, p in c.named_parameters()})
+    for other in (rb, rc):
+        assert torch.equal(ra[0], other[0]) and torch.equal(ra[1], other[1])
+        for name in ra[2]:
+            assert torch.equal(ra[2][name], other[2][name]), name
+
+
+def test_block_scaling_shape_errors_name_the_argument():
+    lin = make("Linear", "cpu")
+    with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+        with pytest.raises(ValueError, match="inp.*divisible by 8"):
+            lin(torch.randn(12, 256))
+    narrow = te.Linear(64, 24, device="cpu")
+    with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+        with pytest.raises(ValueError, match=r"weight .*\(24, 64\)"):
+            narrow(torch.randn(16, 64))
