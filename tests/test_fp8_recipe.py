@@ -64,8 +64,7 @@ def test_current_scaling_refuses_e5m2():
 
 
 @pytest.mark.parametrize("recipe, name", [(MXFP8BlockScaling(), "MXFP8BlockScaling is a Blackwell format"),
-                                          (NVFP4BlockScaling(), "NVFP4BlockScaling is a Blackwell format"),
-                                          (Float8BlockScaling(), "Float8BlockScaling is not implemented yet")])
+                                          (NVFP4BlockScaling(), "NVFP4BlockScaling is a Blackwell format")])
 def test_unsupported_recipes_raise_naming_themselves(recipe, name):
     with pytest.raises(NotImplementedError, match=name):
         with te.autocast(enabled=True, recipe=recipe):

@@ -1,6 +1,7 @@
 """Checked wrappers over the engine's FP8 operations (csrc/core/tec.h, FP8
 section): quantize (fused amax + cast, optional transpose), amax, the
-current-scaling scales and the FP8 GEMM (TN layout). FP8 data is held as
+current-scaling scales, the FP8 GEMM (TN layout), and block scaling's
+quantize (1x128 / 128x128 blocks) and block-scaled GEMM. FP8 data is held as
 torch.uint8 storage of the OCP E4M3 / E5M2 bits; scales are float32 tensors
 on the data's device, read and written by the device (no host sync)."""
 import torch
@@ -197,4 +198,153 @@ def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torc
                 b_scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
                 bias.data_ptr() if bias is not None else 0, int(bool(accumulate)),
                 0 if use_split_accumulator else 1, ws, nbytes, stream_of(a.device))
+    return out
+
+
+# ------------------------------------------------------ block scaling
+
+BLOCK = 128  # TEC_FP8_BLOCK
+SCALE_1D, SCALE_2D = 1, 2  # TEC_FP8_SCALE_1D / _2D
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _round4(a):
+    return (a + 3) // 4 * 4
+
+
+def block_scale_shape(shape, block_dim, columnwise=False):
+    """The shape of the block scale_inv of a tensor of `shape` (viewed as
+    [rows, last dim]): the rowwise data's or, with columnwise, its
+    transpose's; TE's Float8BlockQuantizer.get_scale_shape (the GEMM-ready
+    layout of tec.h, padded to multiples of 4)."""
+    shape = tuple(shape)
+    cols = shape[-1] if shape else 1
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    if block_dim == 2:
+        r, c = _cdiv(rows, BLOCK), _cdiv(cols, BLOCK)
+        return (c, _round4(r)) if columnwise else (r, _round4(c))
+    if block_dim != 1:
+        raise ValueError(f"block_dim must be 1 (1x128) or 2 (128x128), got {block_dim!r}")
+    return (_cdiv(rows, BLOCK), _round4(cols)) if columnwise else (_cdiv(cols, BLOCK), _round4(rows))
+
+
+def _check_f32(t, name, device, shape):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_contiguous():
+        raise TypeError(f"{name} must be a contiguous float32 tensor")
+    if t.device != device or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} is {tuple(t.shape)} on {t.device}; expected {tuple(shape)} on {device}")
+    return t
+
+
+def block_quantize(x, fp8_dtype, block_dim, *, rowwise=True, columnwise=False, power_2_scale=True,
+                   amax_epsilon=0.0, out=None, scale_inv=None, out_t=None, scale_inv_t=None):
+    """Cast x (float32/bf16/fp16, contiguous, viewed as [rows, last dim]) to
+    FP8 in blocks: block_dim 1 is 1x128 (activations, gradients), 2 is
+    128x128 (weights); each block's scale is fp8_max / its amax (TE's rule,
+    tec.h). Returns (data [x's shape] or None, scale_inv or None, data_t
+    [last dim, rows] or None, scale_inv_t or None); the scales are laid out
+    as block_scale_shape says (their padding is not written)."""
+    check_tensor(x, "input")
+    code = fp8_code(fp8_dtype)
+    if block_dim not in (1, 2):
+        raise ValueError(f"block_dim must be 1 (1x128) or 2 (128x128), got {block_dim!r}")
+    if not rowwise and not columnwise:
+        raise ValueError("block_quantize: nothing to produce (rowwise and columnwise are both off)")
+    if not isinstance(amax_epsilon, (int, float)) or not amax_epsilon >= 0:
+        raise ValueError(f"amax_epsilon must be a float >= 0, got {amax_epsilon!r}")
+    if x.dim() < 1:
+        raise ValueError("block_quantize: input must have at least 1 dim")
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    dev = x.device
+    if rowwise:
+        out = torch.empty(x.shape, dtype=torch.uint8, device=dev) if out is None else _check_u8(
+            out, "out", dev, x.shape)
+        shape = block_scale_shape(x.shape, block_dim)
+        scale_inv = torch.empty(shape, dtype=torch.float32, device=dev) if scale_inv is None else _check_f32(
+            scale_inv, "scale_inv", dev, shape)
+    else:
+        out = scale_inv = None
+    if columnwise:
+        if x.dim() < 2:
+            raise ValueError(f"block_quantize: a columnwise (transposed) copy needs a tensor of at least 2 dims, "
+                             f"got shape {tuple(x.shape)}")
+        out_t = torch.empty(cols, rows, dtype=torch.uint8, device=dev) if out_t is None else _check_u8(
+            out_t, "out_t", dev, (cols, rows))
+        shape = block_scale_shape(x.shape, block_dim, columnwise=True)
+        scale_inv_t = torch.empty(shape, dtype=torch.float32, device=dev) if scale_inv_t is None else _check_f32(
+            scale_inv_t, "scale_inv_t", dev, shape)
+    else:
+        out_t = scale_inv_t = None
+
+    def ptr(t):
+        return 0 if t is None else t.data_ptr()
+    _C.fp8_block_quantize(device_code(dev), DTYPE_CODES[x.dtype], code, block_dim, rows, cols, x.data_ptr(),
+                          ptr(out), ptr(scale_inv), ptr(out_t), ptr(scale_inv_t), int(bool(power_2_scale)),
+                          float(amax_epsilon), stream_of(dev))
+    return out, scale_inv, out_t, scale_inv_t
+
+
+def check_block_gemm_shape(m, n, k, a_mode, b_mode):
+    """TE's rule for a block-scaled GEMM (cublaslt_gemm.cu): k a multiple of
+    16, n (cuBLASLt's m) a multiple of 8, and m a multiple of 8 when A has
+    1x128 scales; not both operands 128x128."""
+    if a_mode not in (SCALE_1D, SCALE_2D) or b_mode not in (SCALE_1D, SCALE_2D):
+        raise ValueError(f"a_block_dim and b_block_dim must be 1 or 2, got {a_mode!r} and {b_mode!r}")
+    if a_mode == SCALE_2D and b_mode == SCALE_2D:
+        raise ValueError("fp8_block_gemm: A and B cannot both have 128x128 blocks (1Dx1D, 1Dx2D and 2Dx1D are "
+                         "supported)")
+    if k % 16:
+        raise ValueError(f"fp8_block_gemm: k (the inner dimension) must be a multiple of 16, got {k}")
+    if n % 8:
+        raise ValueError(f"fp8_block_gemm: n (B's rows) must be a multiple of 8, got {n}")
+    if a_mode == SCALE_1D and m % 8:
+        raise ValueError(f"fp8_block_gemm: m (A's rows) must be a multiple of 8 when A has 1x128 blocks, got {m}")
+
+
+def fp8_block_gemm(a, a_scale_inv, a_block_dim, a_dtype, b, b_scale_inv, b_block_dim, b_dtype, *,
+                   out_dtype=torch.bfloat16, bias=None, out=None, accumulate=False):
+    """out[m, n] (+)= deq(A[m, k]) @ deq(B[n, k])^T (+ bias), where deq
+    multiplies each FP8 block by its scale_inv: A and B are the rowwise data
+    of block_quantize of an [m, k] and an [n, k] tensor (block_dim 1 or 2,
+    not both 2) with their scale_inv. The split accumulator always (TE's
+    Float8BlockScaling requires it)."""
+    for t, name in ((a, "A"), (b, "B")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous 2-D torch.uint8 tensor of FP8 data")
+    if b.device != a.device:
+        raise ValueError(f"B is on {b.device}; expected {a.device}")
+    ca, cb = fp8_code(a_dtype, "a_dtype"), fp8_code(b_dtype, "b_dtype")
+    if ca == 1 and cb == 1:
+        raise ValueError("fp8_block_gemm: A and B cannot both be E5M2")
+    m, k = a.shape
+    n, kb = b.shape
+    if k != kb:
+        raise ValueError(f"fp8_block_gemm: A is [{m}, {k}] and B is [{n}, {kb}]; their last dims (k) must match")
+    check_block_gemm_shape(m, n, k, a_block_dim, b_block_dim)
+    _check_f32(a_scale_inv, "a_scale_inv", a.device, block_scale_shape(a.shape, a_block_dim))
+    _check_f32(b_scale_inv, "b_scale_inv", a.device, block_scale_shape(b.shape, b_block_dim))
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out")
+        if out_dtype not in DTYPE_CODES:
+            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    else:
+        check_tensor(out, "out", device=a.device, shape=(m, n))
+    if bias is not None:
+        bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
+        check_tensor(bias, "bias", dtype=bias_dtype, device=a.device, shape=(n,))
+        if accumulate:
+            raise ValueError("fp8_block_gemm: bias with accumulate is not supported")
+    d = engine_device(a.device)
+    _C.fp8_block_gemm(d.code, m, n, k, ca, cb, a.data_ptr(), k, b.data_ptr(), k, a_scale_inv.data_ptr(),
+                      b_scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
+                      bias.data_ptr() if bias is not None else 0, int(bool(accumulate)), 0, d.ws, d.nbytes,
+                      stream_of(a.device), a_block_dim, b_block_dim)
     return out

@@ -9,7 +9,7 @@ Float8Tensor (tensor/float8_tensor.py) and the FP8 engine operations
 (_fp8_engine.py) are usable on their own.
 
 Linear, LayerNormLinear and LayerNormMLP compute their GEMMs in FP8 inside
-an enabled autocast (module/_fp8.py); GroupedLinear and calibration
+an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLinear and calibration
 (calibrating=True) raise NotImplementedError there, and so do
 fp8_model_init / quantized_model_init with enabled=True."""
 import contextlib
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from . import _fp8_meta
-from .recipe import DelayedScaling, MXFP8BlockScaling, Recipe
+from .recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "get_default_fp8_recipe",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
@@ -52,8 +52,26 @@ def is_fp8_available(return_reason=False):
     return (ok, reason) if return_reason else ok
 
 
-def _block_scaling_unavailable():
-    return False, "Float8BlockScaling is not implemented by transformer_engine_c yet"
+def check_fp8_block_scaling_support():
+    """(available, reason) for Float8BlockScaling: TE's rule for Hopper
+    (compute capability 9.x with CUDA 12.9+, whose cuBLASLt has the 1x128
+    and 128x128 scale modes); TE emulates the recipe with MXFP8 on sm_100+,
+    which this package does not. Without CUDA it is emulated exactly on the
+    CPU."""
+    if not torch.cuda.is_available():
+        return True, "no CUDA device: Float8BlockScaling is emulated on the CPU (float32 arithmetic on the FP8 values)"
+    cc = torch.cuda.get_device_capability()
+    if cc >= (10, 0):
+        return False, (f"Float8BlockScaling on compute capability {cc[0]}.{cc[1]}: TE emulates it with MXFP8 there, "
+                       "which transformer_engine_c does not offer (it runs block scaling on Hopper, 9.0)")
+    if cc < (9, 0):
+        return False, (f"FP8 block scaled GEMM requires compute capability 9.0 (Hopper); "
+                       f"{torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}")
+    version = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if version < (12, 9):
+        return False, f"FP8 block scaled GEMM requires CUDA 12.9 or newer (cuBLASLt's block scale modes); " \
+                      f"torch reports CUDA {torch.version.cuda}"
+    return True, ""
 
 
 def get_fp8_torch_dtype(fp8_recipe, fprop_tensor=True):
@@ -120,7 +138,7 @@ class FP8GlobalStateManager:
     is_fp8_available = staticmethod(check_fp8_support)
     is_mxfp8_available = staticmethod(_blackwell_only("MXFP8"))
     is_nvfp4_available = staticmethod(_blackwell_only("NVFP4"))
-    is_fp8_block_scaling_available = staticmethod(_block_scaling_unavailable)
+    is_fp8_block_scaling_available = staticmethod(check_fp8_block_scaling_support)
 
     # ---- queries (TE's names)
 
@@ -211,7 +229,8 @@ class FP8GlobalStateManager:
             if reason:
                 raise NotImplementedError(reason)
         if enabled:
-            ok, reason = check_fp8_support()
+            ok, reason = (check_fp8_block_scaling_support if isinstance(recipe, Float8BlockScaling)
+                          else check_fp8_support)()
             if not ok:
                 raise RuntimeError(reason)
         cls.autocast_arguments[cls.get_unique_autocast_key(recipe, fp8_group)] = (recipe, fp8_group)

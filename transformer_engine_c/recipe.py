@@ -1,12 +1,14 @@
 """TransformerEngine's quantization recipes (TE 2.x fields and defaults).
 
 DelayedScaling and Float8CurrentScaling drive the per-tensor FP8 of
-quantization.py and tensor/float8_tensor.py. Float8BlockScaling,
-MXFP8BlockScaling and NVFP4BlockScaling can be built (code written for TE
-constructs them) but an autocast that enables one raises
-NotImplementedError naming it (see `unsupported_reason`)."""
+quantization.py and tensor/float8_tensor.py, Float8BlockScaling the block
+scales of tensor/float8_blockwise_tensor.py. MXFP8BlockScaling and
+NVFP4BlockScaling can be built (code written for TE constructs them) but an
+autocast that enables one raises NotImplementedError naming it (see
+`unsupported_reason`)."""
 import dataclasses
 import enum
+import os
 import typing
 
 __all__ = ["Format", "QParams", "MMParams", "Recipe", "DelayedScaling", "Float8CurrentScaling",
@@ -160,17 +162,37 @@ class MXFP8BlockScaling(Recipe):
 
     def unsupported_reason(self):
         return ("MXFP8BlockScaling is a Blackwell format (sm_100: E8M0 scales per 32 elements); "
-                "transformer_engine_c offers DelayedScaling and Float8CurrentScaling")
+                "transformer_engine_c offers DelayedScaling, Float8CurrentScaling and Float8BlockScaling")
+
+
+def _f32_block_scales():
+    """TE's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: Float8BlockScaling's
+    default QParams keep fp32 scales instead of powers of two (read when
+    this module is imported, as TE does)."""
+    return os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+
+
+_BLOCK_F32_SCALES = _f32_block_scales()
+
+
+def _block_qparams():
+    return QParams(power_2_scale=not _BLOCK_F32_SCALES, amax_epsilon=0.0)
 
 
 @dataclasses.dataclass()
 class Float8BlockScaling(Recipe):
-    """1x128 blocks for activations and gradients, 128x128 for weights
-    (x/w/grad_block_scaling_dim 1, 2, 1), power-of-two scales."""
+    """Block scales (TE 2.x): 1x128 blocks for activations and gradients,
+    128x128 for weights (x/w/grad_block_scaling_dim 1, 2, 1; any of them
+    may be 1 or 2, but no GEMM may take two 128x128 operands), each block's
+    scale from its own amax, powers of two unless
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1. Every GEMM uses the split
+    accumulator. The rowwise and columnwise copies of a 1x128-scaled tensor
+    are each quantized from the high-precision values."""
+    use_f32_scales: bool = _BLOCK_F32_SCALES
     fp8_format: Format = Format.E4M3
-    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=lambda: QParams(power_2_scale=True))
-    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=lambda: QParams(power_2_scale=True))
-    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=lambda: QParams(power_2_scale=True))
+    fp8_quant_fwd_inp: QParams = dataclasses.field(default_factory=_block_qparams)
+    fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=_block_qparams)
+    fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=_block_qparams)
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -180,10 +202,33 @@ class Float8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
-    def unsupported_reason(self):
-        return ("Float8BlockScaling is not implemented yet: cuBLASLt (CUDA 12.9+) offers its block scales on "
-                "sm_90 (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F), but this package has no "
-                "block quantization kernels yet; use DelayedScaling or Float8CurrentScaling")
+    def __post_init__(self):
+        _check_format(self, (Format.E4M3, Format.HYBRID))
+        dims = {}
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v not in (1, 2):
+                raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 blocks) or 2 (128x128), got {v!r}")
+            dims[name] = v
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if dims[f"{a}_block_scaling_dim"] == 2 and dims[f"{b}_block_scaling_dim"] == 2:
+                raise ValueError(f"Float8BlockScaling: {a}_block_scaling_dim and {b}_block_scaling_dim cannot both "
+                                 "be 2 (a GEMM of two 128x128-scaled operands is not supported)")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not getattr(self, name).use_split_accumulator:
+                raise ValueError(f"Float8BlockScaling.{name}: block scaling requires use_split_accumulator=True")
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("Float8BlockScaling(fp8_dpa / fp8_mha): FP8 attention is not supported for "
+                                      "Float8BlockScaling")
+
+    def __repr__(self):
+        return (f"recipe_type={type(self).__name__}, format={self.fp8_format.name}, "
+                f"fp8_quant_fwd_inp={self.fp8_quant_fwd_inp}, fp8_quant_fwd_weight={self.fp8_quant_fwd_weight}, "
+                f"fp8_quant_bwd_grad={self.fp8_quant_bwd_grad}, x_block_scaling_dim={self.x_block_scaling_dim}, "
+                f"w_block_scaling_dim={self.w_block_scaling_dim}, "
+                f"grad_block_scaling_dim={self.grad_block_scaling_dim}, fp8_gemm_fprop={self.fp8_gemm_fprop}, "
+                f"fp8_gemm_dgrad={self.fp8_gemm_dgrad}, fp8_gemm_wgrad={self.fp8_gemm_wgrad}, "
+                f"fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}")
 
 
 @dataclasses.dataclass()
@@ -193,4 +238,4 @@ class NVFP4BlockScaling(Recipe):
 
     def unsupported_reason(self):
         return ("NVFP4BlockScaling is a Blackwell format (sm_100: FP4 with E4M3 scales per 16 elements); "
-                "transformer_engine_c offers DelayedScaling and Float8CurrentScaling")
+                "transformer_engine_c offers DelayedScaling, Float8CurrentScaling and Float8BlockScaling")

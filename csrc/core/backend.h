@@ -44,6 +44,11 @@ typedef struct tec_fp8_ops {
                                  float fp8_max, float divisor, int most_recent, void *stream);
 } tec_fp8_ops;
 
+/* Block-scaled FP8 (tec.h), called by fp8_block.c after its checks. */
+typedef struct tec_fp8_block_ops {
+    tec_status (*quantize)(int device, const tec_fp8_block_quantize_args *a, void *stream);
+} tec_fp8_block_ops;
+
 typedef struct tec_backend {
     int abi_version; /* TEC_BACKEND_ABI */
     const char *name;
@@ -62,10 +67,14 @@ typedef struct tec_backend {
     const tec_nccl_ops *nccl;
     /* FP8 quantization and GEMM (NULL: none). */
     const tec_fp8_ops *fp8;
+    /* Block-scaled FP8 quantization (NULL: none); the FP8 GEMM takes the
+     * block scale modes of tec_fp8_gemm_args. */
+    const tec_fp8_block_ops *fp8_block;
 } tec_backend;
 
-#define TEC_BACKEND_ABI 8 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
-                            * 7: fp8 delayed_update. 8: fp8 quantize's dbias */
+#define TEC_BACKEND_ABI 9 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
+                            * 7: fp8 delayed_update. 8: fp8_block; the FP8 GEMM's scale modes. 9: fp8
+                            * quantize's dbias */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {
@@ -83,6 +92,7 @@ typedef const tec_backend *(*tec_cuda_backend_init_fn)(const tec_core_hooks *hoo
 
 extern const tec_backend tec_cpu_backend;
 extern const tec_fp8_ops tec_cpu_fp8; /* cpu/fp8.c */
+extern const tec_fp8_block_ops tec_cpu_fp8_block; /* cpu/fp8_block.c */
 
 /* The backend of `device` (TEC_DEVICE_CPU or a CUDA ordinal); NULL if its
  * library is not loaded. */

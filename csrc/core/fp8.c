@@ -1,6 +1,7 @@
 /* fp8.c - argument checks and device dispatch of the FP8 operations of
- * tec.h (quantize, amax, current-scaling scales, the FP8 GEMM) through the
- * backend tables (backend.h). Exercised by tests/test_fp8_engine.py. */
+ * tec.h (quantize, amax, current-scaling scales, the FP8 GEMM with per-tensor
+ * or block scales) through the backend tables (backend.h). Exercised by
+ * tests/test_fp8_engine.py and tests/test_fp8_block.py. */
 #include "backend.h"
 #include "checked.h"
 #include "error.h"
@@ -133,6 +134,15 @@ tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: A and B cannot both be E5M2 (cuBLASLt has no E5M2 x E5M2)");
     if (!dtype_ok(a->c_dtype))
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: unknown output dtype %d", (int)a->c_dtype);
+    const int ma = a->a_scale_mode, mb = a->b_scale_mode;
+    if (ma < TEC_FP8_SCALE_TENSOR || ma > TEC_FP8_SCALE_2D || mb < TEC_FP8_SCALE_TENSOR || mb > TEC_FP8_SCALE_2D)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: unknown scale mode (a %d, b %d)", ma, mb);
+    if ((ma == TEC_FP8_SCALE_TENSOR) != (mb == TEC_FP8_SCALE_TENSOR))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: per-tensor and block scales cannot be mixed (a %d, b %d)",
+                             ma, mb);
+    if (ma == TEC_FP8_SCALE_2D && mb == TEC_FP8_SCALE_2D)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: A and B cannot both have 128x128 block scales "
+                             "(cuBLASLt has 1x128 by 1x128, 1x128 by 128x128 and 128x128 by 1x128)");
     if (a->lda < (a->k > 1 ? a->k : 1) || a->ldb < (a->k > 1 ? a->k : 1) || a->ldc < (a->n > 1 ? a->n : 1))
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: leading dimension too small (lda=%lld ldb=%lld ldc=%lld)",
                              (long long)a->lda, (long long)a->ldb, (long long)a->ldc);

@@ -557,8 +557,58 @@ typedef struct {
     int fast_accum;
     void *workspace;
     size_t workspace_bytes;
+    /* TEC_FP8_SCALE_* of each operand (0, per-tensor, in a zeroed struct):
+     * with block scales, a_scale_inv / b_scale_inv hold the operand's block
+     * scales in the layout of tec_fp8_block_quantize (A as its `out` of an
+     * [m, k] input, B as that of an [n, k] input); not both 128x128. */
+    int a_scale_mode, b_scale_mode;
 } tec_fp8_gemm_args;
 tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream);
+
+/* Block-scaled FP8 (TransformerEngine's Float8BlockScaling; csrc/core/
+ * fp8_block.c checks and dispatches, cpu/fp8_block.c and cuda/fp8_block.cu
+ * quantize). A scale mode says how an FP8 operand's scale_inv is laid out: */
+enum {
+    TEC_FP8_SCALE_TENSOR = 0, /* one float */
+    TEC_FP8_SCALE_1D = 1,     /* 1x128: one float per 128 consecutive elements of a row */
+    TEC_FP8_SCALE_2D = 2,     /* 128x128: one float per 128x128 tile */
+};
+#define TEC_FP8_BLOCK 128
+
+/* Quantize x [rows, cols] (row-major, contiguous, `dtype`) in blocks
+ * (block_dim 1: 1x128, 2: 128x128; blocks at the right and bottom edges
+ * hold what is left). For each block b: amax = max |x| over b (NaN
+ * ignored), a = max(amax, epsilon); scale = 1 if a is 0, inf or NaN, else
+ * fp8_max / a (the largest finite value of `dtype` when that overflows),
+ * rounded down to a power of two with pow2; fp8 = fp8(x * scale) (round to
+ * nearest even, saturating); scale_inv = 1 / scale.
+ *
+ *   out [rows, cols], scale_inv (out may be NULL: then scale_inv is unused)
+ *     1x128:   scale_inv[cb * ld + r],  cb = c / 128, ld = round_up(rows, 4),
+ *              ceil(cols / 128) * ld floats;
+ *     128x128: scale_inv[rb * ld + cb], rb = r / 128, ld = round_up(ceil(cols / 128), 4),
+ *              ceil(rows / 128) * ld floats.
+ *   out_t [cols, rows], scale_inv_t: the columnwise copy (or NULL), laid out
+ *     as `out` of the transpose. With 1x128 it quantizes 128x1 blocks of x
+ *     (its own amaxes); with 128x128 it is the transpose of out's bytes and
+ *     scale_inv_t the transpose of scale_inv's grid.
+ * The padding entries of the scale tensors are not written. This is cuBLASLt's
+ * layout for CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F and
+ * TE's Float8BlockQuantizer's (GEMM-ready). */
+typedef struct {
+    int64_t rows, cols;
+    tec_dtype dtype;
+    tec_fp8_format format;
+    int block_dim;
+    int pow2;
+    float epsilon;
+    const void *x;
+    uint8_t *out;
+    float *scale_inv;
+    uint8_t *out_t;
+    float *scale_inv_t;
+} tec_fp8_block_quantize_args;
+tec_status tec_fp8_block_quantize(int device, const tec_fp8_block_quantize_args *a, void *stream);
 
 #ifdef __cplusplus
 }

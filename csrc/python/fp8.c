@@ -1,5 +1,6 @@
 /* fp8.c - CPython entry points for the engine's FP8 operations (tec.h:
- * quantize, amax, current-scaling scales, FP8 GEMM). Positional
+ * quantize, amax, current-scaling scales, FP8 GEMM; block quantize and the
+ * block-scaled GEMM, tests/test_fp8_block.py). Positional
  * METH_FASTCALL with addresses as ints; the checks a user sees live in
  * transformer_engine_c/_fp8_engine.py. tests/test_fp8_engine.py exercises
  * every function here. */
@@ -117,6 +118,42 @@ static PyObject *py_fp8_gemm(PyObject *m, PyObject *const *args, Py_ssize_t narg
     return run(m, st);
 }
 
+/* fp8_block_quantize(device, dtype, format, block_dim, rows, cols, x, out,
+ *                    scale_inv, out_t, scale_inv_t, pow2, epsilon, stream) */
+static PyObject *py_fp8_block_quantize(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_block_quantize", 14);
+    int dev;
+    tec_fp8_block_quantize_args a = {0};
+    double eps;
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); FMT(2, a.format, "format"); INT(3, a.block_dim, 1, 2, "block_dim");
+    I64(4, a.rows); I64(5, a.cols); PTR(6, a.x); PTR(7, a.out); PTR(8, a.scale_inv); PTR(9, a.out_t);
+    PTR(10, a.scale_inv_t); BOOL(11, a.pow2, "pow2"); DBL(12, eps); PTR(13, stream);
+    a.epsilon = (float)eps;
+    tec_status st;
+    CALL(tec_fp8_block_quantize(dev, &a, stream));
+    return run(m, st);
+}
+
+/* fp8_block_gemm(the 21 arguments of fp8_gemm, a_scale_mode, b_scale_mode) */
+static PyObject *py_fp8_block_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_block_gemm", 23);
+    int dev;
+    tec_fp8_gemm_args a = {0};
+    void *stream;
+    DEV(0, dev); I64(1, a.m); I64(2, a.n); I64(3, a.k); FMT(4, a.a_format, "a_format"); FMT(5, a.b_format, "b_format");
+    PTR(6, a.a); I64(7, a.lda); PTR(8, a.b); I64(9, a.ldb); PTR(10, a.a_scale_inv); PTR(11, a.b_scale_inv);
+    PTR(12, a.c); I64(13, a.ldc); DTYPE(14, a.c_dtype, "c_dtype"); PTR(15, a.bias);
+    BOOL(16, a.accumulate, "accumulate"); BOOL(17, a.fast_accum, "fast_accum"); PTR(18, a.workspace);
+    SIZE(19, a.workspace_bytes, "workspace_bytes"); PTR(20, stream);
+    INT(21, a.a_scale_mode, 0, 2, "a_scale_mode"); INT(22, a.b_scale_mode, 0, 2, "b_scale_mode");
+    tec_status st;
+    CALL(tec_fp8_gemm(dev, &a, stream));
+    return run(m, st);
+}
+
 PyMethodDef tec_fp8_methods[] = {
     {"fp8_quantize", (PyCFunction)(void (*)(void))py_fp8_quantize, METH_FASTCALL,
      "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, dbias, workspace, "
@@ -131,5 +168,11 @@ PyMethodDef tec_fp8_methods[] = {
     {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_FASTCALL,
      "fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv, b_scale_inv, c, ldc, c_dtype, "
      "bias, accumulate, fast_accum, workspace, workspace_bytes, stream)"},
+    {"fp8_block_quantize", (PyCFunction)(void (*)(void))py_fp8_block_quantize, METH_FASTCALL,
+     "fp8_block_quantize(device, dtype, format, block_dim, rows, cols, x, out, scale_inv, out_t, scale_inv_t, pow2, "
+     "epsilon, stream)"},
+    {"fp8_block_gemm", (PyCFunction)(void (*)(void))py_fp8_block_gemm, METH_FASTCALL,
+     "fp8_block_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv, b_scale_inv, c, ldc, c_dtype, "
+     "bias, accumulate, fast_accum, workspace, workspace_bytes, stream, a_scale_mode, b_scale_mode)"},
     {NULL, NULL, 0, NULL},
 };

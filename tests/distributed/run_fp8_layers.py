@@ -1,8 +1,9 @@
 """torchrun runner: the three layers in FP8 under tensor and sequence
 parallelism (plain collectives) against the same layer unsharded, in FP8
-with the same recipe, on every rank: TE's distributed/run_numerics.py fp8
-and fp8_cs cases with its tolerances (DelayedScaling rtol 0.125 / atol
-0.0625, Float8CurrentScaling rtol 0.4 / atol 0.25), over three steps, so
+with the same recipe, on every rank: TE's distributed/run_numerics.py fp8,
+fp8_cs and fp8_block_scaling cases with its tolerances (DelayedScaling and
+Float8BlockScaling rtol 0.125 / atol 0.0625, Float8CurrentScaling rtol 0.4 /
+atol 0.25), over three steps, so
 that the second and third run on the scales the amax reductions gave.
 Column and row Linear, column LayerNormLinear (LayerNorm and RMSNorm) and
 LayerNormMLP (set_parallel_mode), all with sequence parallelism; the
@@ -11,7 +12,7 @@ over the group before the comparison. Also checks that after the steps
 every rank holds the same delayed-scaling scales. Prints
 "PASS run_fp8_layers".
 
-    torchrun --nproc_per_node=2 tests/distributed/run_fp8_layers.py [--device cuda]
+    torchrun --nproc_per_node=2 tests/distributed/run_fp8_layers.py [--device cuda] [--recipes block]
 """
 import argparse
 import os
@@ -24,10 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformer_engine_c as tec  # noqa: E402
 from common import setup  # noqa: E402
 from transformer_engine_c.quantization import FP8GlobalStateManager as G  # noqa: E402
-from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from transformer_engine_c.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 S, IN, OUT, FFN = 32, 64, 96, 128
-TOL = {"delayed": dict(rtol=0.125, atol=0.0625), "current": dict(rtol=0.4, atol=0.25)}
+TOL = {"delayed": dict(rtol=0.125, atol=0.0625), "current": dict(rtol=0.4, atol=0.25),
+       "block": dict(rtol=0.125, atol=0.0625)}
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
 
 
 def build(kind, size, device, dtype):
@@ -63,12 +66,14 @@ def piece(t, dim, rank, size):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--recipes", default="delayed,current", help="comma-separated: delayed, current, block")
     args = ap.parse_args()
     rank, size, device = setup(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     world = dist.group.WORLD
     kinds = ["linear:column", "linear:row", "lnlinear:column", "rmslinear:column", "mlp"]
-    for recipe_name, make_recipe in (("delayed", DelayedScaling), ("current", Float8CurrentScaling)):
+    for recipe_name in args.recipes.split(","):
+        make_recipe = RECIPES[recipe_name]
         for kind in kinds:
             G.reset()
             recipe = make_recipe()

@@ -1,5 +1,6 @@
 """FP8 in the layers' GEMMs, per-tensor scaling (DelayedScaling and
-Float8CurrentScaling), with TransformerEngine 2.x's semantics.
+Float8CurrentScaling) and block scaling (Float8BlockScaling), with
+TransformerEngine 2.x's semantics.
 
 Inside an enabled autocast a layer call gets an FP8Call (call.fp8, made by
 module/_plan.make_call), and the steps (module/_steps.py) run each GEMM in
@@ -28,7 +29,13 @@ each quantize uses the role's current scale and maxes the tensor's amax into
 the history's row 0; the autocast's exit reduces and updates the forward
 roles, the end of the first module's backward the backward roles
 (quantization.py). Under Float8CurrentScaling each quantize takes the
-tensor's own amax.
+tensor's own amax. Under Float8BlockScaling each block takes its own (the
+recipe's block dims: 1x128 for X and dY, 128x128 for W by default): fprop
+reads X's and W's rowwise blocks, dgrad dY's rowwise and W's columnwise
+copy (for 128x128 the transpose of its bytes), wgrad the columnwise copies
+of dY and X (128x1 blocks of the originals, quantized from the
+high-precision values); a re-cast of a forward value (a re-gathered X, a
+recompute) gives the same bytes, since nothing but the values decides them.
 
 Weights are quantized (with their transpose, when backward will run) on
 every call, or, when the caller passes is_first_microbatch, on the first
@@ -49,7 +56,7 @@ from .. import _fp8_engine as E
 from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
-from ..recipe import DelayedScaling, Float8CurrentScaling
+from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 _U8, _F32 = torch.uint8, torch.float32
 _CODES, _MAX = E.FP8_DTYPES, E.FP8_MAX
@@ -60,13 +67,23 @@ class Operand:
     and/or data_t (its [last dim, rows] transpose), the scale it was cast
     with and scale_inv (float32, one element), the format, and src (the
     tensor it was cast from, for the backward's memo), and dbias (src's
-    column sums from the same pass, or None)."""
+    column sums from the same pass, or None). Under block scaling (block 1:
+    1x128, 2: 128x128; 0 is per-tensor) scale is None, scale_inv holds
+    data's block scales and scale_inv_t data_t's (_fp8_engine's
+    block_scale_shape)."""
 
-    __slots__ = ("data", "data_t", "scale", "scale_inv", "dtype", "src", "dbias")
+    __slots__ = ("data", "data_t", "scale", "scale_inv", "dtype", "src", "dbias", "scale_inv_t", "block")
 
-    def __init__(self, data, data_t, scale, scale_inv, dtype, src=None, dbias=None):
+    def __init__(self, data, data_t, scale, scale_inv, dtype, src=None, dbias=None, scale_inv_t=None, block=0):
         self.data, self.data_t, self.scale, self.scale_inv, self.dtype, self.src, self.dbias = (
             data, data_t, scale, scale_inv, dtype, src, dbias)
+        self.scale_inv_t = scale_inv if scale_inv_t is None else scale_inv_t
+        self.block = block
+
+    def transpose_only(self, scale=None):
+        """The same operand without its rowwise data (what wgrad keeps)."""
+        return Operand(None, self.data_t, self.scale if scale is None else scale, self.scale_inv, self.dtype,
+                       scale_inv_t=self.scale_inv_t, block=self.block)
 
 
 def check_shape(t, name):
@@ -123,9 +140,9 @@ def layer_call(call, layer, x, grad, first_mb):
     autocast (x: the layer input, checked against TE's FP8 shape rule;
     grad: backward will run)."""
     recipe = _State.get_fp8_recipe()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
         raise NotImplementedError(f"{type(layer).__name__}: {type(recipe).__name__} is not supported in the "
-                                  "layers (DelayedScaling and Float8CurrentScaling are)")
+                                  "layers (DelayedScaling, Float8CurrentScaling and Float8BlockScaling are)")
     if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
         check_shape(x, "inp")
     for name, p in layer._parameters.items():  # both dims of a weight are a GEMM's k or n
@@ -148,7 +165,7 @@ class FP8Call:
 
     __slots__ = ("call", "layer", "recipe", "delayed", "meta", "fwd", "bwd", "split", "qparams", "grad", "first_mb",
                  "reduce_bwd", "gi", "inputs", "weights", "grads", "need_wgrad", "want_dbias", "recomputing",
-                 "keep_t")
+                 "keep_t", "blocks")
 
     def __init__(self, call, layer, recipe, grad, first_mb):
         self.call = call
@@ -167,6 +184,9 @@ class FP8Call:
             self.split = (recipe.fp8_gemm_fprop.use_split_accumulator, recipe.fp8_gemm_dgrad.use_split_accumulator,
                           recipe.fp8_gemm_wgrad.use_split_accumulator)
             self.qparams = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+        # block scaling: the block dims of the inputs, weights and output gradients
+        self.blocks = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) \
+            if isinstance(recipe, Float8BlockScaling) else None
         # the first FP8 module of the outermost autocast reduces the backward amaxes
         self.reduce_bwd = _State.is_first_fp8_module() if grad else False
         self.gi = 0
@@ -183,7 +203,10 @@ class FP8Call:
         """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
         that scale and no amax; under delayed scaling the role's scale and
         amax-history entry; under current scaling t's own amax. dbias: the
-        same pass also sums t's columns (the Operand's dbias)."""
+        same pass also sums t's columns (the Operand's dbias; not under block
+        scaling, whose callers sum dY themselves)."""
+        if self.blocks is not None:  # each block's own amax: a re-cast gives the same bytes
+            return self._quantize_blocks(t, fp8_dtype, 2 if not forward else role % 3, rowwise, columnwise)
         c = self.call
         amax = 0
         code = DTYPE_CODES[t.dtype]
@@ -217,19 +240,38 @@ class FP8Call:
                         nbytes, c.stream)
         return Operand(data, data_t, scale, scale_inv, fp8_dtype, t, db)
 
+    def _quantize_blocks(self, t, fp8_dtype, kind, rowwise, columnwise):
+        """t's block-scaled Operand: kind 0 an input, 1 a weight, 2 an output
+        gradient (the recipe's block dim and QParams of that role)."""
+        c, dim, qp = self.call, self.blocks[kind], self.qparams[kind]
+        cols = t.shape[-1]
+        rows = t.numel() // cols if cols else 0
+
+        def alloc(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=t.device)
+        data = alloc(t.shape, _U8) if rowwise else None
+        sinv = alloc(E.block_scale_shape(t.shape, dim), _F32) if rowwise else None
+        data_t = alloc((cols, rows), _U8) if columnwise else None
+        sinv_t = alloc(E.block_scale_shape(t.shape, dim, True), _F32) if columnwise else None
+        _C.fp8_block_quantize(c.dev, DTYPE_CODES[t.dtype], _CODES[fp8_dtype], dim, rows, cols, t.data_ptr(),
+                              0 if data is None else data.data_ptr(), 0 if sinv is None else sinv.data_ptr(),
+                              0 if data_t is None else data_t.data_ptr(), 0 if sinv_t is None else sinv_t.data_ptr(),
+                              int(qp.power_2_scale), float(qp.amax_epsilon), c.stream)
+        return Operand(data, data_t, None, sinv, fp8_dtype, t, scale_inv_t=sinv_t, block=dim)
+
     def input(self, x, keep_t):
         """The fprop input of GEMM gi: rowwise, and with keep_t its transpose
         for wgrad (this rank's rows; else the scale is kept for a re-cast)."""
         gi = self.gi
         if self.recomputing:  # the forward's scale, no amax: the forward's FP8 values
             q = self._quantize(x, self.fwd, 0, True, None, True, keep_t, scale=self.inputs[gi].scale)
-            self.inputs[gi] = Operand(None, q.data_t, q.scale, q.scale_inv, q.dtype)
+            self.inputs[gi] = q.transpose_only()
             return q
         q = self._quantize(x, self.fwd, 3 * gi, True, self.qparams and self.qparams[0], True,
                            self.grad and keep_t and self.keep_t)
         if self.grad:
             scale = q.scale if q.data_t is not None or not self.delayed else q.scale.clone()  # delayed: updated in place
-            self.inputs[gi] = Operand(None, q.data_t, scale, q.scale_inv, q.dtype)
+            self.inputs[gi] = q.transpose_only(scale)
         return q
 
     def weight(self, w):
@@ -241,6 +283,7 @@ class FP8Call:
         cache = layer.__dict__.setdefault("_fp8_weights", {})
         kept = cache.get(gi)
         if (self.first_mb is False and kept is not None and kept.dtype is self.fwd
+                and kept.block == (self.blocks[1] if self.blocks else 0)
                 and kept.data.shape == w.shape and kept.data.device == w.device
                 and (kept.data_t is not None or not self.grad)):
             q = kept
@@ -321,15 +364,21 @@ def _bias_fused(out, b):
     return b.dtype is (torch.float16 if out.dtype is torch.float16 else torch.bfloat16)
 
 
-def _gemm(c, a, qa, b, qb, out, bias, accumulate, split):
+def _gemm(c, a, qa, b, qb, out, bias, accumulate, split, ta=False, tb=False):
     """out [m, n] (+)= A [m, k] B [n, k]^T (+ bias) on FP8 data a, b of the
-    Operands qa, qb (their scale_inv and format), through the call's
-    device, workspace and stream; the layer checked the shapes."""
+    Operands qa, qb (their scale_inv and format; ta / tb: a / b is the
+    operand's data_t, with its block scales), through the call's device,
+    workspace and stream; the layer checked the shapes."""
     m, k = a.shape
     n = b.shape[0]
-    _C.fp8_gemm(c.dev, m, n, k, _CODES[qa.dtype], _CODES[qb.dtype], a.data_ptr(), max(k, 1), b.data_ptr(), max(k, 1),
-                qa.scale_inv.data_ptr(), qb.scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
-                0 if bias is None else bias.data_ptr(), int(accumulate), 0 if split else 1, c.ws, c.nbytes, c.stream)
+    args = (c.dev, m, n, k, _CODES[qa.dtype], _CODES[qb.dtype], a.data_ptr(), max(k, 1), b.data_ptr(), max(k, 1),
+            (qa.scale_inv_t if ta else qa.scale_inv).data_ptr(), (qb.scale_inv_t if tb else qb.scale_inv).data_ptr(),
+            out.data_ptr(), n, DTYPE_CODES[out.dtype], 0 if bias is None else bias.data_ptr(), int(accumulate),
+            0 if split else 1, c.ws, c.nbytes, c.stream)
+    if qa.block:
+        _C.fp8_block_gemm(*args, qa.block, qb.block)
+    else:
+        _C.fp8_gemm(*args)
     return out
 
 
@@ -348,7 +397,7 @@ def dgrad(f, dy, out):
     """out [rows, k] = dY W in FP8 (W's transpose of this call's forward)."""
     qdy = f.grad_output(dy)
     qw = f.weights[f.gi]
-    _gemm(f.call, _as_2d(qdy.data), qdy, qw.data_t, qw, _as_2d(out), None, False, f.split[1])
+    _gemm(f.call, _as_2d(qdy.data), qdy, qw.data_t, qw, _as_2d(out), None, False, f.split[1], tb=True)
 
 
 def bias_grad(f, dy):
@@ -382,4 +431,4 @@ def wgrad(ops, out_dtype, out=None, accumulate=False):
         a, b = F.pad(a, (0, pad)), F.pad(b, (0, pad))
     if out is None:
         out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
-    return _gemm(c, a, qdy, b, qx, out, None, accumulate, split)
+    return _gemm(c, a, qdy, b, qx, out, None, accumulate, split, ta=True, tb=True)

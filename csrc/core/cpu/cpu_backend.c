@@ -226,4 +226,5 @@ const tec_backend tec_cpu_backend = {
     .act_bwd = tec_cpu_act_bwd,
     .act_bwd_workspace_bytes = tec_cpu_act_bwd_workspace_bytes,
     .fp8 = &tec_cpu_fp8,
+    .fp8_block = &tec_cpu_fp8_block,
 };

@@ -482,6 +482,8 @@ static void fp8_key(const tec_fp8_gemm_args *g, int fuse_bias, gemm_key *key, co
     key->transb = 1;
     key->fp8 = 1 + (int)g->a_format + 2 * (int)g->b_format;
     key->fast_accum = g->fast_accum ? 1 : 0;
+    key->scale_a = g->a_scale_mode; /* block scales: gemm_plan.cu sets cuBLASLt's scale modes */
+    key->scale_b = g->b_scale_mode;
     key->epi = CUBLASLT_EPILOGUE_DEFAULT;
     *epi_ptr = NULL;
     if (g->bias && fuse_bias) {

@@ -37,7 +37,7 @@ uint64_t key_hash(const gemm_key *k)
         h = (h ^ p[i]) * 1099511628211ull;
     return h;
 }
-static_assert(sizeof(gemm_key) == 12 * 4 + 6 * 8, "gemm_key must have no padding (it is hashed as bytes)");
+static_assert(sizeof(gemm_key) == 14 * 4 + 6 * 8, "gemm_key must have no padding (it is hashed as bytes)");
 
 void plan_free(gemm_plan *p)
 {
@@ -325,6 +325,32 @@ void gemm_plan_release(gemm_cache *c, gemm_use *use)
 
 /* ============================================================ descriptor */
 
+/* Block scales (TEC_FP8_SCALE_1D / _2D, tec.h's layout): cuBLASLt's
+ * VEC128_32F / BLK128x128_32F modes (cuBLASLt 12.9+, sm_90). cuBLASLt's A
+ * is our B. */
+static tec_status block_scale_modes(cublasLtMatmulDesc_t d, const gemm_key *k)
+{
+#if CUBLAS_VERSION >= 120900
+    static size_t lt_version; /* cublasLtGetVersion, read once (a constant) */
+    if (!__atomic_load_n(&lt_version, __ATOMIC_RELAXED))
+        __atomic_store_n(&lt_version, cublasLtGetVersion(), __ATOMIC_RELAXED);
+    if (lt_version < 120900)
+        return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 gemm: block scales need cuBLASLt 12.9 or newer, the loaded "
+                             "one is %zu", lt_version);
+    const int32_t lt_a = k->scale_b == TEC_FP8_SCALE_2D ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                        : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t lt_b = k->scale_a == TEC_FP8_SCALE_2D ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                        : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &lt_a, sizeof lt_a));
+    TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &lt_b, sizeof lt_b));
+    return TEC_OK;
+#else
+    (void)d; (void)k;
+    return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 gemm: block scales need cuBLASLt 12.9 or newer; this library "
+                         "was built with cuBLASLt %d", (int)CUBLAS_VERSION);
+#endif
+}
+
 tec_status gemm_desc_init(cublasLtMatmulDesc_t d, const gemm_key *k, int epi, const void *epi_ptr)
 {
     const cublasOperation_t opa = k->transb ? CUBLAS_OP_T : CUBLAS_OP_N; /* cuBLASLt A = our B */
@@ -346,6 +372,11 @@ tec_status gemm_desc_init(cublasLtMatmulDesc_t d, const gemm_key *k, int epi, co
         if (epi == CUBLASLT_EPILOGUE_BIAS) {
             const cudaDataType_t bt = k->c == TEC_F16 ? CUDA_R_16F : CUDA_R_16BF;
             TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
+        }
+        if (k->scale_a || k->scale_b) {
+            tec_status st = block_scale_modes(d, k);
+            if (st != TEC_OK)
+                return st;
         }
     }
     return TEC_OK;

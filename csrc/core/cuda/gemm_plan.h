@@ -21,6 +21,7 @@ struct gemm_key {
     int32_t sm_target; /* CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, 0: not set */
     int32_t fp8;        /* 0: ab is the operands' dtype; else 1 + A's + 2 * B's tec_fp8_format (fp8.cu) */
     int32_t fast_accum; /* FP8: CUBLASLT_MATMUL_DESC_FAST_ACCUM */
+    int32_t scale_a, scale_b; /* FP8: our A's and B's TEC_FP8_SCALE_* (block plans never meet per-tensor ones) */
     uint32_t align_a, align_b, align_c, align_bias;
     int64_t m, n, k, lda, ldb, ldc;
 };
