@@ -343,6 +343,15 @@ static tec_status block_scale_modes(cublasLtMatmulDesc_t d, const gemm_key *k)
                                                         : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &lt_a, sizeof lt_a));
     TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &lt_b, sizeof lt_b));
+    /* Block-scaled kernels are only offered to a descriptor that has scale
+     * pointers (the scalar mode's may be unset). The plan's heuristic query
+     * sees a stand-in address, 256-byte aligned as the caller's tensors are,
+     * never dereferenced; every call sets its own (fp8.cu). */
+    const void *stand_in = (const void *)(uintptr_t)4096;
+    TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &stand_in,
+                                                    sizeof stand_in));
+    TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &stand_in,
+                                                    sizeof stand_in));
     return TEC_OK;
 #else
     (void)d; (void)k;
