@@ -94,7 +94,7 @@ def bench():
         a8, bt8 = a.view(E4M3), b.view(E4M3).t()
         t_smm = timed(lambda: torch._scaled_mm(a8, bt8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                use_fast_accum=True))
-        t_bf16 = timed(lambda: _engine.linear(x, w))
+        t_bf16 = timed(lambda: _engine.gemm(x, w, transb=True))
         t_torch = timed(lambda: x @ w.t())
         tf = [flops / t / 1e9 for t in (t_fast, t_split, t_smm, t_bf16, t_torch)]
         print(f"{f'{m}x{k}x{n}':>20} {tf[0]:14.0f} {tf[1]:15.0f} {tf[2]:11.0f} {tf[3]:10.0f} {tf[4]:11.0f} "
