@@ -152,6 +152,25 @@ def delayed_update(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=
                           stream_of(history.device))
 
 
+def _gemm_output(name, device, m, n, out, out_dtype, bias, accumulate):
+    """The FP8 GEMMs' output [m, n]: `out` checked, or a new out_dtype
+    tensor; bias (bf16, fp16 for an fp16 output) checked against it."""
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out")
+        if out_dtype not in DTYPE_CODES:
+            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+        out = torch.empty(m, n, dtype=out_dtype, device=device)
+    else:
+        check_tensor(out, "out", device=device, shape=(m, n))
+    if bias is not None:
+        bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
+        check_tensor(bias, "bias", dtype=bias_dtype, device=device, shape=(n,))
+        if accumulate:
+            raise ValueError(f"{name}: bias with accumulate is not supported")
+    return out
+
+
 def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torch.bfloat16, bias=None, out=None,
              accumulate=False, use_split_accumulator=True):
     """out[m, n] (+)= (a_scale_inv * A[m, k]) @ (b_scale_inv * B[n, k])^T (+ bias).
@@ -178,19 +197,7 @@ def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torc
         raise ValueError(f"fp8_gemm: A is [{m}, {k}] and B is [{n}, {kb}]; their last dims (k) must match")
     check_fp8_gemm_shape(a.shape, "A")
     check_fp8_gemm_shape(b.shape, "B")
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs out")
-        if out_dtype not in DTYPE_CODES:
-            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    else:
-        check_tensor(out, "out", device=a.device, shape=(m, n))
-    if bias is not None:
-        bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
-        check_tensor(bias, "bias", dtype=bias_dtype, device=a.device, shape=(n,))
-        if accumulate:
-            raise ValueError("fp8_gemm: bias with accumulate is not supported")
+    out = _gemm_output("fp8_gemm", a.device, m, n, out, out_dtype, bias, accumulate)
     d = engine_device(a.device)
     dev, ws, nbytes = d.code, d.ws, d.nbytes
     ld = max(k, 1)  # contiguous rows of k bytes (an empty k still needs a valid leading dimension)
@@ -329,19 +336,7 @@ def fp8_block_gemm(a, a_scale_inv, a_block_dim, a_dtype, b, b_scale_inv, b_block
     check_block_gemm_shape(m, n, k, a_block_dim, b_block_dim)
     _check_f32(a_scale_inv, "a_scale_inv", a.device, block_scale_shape(a.shape, a_block_dim))
     _check_f32(b_scale_inv, "b_scale_inv", a.device, block_scale_shape(b.shape, b_block_dim))
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs out")
-        if out_dtype not in DTYPE_CODES:
-            raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    else:
-        check_tensor(out, "out", device=a.device, shape=(m, n))
-    if bias is not None:
-        bias_dtype = torch.float16 if out.dtype == torch.float16 else torch.bfloat16
-        check_tensor(bias, "bias", dtype=bias_dtype, device=a.device, shape=(n,))
-        if accumulate:
-            raise ValueError("fp8_block_gemm: bias with accumulate is not supported")
+    out = _gemm_output("fp8_block_gemm", a.device, m, n, out, out_dtype, bias, accumulate)
     d = engine_device(a.device)
     _C.fp8_block_gemm(d.code, m, n, k, ca, cb, a.data_ptr(), k, b.data_ptr(), k, a_scale_inv.data_ptr(),
                       b_scale_inv.data_ptr(), out.data_ptr(), n, DTYPE_CODES[out.dtype],
