@@ -152,6 +152,20 @@ def delayed_update(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=
                           stream_of(history.device))
 
 
+def _gemm_operands(name, a, a_dtype, b, b_dtype):
+    """The FP8 GEMMs' operand checks: 2-D contiguous uint8 data on one
+    device, not both E5M2. Returns the two formats' engine codes."""
+    for t, what in ((a, "A"), (b, "B")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+            raise TypeError(f"{what} must be a contiguous 2-D torch.uint8 tensor of FP8 data")
+    if b.device != a.device:
+        raise ValueError(f"B is on {b.device}; expected {a.device}")
+    ca, cb = fp8_code(a_dtype, "a_dtype"), fp8_code(b_dtype, "b_dtype")
+    if ca == 1 and cb == 1:
+        raise ValueError(f"{name}: A and B cannot both be E5M2")
+    return ca, cb
+
+
 def _gemm_output(name, device, m, n, out, out_dtype, bias, accumulate):
     """The FP8 GEMMs' output [m, n]: `out` checked, or a new out_dtype
     tensor; bias (bf16, fp16 for an fp16 output) checked against it."""
@@ -181,14 +195,7 @@ def fp8_gemm(a, a_scale_inv, a_dtype, b, b_scale_inv, b_dtype, *, out_dtype=torc
     into `out` (e.g. an fp32 main_grad). use_split_accumulator=False is the
     fast accumulation TE uses for fprop. Shapes follow TE's FP8 rule (leading
     dims divisible by 8, last dim by 16) on every device."""
-    for t, name in ((a, "A"), (b, "B")):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
-            raise TypeError(f"{name} must be a contiguous 2-D torch.uint8 tensor of FP8 data")
-    if b.device != a.device:
-        raise ValueError(f"B is on {b.device}; expected {a.device}")
-    ca, cb = fp8_code(a_dtype, "a_dtype"), fp8_code(b_dtype, "b_dtype")
-    if ca == 1 and cb == 1:
-        raise ValueError("fp8_gemm: A and B cannot both be E5M2")
+    ca, cb = _gemm_operands("fp8_gemm", a, a_dtype, b, b_dtype)
     _scalar(a_scale_inv, "a_scale_inv", a.device)
     _scalar(b_scale_inv, "b_scale_inv", a.device)
     m, k = a.shape
@@ -321,14 +328,7 @@ def fp8_block_gemm(a, a_scale_inv, a_block_dim, a_dtype, b, b_scale_inv, b_block
     of block_quantize of an [m, k] and an [n, k] tensor (block_dim 1 or 2,
     not both 2) with their scale_inv. The split accumulator always (TE's
     Float8BlockScaling requires it)."""
-    for t, name in ((a, "A"), (b, "B")):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
-            raise TypeError(f"{name} must be a contiguous 2-D torch.uint8 tensor of FP8 data")
-    if b.device != a.device:
-        raise ValueError(f"B is on {b.device}; expected {a.device}")
-    ca, cb = fp8_code(a_dtype, "a_dtype"), fp8_code(b_dtype, "b_dtype")
-    if ca == 1 and cb == 1:
-        raise ValueError("fp8_block_gemm: A and B cannot both be E5M2")
+    ca, cb = _gemm_operands("fp8_block_gemm", a, a_dtype, b, b_dtype)
     m, k = a.shape
     n, kb = b.shape
     if k != kb:

@@ -101,10 +101,11 @@ static PyObject *py_fp8_delayed_update(PyObject *m, PyObject *const *args, Py_ss
 
 /* fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv,
  *          b_scale_inv, c, ldc, c_dtype, bias, accumulate, fast_accum,
- *          workspace, workspace_bytes, stream) */
-static PyObject *py_fp8_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+ *          workspace, workspace_bytes, stream), and with `modes` the two
+ *          scale modes after them (fp8_block_gemm). */
+static PyObject *gemm_call(PyObject *m, PyObject *const *args, Py_ssize_t nargs, const char *fn, int modes)
 {
-    ARGC("fp8_gemm", 21);
+    ARGC(fn, modes ? 23 : 21);
     int dev;
     tec_fp8_gemm_args a = {0};
     void *stream;
@@ -113,9 +114,17 @@ static PyObject *py_fp8_gemm(PyObject *m, PyObject *const *args, Py_ssize_t narg
     PTR(12, a.c); I64(13, a.ldc); DTYPE(14, a.c_dtype, "c_dtype"); PTR(15, a.bias);
     BOOL(16, a.accumulate, "accumulate"); BOOL(17, a.fast_accum, "fast_accum"); PTR(18, a.workspace);
     SIZE(19, a.workspace_bytes, "workspace_bytes"); PTR(20, stream);
+    if (modes) {
+        INT(21, a.a_scale_mode, 0, 2, "a_scale_mode"); INT(22, a.b_scale_mode, 0, 2, "b_scale_mode");
+    }
     tec_status st;
     CALL(tec_fp8_gemm(dev, &a, stream));
     return run(m, st);
+}
+
+static PyObject *py_fp8_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    return gemm_call(m, args, nargs, "fp8_gemm", 0);
 }
 
 /* fp8_block_quantize(device, dtype, format, block_dim, rows, cols, x, out,
@@ -139,19 +148,7 @@ static PyObject *py_fp8_block_quantize(PyObject *m, PyObject *const *args, Py_ss
 /* fp8_block_gemm(the 21 arguments of fp8_gemm, a_scale_mode, b_scale_mode) */
 static PyObject *py_fp8_block_gemm(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("fp8_block_gemm", 23);
-    int dev;
-    tec_fp8_gemm_args a = {0};
-    void *stream;
-    DEV(0, dev); I64(1, a.m); I64(2, a.n); I64(3, a.k); FMT(4, a.a_format, "a_format"); FMT(5, a.b_format, "b_format");
-    PTR(6, a.a); I64(7, a.lda); PTR(8, a.b); I64(9, a.ldb); PTR(10, a.a_scale_inv); PTR(11, a.b_scale_inv);
-    PTR(12, a.c); I64(13, a.ldc); DTYPE(14, a.c_dtype, "c_dtype"); PTR(15, a.bias);
-    BOOL(16, a.accumulate, "accumulate"); BOOL(17, a.fast_accum, "fast_accum"); PTR(18, a.workspace);
-    SIZE(19, a.workspace_bytes, "workspace_bytes"); PTR(20, stream);
-    INT(21, a.a_scale_mode, 0, 2, "a_scale_mode"); INT(22, a.b_scale_mode, 0, 2, "b_scale_mode");
-    tec_status st;
-    CALL(tec_fp8_gemm(dev, &a, stream));
-    return run(m, st);
+    return gemm_call(m, args, nargs, "fp8_block_gemm", 1);
 }
 
 PyMethodDef tec_fp8_methods[] = {
