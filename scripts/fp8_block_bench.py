@@ -12,22 +12,10 @@ import sys
 import torch
 
 from transformer_engine_c import _engine, _fp8_engine as F
+from fp8_gemm_bench import timed  # one CUDA-event timer for the FP8 benchmarks in scripts/
 
 E4M3 = torch.float8_e4m3fn
 B = F.BLOCK
-
-
-def timed(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def dequantize(data, sinv, block_dim):

@@ -11,20 +11,9 @@ import argparse
 import torch
 
 from transformer_engine_c import _fp8_engine as F
+from fp8_gemm_bench import timed  # one CUDA-event timer for the FP8 benchmarks in scripts/
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def gpu_ms(fn, iters=50):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -54,7 +43,7 @@ def main():
         q, qt = torch_ct(E4M3)
         same = torch.equal(d, q.view(torch.uint8)) and torch.equal(dt, qt.view(torch.uint8))
         for what, nbytes, ours, ref in cases:
-            t_o, t_r = gpu_ms(ours), gpu_ms(ref)
+            t_o, t_r = timed(ours), timed(ref)
             print(f"{spec:>12} {what:>20} {t_o:8.4f} {nbytes / t_o / 1e6:7.0f} {t_r:9.4f} {nbytes / t_r / 1e6:7.0f} "
                   f"{t_r / t_o:6.2f}")
         print(f"{spec:>12} {'bytes equal torch':>20} {same}")
