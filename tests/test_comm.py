@@ -218,7 +218,7 @@ def test_ub_cfgs_keys():
         tec.destroy_ub()
     for cfg, msg in [({"aggregate": 1}, "'aggregate'.*not implemented"),
                      ({"pipeline_rs_overlap_first_gemm": True}, "pipeline_rs_overlap_first_gemm"),
-                     ({"atomic_gemm": True}, "atomic GEMMs"), ({"fp8_buf": True}, "FP8"),
+                     ({"atomic_gemm": True}, "atomic GEMMs"), ({"fp8_buf": "yes"}, "'fp8_buf'.*bool"),
                      ({"use_ce": False}, "copy engines"), ({"use_ce": "no"}, "'use_ce'.*bool"), ({"num_sm": -1}, "'num_sm'.*>= 0"),
                      ({"cga_size": "2"}, "'cga_size'.*int"), ({"set_sm_margin": "yes"}, "'set_sm_margin'.*bool"),
                      ({"method": "pipeline", "num_splits": 4}, "num_splits=4")]:

@@ -126,12 +126,28 @@ def test_userbuffer_quantization_mode():
     mode = te.module.base.UserBufferQuantizationMode
     assert mode.NONE != mode.FP8
     assert te.module.base.initialize_ub and te.module.base.get_ub and te.module.base.destroy_ub
-    for kw in ({"quantization_modes": [mode.FP8]}, {"use_fp8": True},
-               {"quantization_modes": [mode.NONE, mode.FP8]}):
-        with pytest.raises(NotImplementedError, match="FP8"):
-            te.module.base.initialize_ub([8, 16], 1, **kw)
-    with pytest.raises(NotImplementedError, match="FP8"):
-        te.module.base.get_ub("qkv_fprop", use_fp8=True)
+    base = te.module.base
+    # TE's registry: one set of communicators per mode; get_ub(name, use_fp8) picks one
+    for kw, none, fp8 in (({"quantization_modes": [mode.FP8]}, False, True), ({"use_fp8": True}, False, True),
+                          ({"quantization_modes": [mode.NONE, mode.FP8]}, True, True), ({}, True, False)):
+        base.initialize_ub([8, 16], 1, device="cpu", **kw)
+        try:
+            for use_fp8, made in ((False, none), (True, fp8)):
+                if not made:
+                    with pytest.raises(KeyError, match="quantization mode"):
+                        base.get_ub("qkv_fprop", use_fp8=use_fp8)
+                    continue
+                gather, rs = base.get_ub("qkv_fprop", use_fp8), base.get_ub("proj_fprop", use_fp8)
+                # FP8 mode: the all-gathering communicators hold FP8 bytes, the reduce-scattering ones bf16 partials
+                assert gather.dtype is (torch.uint8 if use_fp8 else torch.bfloat16), kw
+                assert rs.dtype is torch.bfloat16 and base.get_ub("proj_dgrad", use_fp8).dtype is gather.dtype
+                if none and fp8:
+                    assert base.get_ub("qkv_fprop", False) is not base.get_ub("qkv_fprop", True)
+        finally:
+            base.destroy_ub()
+    for bad, err in (("fp8", TypeError), ([], TypeError), (["int8"], ValueError)):
+        with pytest.raises(err, match="quantization_modes"):
+            base.initialize_ub([8, 16], 1, device="cpu", quantization_modes=bad)
 
 
 def test_fp8_layer_construction_raises():

@@ -26,6 +26,7 @@ from ._comm_config import (_BUFFER_BYTES_MAX, _METHODS, _TIMEOUT_MAX, _TRANSPORT
                            _gemm_sm_margin, _group_rank_size, _int_shape, _min_chunk_flops, default_timeout)
 from .distributed import all_gather_pickled
 from ._engine import DTYPE_CODES, check_tensor, device_code, stream_of, workspace
+from ._fp8_engine import FP8_DTYPES
 
 CommTimeoutError = _C.CommTimeoutError
 
@@ -46,6 +47,50 @@ CommTimeoutError = _C.CommTimeoutError
 _SCHEDULES = {"ag_gemm": "pull", "gemm_rs": "push", "bulk_ag": "bulk", "bulk_rs": "bulk"}
 _FALLBACK_KEYS = {"ag": "ag_fallback", "rs": "rs_fallback"}
 _counter = itertools.count()
+
+
+# ---------------------------------------------------------------- FP8
+
+
+class FP8Gemm:
+    """The FP8 side of an overlap call (ag_gemm / gemm_rs with fp8=): the
+    input and the weight are torch.uint8 tensors of FP8 bytes in the formats
+    a_dtype and b_dtype (torch.float8_e4m3fn or torch.float8_e5m2, not both
+    E5M2), each with one float32 scale_inv (the value is scale_inv * byte);
+    the weight is stored [n, k] (transb=True: a dgrad passes the weight's
+    transpose). out_dtype is the output's dtype (bfloat16, float16 or
+    float32), gemm_rs's partials' and the bias's; fast_accum is cuBLASLt's
+    fast FP8 accumulation (TE's fprop; False is the split accumulator). In
+    ag_gemm every rank's chunk must have been cast with the same scale: the
+    gathered input carries one scale_inv."""
+
+    __slots__ = ("a_dtype", "a_scale_inv", "b_dtype", "b_scale_inv", "out_dtype", "fast_accum")
+
+    def __init__(self, a_dtype, a_scale_inv, b_dtype, b_scale_inv, out_dtype=torch.bfloat16, fast_accum=False):
+        for name, d in (("a_dtype", a_dtype), ("b_dtype", b_dtype)):
+            if d not in FP8_DTYPES:
+                raise TypeError(f"FP8Gemm: {name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {d!r}")
+        if a_dtype is torch.float8_e5m2 and b_dtype is torch.float8_e5m2:
+            raise ValueError("FP8Gemm: a_dtype and b_dtype cannot both be torch.float8_e5m2")
+        for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"FP8Gemm: {name} must be a float32 tensor of one element")
+        if out_dtype not in DTYPE_CODES:
+            raise TypeError(f"FP8Gemm: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+        self.a_dtype, self.a_scale_inv, self.b_dtype, self.b_scale_inv = a_dtype, a_scale_inv, b_dtype, b_scale_inv
+        self.out_dtype, self.fast_accum = out_dtype, bool(fast_accum)
+
+    def args(self, device):
+        """The engine's five trailing arguments (formats, scale addresses,
+        fast_accum), the scales checked to be on device."""
+        for name, t in (("a_scale_inv", self.a_scale_inv), ("b_scale_inv", self.b_scale_inv)):
+            if t.device != device:
+                raise ValueError(f"FP8Gemm: {name} is on {t.device}; expected {device}")
+        return (FP8_DTYPES[self.a_dtype], FP8_DTYPES[self.b_dtype], self.a_scale_inv.data_ptr(),
+                self.b_scale_inv.data_ptr(), int(self.fast_accum))
+
+
+_NO_FP8 = (-1, -1, 0, 0, 0)
 
 
 # ------------------------------------------------- one thread at a time
@@ -158,7 +203,7 @@ class CommOverlap(_C.CommOverlap):
     """A userbuffers communicator.
 
     shape: the buffer's (full, gathered) shape, e.g. [sequence * batch, hidden];
-    dtype its element type. One buffer per rank of tp_group, mapped into every
+    dtype its element type (uint8: a buffer of FP8 bytes, for the FP8 calls). One buffer per rank of tp_group, mapped into every
     peer. timeout: seconds per wait (default $TEC_COMM_TIMEOUT or 60);
     transport: "auto" (shared memory on CPU, CUDA IPC on CUDA), "shm" or
     "cuda_ipc". method ("ring_exchange", "pipeline" or "bulk", TE's names):
@@ -186,8 +231,8 @@ class CommOverlap(_C.CommOverlap):
             raise ValueError(f"shape must be non-empty with positive sizes, got {shape}")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-        if dtype not in DTYPE_CODES:
-            raise TypeError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+        if dtype not in DTYPE_CODES and dtype is not torch.uint8:
+            raise TypeError(f"dtype {dtype} is not supported (float32, bfloat16, float16, or uint8 for FP8 bytes)")
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
         if device is None:  # like the layers: the current GPU where there is one
@@ -397,22 +442,34 @@ class CommOverlap(_C.CommOverlap):
                                f"(call {self._pending[0]}_finish first; started by thread "
                                f"{self._pending_thread!r})")
 
-    def _operands(self, op, a, weight, transb, bias):
+    def _operands(self, op, a, weight, transb, bias, fp8):
         """Check a GEMM schedule's input [rows, k], weight (op(weight) is
-        [k, n]) and bias [n]; return (rows, k, n)."""
+        [k, n]) and bias [n], FP8 bytes with fp8 (an FP8Gemm); return (rows,
+        k, n, the compute dtype, the engine's FP8 arguments)."""
         self._check_idle(op)
-        self._check_mat(a, "input")
-        self._check_mat(weight, "weight", dtype=a.dtype)
+        if fp8 is not None:
+            if not isinstance(fp8, FP8Gemm):
+                raise TypeError(f"communicator '{self.name}': {op}: fp8 must be an FP8Gemm or None, got "
+                                f"{type(fp8).__name__}")
+            if not transb:
+                raise ValueError(f"communicator '{self.name}': {op}: with fp8 the weight is stored [n, k] "
+                                 "(transb=True; pass the weight's transpose for a dgrad)")
+        byte = torch.uint8 if fp8 is not None else None
+        self._check_mat(a, "input", dtype=byte)
+        self._check_mat(weight, "weight", dtype=byte or a.dtype)
         rows, k = a.shape
         n, kw = weight.shape if transb else weight.shape[::-1]
         if kw != k:
             raise ValueError(f"{op}: input is [{rows}, {k}] but op(weight) is [{kw}, {n}]")
-        if bias is not None:
-            check_tensor(bias, "bias", dtype=a.dtype, device=self.device, shape=(n,))
-        return rows, k, n
+        dtype = a.dtype if fp8 is None else fp8.out_dtype
+        if bias is not None:  # ag_gemm's FP8 chunk GEMMs add it: a float32 output takes a bfloat16 one
+            bias_dtype = torch.bfloat16 if fp8 is not None and op == "ag_gemm" and dtype is torch.float32 else dtype
+            check_tensor(bias, "bias", dtype=bias_dtype, device=self.device, shape=(n,))
+        return rows, k, n, dtype, _NO_FP8 if fp8 is None else fp8.args(self.device)
 
     @_serialised
-    def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None, local_copy=None):
+    def ag_gemm(self, a_local, weight, *, transb=True, bias=None, out=None, out_dtype=None, local_copy=None,
+                fp8=None):
         """out[tp*rows, n] = all_gather(a_local) @ op(weight) (+ bias), the
         gather overlapped with the GEMM. a_local: this rank's [rows, k] chunk
         (a tensor, or the view get_buffer(local_chunk=True) returned: then no
@@ -420,17 +477,19 @@ class CommOverlap(_C.CommOverlap):
         local_copy: a [rows, k] tensor outside the buffer that receives this
         rank's chunk, copied on the comm stream off the GEMMs' path (a layer
         saves it for backward instead of cloning the buffer slot).
-        Afterwards get_buffer() holds the gathered input."""
-        rows, k, n = self._operands("ag_gemm", a_local, weight, transb, bias)
+        Afterwards get_buffer() holds the gathered input. fp8: an FP8Gemm
+        (a_local, weight and local_copy are then FP8 bytes, the weight [n,
+        k]; the output is of its out_dtype, or float32)."""
+        rows, k, n, dtype, fp8_args = self._operands("ag_gemm", a_local, weight, transb, bias, fp8)
         es = a_local.element_size()
         if rows * k * es * self.tp_size > self.nbytes:
             raise self._too_small("the gathered input", (rows * self.tp_size, k), a_local.dtype,
                                   rows * k * es * self.tp_size, self.nbytes)
         # Every check before the engine takes the operation's epoch: a refused
         # call leaves the communicator usable on every rank.
-        if out_dtype is not None and out_dtype not in (a_local.dtype, torch.float32):
+        if out_dtype is not None and out_dtype not in (dtype, torch.float32):
             raise ValueError(f"communicator '{self.name}': ag_gemm: out_dtype must be the input's dtype "
-                             f"({a_local.dtype}) or torch.float32, got {out_dtype}")
+                             f"({dtype}) or torch.float32, got {out_dtype}")
         own_slot = self.buffer_ptr + self.rank * rows * k * es
         if self.overlaps(a_local) and a_local.data_ptr() != own_slot:
             raise ValueError(f"communicator '{self.name}': ag_gemm: a_local lies in a communicator buffer but is "
@@ -441,49 +500,51 @@ class CommOverlap(_C.CommOverlap):
                 raise ValueError(f"communicator '{self.name}': local_copy lies in a communicator buffer; it must "
                                  "be memory of its own (it is what outlives the buffer's next use)")
         if out is None:
-            out = torch.empty(rows * self.tp_size, n, dtype=out_dtype or a_local.dtype, device=self.device)
+            out = torch.empty(rows * self.tp_size, n, dtype=out_dtype or dtype, device=self.device)
         else:
             self._check_mat(out, "out")
             if tuple(out.shape) != (rows * self.tp_size, n):
                 raise ValueError(f"out has shape {tuple(out.shape)}; expected {(rows * self.tp_size, n)}")
-            if out.dtype not in (a_local.dtype, torch.float32) or (out_dtype is not None and out.dtype != out_dtype):
+            if out.dtype not in (dtype, torch.float32) or (out_dtype is not None and out.dtype != out_dtype):
                 raise ValueError(f"communicator '{self.name}': ag_gemm: out has dtype {out.dtype}; expected "
-                                 f"{out_dtype or a_local.dtype} (the input's dtype or torch.float32)")
+                                 f"{out_dtype or dtype} (the input's dtype or torch.float32)")
             self._check_outside("ag_gemm", out, "out")
-        self._ag_gemm(a_local.data_ptr(), rows, k, n, DTYPE_CODES[a_local.dtype], DTYPE_CODES[out.dtype],
+        self._ag_gemm(a_local.data_ptr(), rows, k, n, DTYPE_CODES[dtype], DTYPE_CODES[out.dtype],
                       weight.data_ptr(), weight.stride(0), int(transb), out.data_ptr(), out.stride(0),
                       bias.data_ptr() if bias is not None else 0,
-                      local_copy.data_ptr() if local_copy is not None else 0, self._stream())
+                      local_copy.data_ptr() if local_copy is not None else 0, self._stream(), *fp8_args)
         return out
 
     @_serialised
-    def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None):
+    def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None, fp8=None):
         """out[S/tp, n] = reduce_scatter(a[S, k] @ op(weight)) (+ bias once),
         each peer's partial sent while the next is computed, partials summed
-        in float32."""
-        S, k, n = self._operands("gemm_rs", a, weight, transb, bias)
+        in float32. fp8: an FP8Gemm (a and weight FP8 bytes, the weight [n,
+        k]; partials and out of its out_dtype)."""
+        S, k, n, dtype, fp8_args = self._operands("gemm_rs", a, weight, transb, bias, fp8)
         if S % self.tp_size:
             raise ValueError(f"gemm_rs: the input's {S} rows are not divisible by tp_size {self.tp_size}")
         rows = S // self.tp_size
-        es = a.element_size()
+        es = dtype.itemsize
         if S * n * es > self.nbytes:
-            raise self._too_small("the GEMM output", (S, n), a.dtype, S * n * es, self.nbytes)
+            raise self._too_small("the GEMM output", (S, n), dtype, S * n * es, self.nbytes)
         if out is None:
-            out = torch.empty(rows, n, dtype=a.dtype, device=self.device)
+            out = torch.empty(rows, n, dtype=dtype, device=self.device)
         else:
-            check_tensor(out, "out", dtype=a.dtype, device=self.device, shape=(rows, n))
+            check_tensor(out, "out", dtype=dtype, device=self.device, shape=(rows, n))
             self._check_outside("gemm_rs", out, "out")
-        self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[a.dtype], weight.data_ptr(),
+        self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[dtype], weight.data_ptr(),
                       weight.stride(0), int(transb), out.data_ptr(),
-                      bias.data_ptr() if bias is not None else 0, self._stream())
+                      bias.data_ptr() if bias is not None else 0, self._stream(), *fp8_args)
         return out
 
     @_serialised
     def bulk_ag_start(self, t):
-        """Start all-gathering this rank's chunk t ([rows, ...]) into the buffer
-        on the comm side; run your GEMM, then bulk_ag_finish()."""
+        """Start all-gathering this rank's chunk t ([rows, ...]; float32,
+        bfloat16, float16 or uint8, e.g. FP8 bytes) into the buffer on the
+        comm side; run your GEMM, then bulk_ag_finish()."""
         self._check_idle("bulk_ag_start")
-        check_tensor(t, "input", device=self.device)
+        check_tensor(t, "input", device=self.device, dtype=torch.uint8 if t.dtype is torch.uint8 else None)
         if t.dim() < 1:  # before the engine starts: the gathered shape needs a first dimension
             raise ValueError(f"communicator '{self.name}': bulk_ag_start: the input must have at least one "
                              f"dimension, got a {t.dim()}-d tensor")

@@ -42,13 +42,16 @@ _DEFAULT_METHOD = {
 #       SMs free (initialize_ub's argument), whatever this says;
 #     is_reduce_scatter -- every communicator does both directions;
 #     use_ce=True -- the CUDA transport always copies with the copy engines.
+#     fp8_buf -- an FP8 call all-gathers FP8 bytes through the FP8
+#       communicators (quantization_modes with FP8) whatever it says; a
+#       reduce-scatter's partials stay in the compute dtype (docs/fp8.md);
 #   refused when set (they would change what runs): aggregate,
-#     pipeline_rs_overlap_first_gemm, atomic_gemm, fp8_buf, use_ce=False.
+#     pipeline_rs_overlap_first_gemm, atomic_gemm, use_ce=False.
 _CFG_NOOP_INT = {"num_sm": 0, "cga_size": 1, "comm_priority": None, "gemm_priority": None}  # key: minimum
-_CFG_NOOP_BOOL = ("set_sm_margin", "is_reduce_scatter")
+_CFG_NOOP_BOOL = ("set_sm_margin", "is_reduce_scatter", "fp8_buf")
 _CFG_REFUSED = {"aggregate": "aggregating two chunks per ring step is not implemented",
                 "pipeline_rs_overlap_first_gemm": "the push reduce-scatter has no separate first-GEMM overlap",
-                "atomic_gemm": "atomic GEMMs are not supported", "fp8_buf": "FP8 buffers are not supported"}
+                "atomic_gemm": "atomic GEMMs are not supported"}
 _CFG_KEYS = {"method", "num_splits", "timeout", "use_ce", *_CFG_NOOP_INT, *_CFG_NOOP_BOOL, *_CFG_REFUSED}
 
 
@@ -77,18 +80,29 @@ def _check_ub_cfg(layer, cfg):
         raise ValueError(f"ub_cfgs[{layer!r}]['method'] must be one of {_METHODS}, got {cfg['method']!r}")
 
 
-_registry = {}
+_registry = {}      # layer name -> the communicator of the compute dtype
+_registry_fp8 = {}  # layer name -> the one FP8 calls use (quantization mode FP8)
+# In mode FP8 the communicators that all-gather FP8 bytes (a column layer's
+# input, a row layer's dY) have uint8 buffers, as TE's; the others
+# reduce-scatter partials of the compute dtype (and a column layer's bulk
+# all-gather of FP8 bytes for wgrad fits in its dgrad buffer), so they keep it.
+_FP8_GATHERS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")
 
 
 def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_group=None, transport="auto",
-                  device=None, timeout=None, use_fp8=False, min_chunk_flops=None, gemm_sm_margin=None):
-    """Create one communicator per TE layer name (collective over tp_group).
-    shape: [sequence * batch, hidden] of the full (gathered) activations.
-    ub_cfgs: {layer name: {method, num_splits, ...}} as in TE."""
-    if _registry:
+                  device=None, timeout=None, use_fp8=False, min_chunk_flops=None, gemm_sm_margin=None,
+                  modes=("none",)):
+    """Create one communicator per TE layer name and mode (collective over
+    tp_group). shape: [sequence * batch, hidden] of the full (gathered)
+    activations. ub_cfgs: {layer name: {method, num_splits, ...}} as in TE.
+    modes: "none" (buffers of `dtype`) and/or "fp8" (the communicators FP8
+    calls use, get_ub(name, use_fp8=True): uint8 buffers of the same shape
+    where they all-gather FP8 bytes, _FP8_GATHERS); use_fp8 adds "fp8"."""
+    if _registry or _registry_fp8:
         raise RuntimeError("initialize_ub() was already called; call destroy_ub() first")
-    if use_fp8:
-        raise NotImplementedError("FP8 userbuffers are not supported")
+    modes = list(dict.fromkeys(list(modes) + (["fp8"] if use_fp8 else [])))
+    if not modes or any(m not in ("none", "fp8") for m in modes):
+        raise ValueError(f"initialize_ub: modes must be a non-empty list of 'none' and 'fp8', got {modes!r}")
     shape = tuple(int(s) for s in shape)
     if len(shape) != 2:
         raise ValueError(f"shape must be [sequence * batch, hidden], got {shape}")
@@ -96,11 +110,14 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
     for layer, cfg in ub_cfgs.items():
         _check_ub_cfg(layer, cfg)
     comms = []
+    made = [(mode, layer) for mode in modes for layer in LAYER_NAMES]
     try:
         try:
-            for layer in LAYER_NAMES:
+            for mode, layer in made:
                 cfg = ub_cfgs.get(layer, {})
-                c = CommOverlap(shape, dtype, tp_group=tp_group, tp_size=tp_size, name=layer,
+                fp8_bytes = mode == "fp8" and layer in _FP8_GATHERS
+                c = CommOverlap(shape, torch.uint8 if fp8_bytes else dtype, tp_group=tp_group, tp_size=tp_size,
+                                name=layer if mode == "none" else f"{layer}_fp8",
                                 timeout=cfg.get("timeout", timeout), transport=transport, device=device,
                                 method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
                                 num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
@@ -115,17 +132,28 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
         for c in comms:
             c.close()
         raise
-    _registry.update(zip(LAYER_NAMES, comms))
+    for (mode, layer), c in zip(made, comms):
+        (_registry if mode == "none" else _registry_fp8)[layer] = c
 
 
-def get_ub(name):
-    """The communicator of a TE layer name created by initialize_ub()."""
-    if not _registry:
+def get_ub(name, use_fp8=False):
+    """The communicator of a TE layer name created by initialize_ub(): the
+    FP8 one with use_fp8 (quantization mode FP8)."""
+    reg = _registry_fp8 if use_fp8 else _registry
+    if not _registry and not _registry_fp8:
         raise RuntimeError("userbuffers are not initialized: call initialize_ub() first")
+    if not reg:
+        raise KeyError(f"get_ub({name!r}, use_fp8={bool(use_fp8)}): initialize_ub made no communicators of "
+                       f"quantization mode {'FP8' if use_fp8 else 'NONE'}")
     try:
-        return _registry[name]
+        return reg[name]
     except KeyError:
-        raise KeyError(f"no communicator named {name!r} (known: {', '.join(_registry)})") from None
+        raise KeyError(f"no communicator named {name!r} (known: {', '.join(reg)})") from None
+
+
+def has_fp8_ub():
+    """Whether initialize_ub made FP8 communicators."""
+    return bool(_registry_fp8)
 
 
 def close_comms(comms, tp_group=None):
@@ -151,8 +179,9 @@ def close_comms(comms, tp_group=None):
 
 def destroy_ub():
     """Close every registered communicator (collective, like initialize_ub)."""
-    comms = list(_registry.values())
+    comms = list(_registry.values()) + list(_registry_fp8.values())
     _registry.clear()
+    _registry_fp8.clear()
     close_comms(comms)
 
 
@@ -172,12 +201,13 @@ def _release_at_exit():
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
 
-    for c in list(_registry.values()):
+    for c in list(_registry.values()) + list(_registry_fp8.values()):
         try:
             c.close()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
     _registry.clear()
+    _registry_fp8.clear()
     gc.collect()
 
 

@@ -181,10 +181,11 @@ static tec_status begin(tec_comm *c, const char *op)
 
 /* The bytes of one [rows, cols] chunk of dtype dt; SIZE_MAX when the
  * product overflows (check_chunk then refuses it). */
-static size_t chunk_bytes(int64_t rows, int64_t cols, tec_dtype dt)
+/* rows x cols elements of es bytes (SIZE_MAX when that overflows). */
+static size_t chunk_bytes(int64_t rows, int64_t cols, size_t es)
 {
     size_t b;
-    return tec_mul3(rows, cols, (int64_t)tec_dtype_size(dt), &b) ? b : SIZE_MAX;
+    return tec_mul3(rows, cols, (int64_t)es, &b) ? b : SIZE_MAX;
 }
 
 static tec_status check_chunk(tec_comm *c, const char *op, size_t chunk, int64_t rows, int64_t cols, tec_dtype dt)
@@ -225,10 +226,24 @@ static tec_status begin_chunk(tec_comm *c, const char *op, size_t chunk, int64_t
     return st ? st : check_chunk(c, op, chunk, rows, cols, dt);
 }
 
-static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64_t k, int64_t n, tec_dtype dt,
-                       const void *b, int64_t ldb, int transb, void *out, int64_t ldc, tec_dtype cdt,
-                       const void *bias, void *stream)
+/* One chunk GEMM of a schedule: out[m, n] = A[m, k] @ op(B) (+ bias), in
+ * `dt` or, with f, in FP8 (A and B FP8 bytes, B [n, k]; dt the output's). */
+static tec_status gemm(tec_comm *c, const tec_fp8_chunk_gemm *f, const void *a, int64_t lda, int64_t m, int64_t k,
+                       int64_t n, tec_dtype dt, const void *b, int64_t ldb, int transb, void *out, int64_t ldc,
+                       tec_dtype cdt, const void *bias, void *stream)
 {
+    if (f) {
+        tec_fp8_gemm_args g = {0};
+        g.m = m; g.n = n; g.k = k;
+        g.a_format = f->a_format; g.b_format = f->b_format;
+        g.a = a; g.lda = lda; g.b = b; g.ldb = ldb;
+        g.a_scale_inv = f->a_scale_inv; g.b_scale_inv = f->b_scale_inv;
+        g.c = out; g.ldc = ldc; g.c_dtype = cdt; g.bias = bias;
+        g.fast_accum = f->fast_accum;
+        g.workspace = c->gemm_ws; g.workspace_bytes = c->gemm_ws_bytes;
+        g.sm_margin = c->gemm_sm_margin;
+        return tec_fp8_gemm(c->device, &g, stream);
+    }
     tec_gemm_args g = {0};
     g.transb = transb;
     g.m = m; g.n = n; g.k = k;
@@ -237,6 +252,26 @@ static tec_status gemm(tec_comm *c, const void *a, int64_t lda, int64_t m, int64
     g.workspace = c->gemm_ws; g.workspace_bytes = c->gemm_ws_bytes;
     g.sm_margin = c->gemm_sm_margin;
     return tec_gemm(c->device, &g, stream);
+}
+
+/* An FP8 schedule's operands, checked before the epoch is taken: formats
+ * tec_fp8_gemm takes, both scales, B stored [n, k]. */
+static tec_status fp8_check(tec_comm *c, const char *op, const tec_fp8_chunk_gemm *f, int transb)
+{
+    if (!f)
+        return TEC_OK;
+    if ((f->a_format != TEC_FP8_E4M3 && f->a_format != TEC_FP8_E5M2) ||
+        (f->b_format != TEC_FP8_E4M3 && f->b_format != TEC_FP8_E5M2) ||
+        (f->a_format == TEC_FP8_E5M2 && f->b_format == TEC_FP8_E5M2))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: FP8 formats a %d, b %d (E4M3 0, E5M2 1; "
+                             "not both E5M2)", c->name, op, (int)f->a_format, (int)f->b_format);
+    if (!f->a_scale_inv || !f->b_scale_inv)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: FP8 without a_scale_inv or b_scale_inv",
+                             c->name, op);
+    if (transb != 1)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: FP8 chunk GEMMs take B stored [n, k] "
+                             "(transb 1)", c->name, op);
+    return TEC_OK;
 }
 
 /* B's extent and the backend's workspace, checked before an operation takes
@@ -349,7 +384,8 @@ static tec_status gather(tec_comm *c, const char *op, const void *src, size_t ch
 tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream)
 {
     const size_t ces = tec_dtype_size(a->out_dtype);
-    const size_t chunk = chunk_bytes(a->rows, a->k, a->dtype);
+    /* A's chunks: FP8 bytes, or elements of dtype */
+    const size_t chunk = chunk_bytes(a->rows, a->k, a->fp8 ? 1 : tec_dtype_size(a->dtype));
     tec_status st = begin_chunk(c, "ag_gemm", chunk, a->rows, a->k, a->dtype);
     if (st)
         return st;
@@ -368,7 +404,8 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
                              "or 1, and ldb at least %lld (got out_dtype %d for dtype %d, transb %d, ldb %lld)",
                              c->name, (long long)(a->transb ? a->k : a->n), (int)a->out_dtype, (int)a->dtype,
                              a->transb, (long long)a->ldb);
-    if ((st = gemm_check(c, "ag_gemm", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)))
+    if ((st = gemm_check(c, "ag_gemm", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)) ||
+        (st = fp8_check(c, "ag_gemm", a->fp8, a->transb)))
         return st;
     const int r = c->rank, n = c->size;
     const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_AG, chunk));
@@ -382,7 +419,7 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
             TRY(c->ops->copy(c->t, slot(c, r, r, chunk), a->a_local, chunk, stream));
         if (a->local_copy)
             TRY(c->ops->copy(c->t, a->local_copy, local, chunk, stream));
-        TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
+        TRY(gemm(c, a->fp8, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
                  a->out_dtype, a->bias, stream));
         c->stats.non_overlap++;
         return TEC_OK;
@@ -406,19 +443,19 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
             src = NULL;
         }
         TRY(c->ops->event_record(c->t, EV_START, stream));
-        TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
+        TRY(gemm(c, a->fp8, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
                  a->out_dtype, a->bias, stream));
     }
     TRY(gather(c, "ag_gemm", src, chunk, v, 1, gemm_first, stream));
     if (a->local_copy) /* on the comm stream after the pulls: the GEMMs do not wait for it */
         TRY(c->ops->copy(c->t, a->local_copy, local, chunk, c->ops->comm_stream(c->t)));
     if (!gemm_first)
-        TRY(gemm(c, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
+        TRY(gemm(c, a->fp8, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
                  a->out_dtype, a->bias, stream));
     for (int i = 1; i < n; i++) {
         const int p = (r - i + n) % n;
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, stream));
-        TRY(gemm(c, slot(c, r, p, chunk), a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+        TRY(gemm(c, a->fp8, slot(c, r, p, chunk), a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
                  out + p * orow, a->ldc, a->out_dtype, a->bias, stream));
     }
     void *M = c->ops->comm_stream(c->t);
@@ -489,29 +526,30 @@ static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, siz
 
 tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream)
 {
-    const size_t es = tec_dtype_size(a->dtype);
-    const size_t chunk = chunk_bytes(a->rows, a->n, a->dtype);
+    const size_t es = tec_dtype_size(a->dtype), aes = a->fp8 ? 1 : es; /* partials' and A's element sizes */
+    const size_t chunk = chunk_bytes(a->rows, a->n, es);
     tec_status st = begin_chunk(c, "gemm_rs", chunk, a->rows, a->n, a->dtype);
     if (st)
         return st;
     size_t a_bytes;
     if (!a->out || !a->b || !a->a || a->k <= 0 || a->lda < a->k)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: missing A, B or out, or bad k/lda", c->name);
-    if (!tec_mul3(a->rows * c->size, a->lda, (int64_t)es, &a_bytes))
+    if (!tec_mul3(a->rows * c->size, a->lda, (int64_t)aes, &a_bytes))
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: input of %d x %lld rows with lda=%lld "
                              "is too large", c->name, c->size, (long long)a->rows, (long long)a->lda);
     if ((a->transb != 0 && a->transb != 1) || a->ldb < (a->transb ? a->k : a->n) || a->ldb < 1)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: transb must be 0 or 1 and ldb at least "
                              "%lld (got transb %d, ldb %lld)", c->name, (long long)(a->transb ? a->k : a->n),
                              a->transb, (long long)a->ldb);
-    if ((st = gemm_check(c, "gemm_rs", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)))
+    if ((st = gemm_check(c, "gemm_rs", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)) ||
+        (st = fp8_check(c, "gemm_rs", a->fp8, a->transb)))
         return st;
     const int r = c->rank, n = c->size;
     const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_RS, chunk));
     const char *A = a->a;
-    const int64_t arow = a->rows * a->lda * (int64_t)es;
+    const int64_t arow = a->rows * a->lda * (int64_t)aes;
     if (n == 1) {
-        TRY(gemm(c, A, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, a->out, a->n, a->dtype,
+        TRY(gemm(c, a->fp8, A, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, a->out, a->n, a->dtype,
                  a->bias, stream));
         c->stats.non_overlap++;
         return TEC_OK;
@@ -528,7 +566,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     /* Peers' partials first (each pushed while the next is computed), ours last. */
     for (int i = 1; i < n; i++) {
         const int p = (r + i) % n;
-        TRY(gemm(c, A + p * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+        TRY(gemm(c, a->fp8, A + p * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
                  staging(c, p, chunk), a->n, a->dtype, NULL, stream));
         TRY(c->ops->event_record(c->t, EV_CHUNK + i, stream));
         if (gemm_first && i == 1)
@@ -536,7 +574,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, M));
         TRY(push(c, p, staging(c, p, chunk), chunk, v));
     }
-    TRY(gemm(c, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+    TRY(gemm(c, a->fp8, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
              staging(c, r, chunk), a->n, a->dtype, NULL, stream));
     TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias, v, 0, stream));
     TRY(c->ops->event_record(c->t, EV_END, M));
@@ -593,7 +631,7 @@ tec_status tec_comm_bulk_ag_finish(tec_comm *c, void *stream)
 tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, int64_t cols, tec_dtype dtype,
                                   void *out, void *stream)
 {
-    const size_t chunk = chunk_bytes(rows, cols, dtype);
+    const size_t chunk = chunk_bytes(rows, cols, tec_dtype_size(dtype));
     tec_status st = begin_chunk(c, "bulk_rs", chunk, rows, cols, dtype);
     if (st)
         return st;

@@ -43,6 +43,9 @@ const char *tec_last_error(void);
 
 typedef enum { TEC_F32 = 0, TEC_BF16 = 1, TEC_F16 = 2 } tec_dtype;
 
+/* The FP8 formats (the FP8 operations below). */
+typedef enum { TEC_FP8_E4M3 = 0, TEC_FP8_E5M2 = 1 } tec_fp8_format;
+
 size_t tec_dtype_size(tec_dtype dt);
 
 /* Device: -1 is the CPU, >= 0 a CUDA device ordinal. */
@@ -380,6 +383,18 @@ tec_status tec_comm_acquire(tec_comm *c, void *stream);
  * `local_copy`, if set, receives a copy of this rank's chunk on the comm
  * stream, after the pulls and off the GEMMs' stream (what a layer saves for
  * backward: the buffer itself must never be saved). */
+/* FP8 chunk GEMMs of an overlap schedule (tec_ag_gemm_args.fp8,
+ * tec_gemm_rs_args.fp8; NULL: the chunk GEMMs are `dtype` GEMMs). A's
+ * chunks and B are then FP8 bytes with one scale each (tec_fp8_gemm's TN
+ * layout: B is stored [n, k], transb must be 1), so a chunk of A is rows * k
+ * bytes; `dtype` is the compute type of the output, of gemm_rs's partials
+ * and of the bias. fast_accum as in tec_fp8_gemm_args. */
+typedef struct {
+    tec_fp8_format a_format, b_format;
+    const float *a_scale_inv, *b_scale_inv;
+    int fast_accum;
+} tec_fp8_chunk_gemm;
+
 typedef struct {
     const void *a_local;  /* NULL: already in the buffer slot */
     void *local_copy;     /* [rows, k] outside the buffer, or NULL */
@@ -388,6 +403,7 @@ typedef struct {
     const void *b; int64_t ldb; int transb;
     void *out; int64_t ldc;
     const void *bias;     /* [n] or NULL */
+    const tec_fp8_chunk_gemm *fp8; /* FP8 chunk GEMMs, or NULL */
 } tec_ag_gemm_args;
 tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream);
 
@@ -403,6 +419,7 @@ typedef struct {
     const void *b; int64_t ldb; int transb;
     void *out;            /* [rows, n] contiguous */
     const void *bias;
+    const tec_fp8_chunk_gemm *fp8; /* FP8 chunk GEMMs (A [tp*rows, k] FP8 bytes), or NULL */
 } tec_gemm_rs_args;
 tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream);
 
@@ -478,8 +495,6 @@ int tec_nccl_version(void);       /* NCCL's version code, 0 if it cannot be load
  * the device (no host synchronisation: the calls can be captured in a CUDA
  * graph). Exercised by tests/test_fp8_engine.py.
  */
-
-typedef enum { TEC_FP8_E4M3 = 0, TEC_FP8_E5M2 = 1 } tec_fp8_format;
 
 /* Largest finite value of the format (448 or 57344). */
 float tec_fp8_max(tec_fp8_format f);
@@ -562,6 +577,9 @@ typedef struct {
      * scales in the layout of tec_fp8_block_quantize (A as its `out` of an
      * [m, k] input, B as that of an [n, k] input); not both 128x128. */
     int a_scale_mode, b_scale_mode;
+    /* SMs the product leaves free for other streams' work (an overlap
+     * schedule's copies and flag kernels), as tec_gemm_args.sm_margin. */
+    int sm_margin;
 } tec_fp8_gemm_args;
 tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream);
 

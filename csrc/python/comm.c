@@ -242,31 +242,61 @@ static PyObject *py_acquire(PyObject *self, PyObject *const *args, Py_ssize_t na
     return done(self, st);
 }
 
-/* _ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream) */
+/* The FP8 chunk GEMMs of an overlap call from five trailing arguments
+ * (a_format, b_format, a_scale_inv, b_scale_inv, fast_accum): NULL when
+ * a_format is -1 (the chunk GEMMs in the call's dtype). */
+static int fp8_chunk_args(PyObject *const *args, Py_ssize_t i, tec_fp8_chunk_gemm *f,
+                          const tec_fp8_chunk_gemm **out)
+{
+    int af, bf, fast;
+    void *as, *bs;
+    if (!tec_arg_int(args, i, -1, 1, "a_format", &af) || !tec_arg_int(args, i + 1, -1, 1, "b_format", &bf) ||
+        !tec_arg_ptr(args, i + 2, &as) || !tec_arg_ptr(args, i + 3, &bs) ||
+        !tec_arg_int(args, i + 4, 0, 1, "fast_accum", &fast))
+        return -1;
+    *out = NULL;
+    if (af < 0)
+        return 0;
+    f->a_format = (tec_fp8_format)af; f->b_format = (tec_fp8_format)(bf < 0 ? 0 : bf);
+    f->a_scale_inv = (const float *)as; f->b_scale_inv = (const float *)bs;
+    f->fast_accum = fast;
+    *out = f;
+    return 0;
+}
+
+/* _ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream,
+ *          a_format, b_format, a_scale_inv, b_scale_inv, fast_accum) */
 static PyObject *py_ag_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("_ag_gemm", 14);
+    ARGC("_ag_gemm", 19);
     LIVE(c);
     tec_ag_gemm_args a = {0};
+    tec_fp8_chunk_gemm f;
     void *stream;
     PTR(0, a.a_local); I64(1, a.rows); I64(2, a.k); I64(3, a.n); DTYPE(4, a.dtype, "dtype");
     DTYPE(5, a.out_dtype, "out_dtype");
     PTR(6, a.b); I64(7, a.ldb); BOOL(8, a.transb, "transb"); PTR(9, a.out); I64(10, a.ldc); PTR(11, a.bias);
     PTR(12, a.local_copy); PTR(13, stream);
+    if (fp8_chunk_args(args, 14, &f, &a.fp8))
+        return NULL;
     tec_status st;
     CALL(tec_comm_ag_gemm(c, &a, stream));
     return done(self, st);
 }
 
-/* _gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream) */
+/* _gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream,
+ *          a_format, b_format, a_scale_inv, b_scale_inv, fast_accum) */
 static PyObject *py_gemm_rs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("_gemm_rs", 12);
+    ARGC("_gemm_rs", 17);
     LIVE(c);
     tec_gemm_rs_args a = {0};
+    tec_fp8_chunk_gemm f;
     void *stream;
     PTR(0, a.a); I64(1, a.lda); I64(2, a.rows); I64(3, a.k); I64(4, a.n); DTYPE(5, a.dtype, "dtype");
     PTR(6, a.b); I64(7, a.ldb); BOOL(8, a.transb, "transb"); PTR(9, a.out); PTR(10, a.bias); PTR(11, stream);
+    if (fp8_chunk_args(args, 12, &f, &a.fp8))
+        return NULL;
     tec_status st;
     CALL(tec_comm_gemm_rs(c, &a, stream));
     return done(self, st);
@@ -508,8 +538,8 @@ static PyMethodDef comm_methods[] = {
     M("_release_handle", py_release_handle, "_release_handle(): every peer mapped us (unlink the name)"),
     M("_set_gemm", py_set_gemm, "_set_gemm(ptr, nbytes, sm_margin)"),
     M("_acquire", py_acquire, "_acquire(stream): wait until peers read our slot"),
-    M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream)"),
-    M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream)"),
+    M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream, a_format, b_format, a_scale_inv, b_scale_inv, fast_accum)"),
+    M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream, a_format, b_format, a_scale_inv, b_scale_inv, fast_accum)"),
     M("_bulk_ag_start", py_bulk_ag_start, "_bulk_ag_start(src, chunk_bytes, stream)"),
     M("_bulk_ag_finish", py_bulk_ag_finish, "_bulk_ag_finish(stream)"),
     M("_bulk_rs_start", py_bulk_rs_start, "_bulk_rs_start(src, rows, cols, dtype, out, stream)"),

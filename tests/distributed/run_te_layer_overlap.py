@@ -14,6 +14,11 @@ communicators' stats() must show the overlapped paths ran (no fallback).
   torchrun --nproc_per_node=2 tests/distributed/run_te_layer_overlap.py --layer-type Linear \
       --linear-parallel-mode column [--overlap-rs-dgrad] [--tp 2] [--device cuda]
   torchrun --nproc_per_node=4 tests/distributed/run_te_layer_overlap.py --all --tp 2
+With --fp8 delayed|current, TE's test_layers_with_overlap_fp8 instead: the
+FP8 communicators (quantization_modes=[FP8]), both layers inside
+fp8_autocast with the recipe over the tensor-parallel group, TE's FP8
+tolerances (rtol 0.125 / atol 0.0625), and the same stats() checks (the FP8
+overlaps ran).
 Prints "ok <case>" per case and "PASS run_te_layer_overlap" when all passed."""
 import argparse
 import sys
@@ -33,6 +38,10 @@ ALL_CASES = [("Linear", "row", False, False), ("Linear", "column", False, False)
              ("LayerNormLinear", "row", False, False), ("LayerNormLinear", "column", False, False),
              ("LayerNormLinear", "column", True, False),
              ("Linear", "row", False, True), ("LayerNormLinear", "column", False, True)]
+
+
+FP8_RECIPES = {"delayed": te.recipe.DelayedScaling, "current": te.recipe.Float8CurrentScaling}
+FP8_TOL = dict(rtol=0.125, atol=0.0625)  # TE's FP8 tolerances in this test
 
 
 def layer_args(opts, tp_group, tp, reference):
@@ -69,11 +78,11 @@ def build(opts, args, kwargs, errors, what):
     return layer
 
 
-def stats():
+def stats(use_fp8=False):
     out = {}
     for name in UB_NAMES:
         try:
-            c = te.module.base.get_ub(name)
+            c = te.module.base.get_ub(name, use_fp8)
         except KeyError:
             continue
         out[name] = dict(c.stats())
@@ -92,11 +101,12 @@ def run_case(opts, tp_group, tp, rank):
     ub_cfgs = None
     if opts.overlap_rs_dgrad:
         ub_cfgs = {"qkv_dgrad": {"method": "ring_exchange"}, "fc1_dgrad": {"method": "ring_exchange"}}
+    mode = te.module.base.UserBufferQuantizationMode
     te.module.base.initialize_ub([opts.seq_length * opts.batch_size, opts.num_heads * opts.head_dim], tp,
-                                 quantization_modes=[te.module.base.UserBufferQuantizationMode.NONE],
+                                 quantization_modes=[mode.FP8 if opts.fp8 else mode.NONE],
                                  dtype=torch.bfloat16, bootstrap_backend=opts.bootstrap_backend, ub_cfgs=ub_cfgs)
     try:
-        sizes = {n: getattr(te.module.base.get_ub(n), "tp_size", tp) for n in ("qkv_fprop", "proj_fprop")}
+        sizes = {n: getattr(te.module.base.get_ub(n, bool(opts.fp8)), "tp_size", tp) for n in ("qkv_fprop", "proj_fprop")}
         if any(s != tp for s in sizes.values()):
             errors.append(f"initialize_ub(tp_size={tp}) made communicators of sizes {sizes}")
         torch.manual_seed(opts.seed)  # as TE: the same parameters on every rank
@@ -113,31 +123,38 @@ def run_case(opts, tp_group, tp, rank):
         # different inputs on every rank (TE's are equal on all ranks)
         gx = torch.Generator(common.DEV).manual_seed(opts.seed + 1000 + rank)
         x = torch.randn(shape, generator=gx, dtype=torch.float32)
-        before = stats()
+        before = stats(bool(opts.fp8))
+        recipe = FP8_RECIPES[opts.fp8]() if opts.fp8 else None
 
-        def run_fwd_bwd(model):
-            xi = x.clone().requires_grad_(True)
+        def run_fwd_bwd(model, step):
+            xi = (x * (1 + step)).requires_grad_(True)
             with torch.autocast(common.DEV.type, dtype=torch.bfloat16):
-                with te.fp8_autocast(enabled=False, fp8_recipe=None, fp8_group=tp_group):
+                with te.fp8_autocast(enabled=bool(opts.fp8), fp8_recipe=recipe, fp8_group=tp_group):
                     y = model(xi)
                 out = y[0] if isinstance(y, tuple) else y
                 out.sum().backward()
             return [out, xi.grad] + [p.grad for _, p in model.named_parameters()]
 
-        test_t = run_fwd_bwd(test_model)
-        after = stats()
-        ref_t = run_fwd_bwd(ref_model)
-        names = ["output", "input.grad"] + [n + ".grad" for n, _ in test_model.named_parameters()]
-        if len(test_t) != len(ref_t):
-            errors.append(f"{len(test_t)} tensors to compare vs {len(ref_t)} in the reference")
-        for name, a, b in zip(names, test_t, ref_t):
-            if a is None or b is None:
-                if (a is None) != (b is None):
-                    errors.append(f"{name}: None in one layer only")
-                continue
-            e = compare(name, a, b)
-            if e:
-                errors.append(e)
+        for step in range(3 if opts.fp8 else 1):  # FP8: the later steps run on the updated scales
+            test_t = run_fwd_bwd(test_model, step)
+            after = stats(bool(opts.fp8))
+            ref_t = run_fwd_bwd(ref_model, step)
+            names = ["output", "input.grad"] + [n + ".grad" for n, _ in test_model.named_parameters()]
+            if len(test_t) != len(ref_t):
+                errors.append(f"{len(test_t)} tensors to compare vs {len(ref_t)} in the reference")
+            for name, a, b in zip(names, test_t, ref_t):
+                if a is None or b is None:
+                    if (a is None) != (b is None):
+                        errors.append(f"{name}: None in one layer only")
+                    continue
+                e = compare(f"step {step} {name}", a, b, **(FP8_TOL if opts.fp8 else {}))
+                if e:
+                    errors.append(e)
+        if opts.fp8 == "delayed":  # the overlap's amaxes (local rows, reduced over the group) are the reference's
+            for key in ("scaling_fwd", "scaling_bwd"):
+                a, b = test_model.fp8_meta[key].scale, ref_model.fp8_meta[key].scale
+                if not torch.equal(a, b):
+                    errors.append(f"{key} scales differ from the reference's: {a.tolist()} vs {b.tolist()}")
         grew = {k: sum(after[n][k] - before[n][k] for n in after) for k in COUNTERS}
         for k in expected_paths(opts):
             if grew[k] <= 0:
@@ -156,7 +173,8 @@ def case_label(opts, tp):
     return (f"{opts.layer_type} {opts.linear_parallel_mode}"
             + (" " + ("DGRAD+RS" if opts.overlap_rs_dgrad else "BULK DGRAD/WGRAD")
                if opts.linear_parallel_mode == "column" else "")
-            + (" bf16-params" if opts.use_bf16_params else "") + f" tp={tp}")
+            + (" bf16-params" if opts.use_bf16_params else "") + (f" fp8={opts.fp8}" if opts.fp8 else "")
+            + f" tp={tp}")
 
 
 def main():
@@ -173,6 +191,7 @@ def main():
     p.add_argument("--use-bf16-params", action="store_true")
     p.add_argument("--bootstrap-backend", choices=["gloo", "mpi", "nccl"], default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--fp8", choices=["delayed", "current"], default=None, help="TE's FP8 overlap cases")
     p.add_argument("--all", action="store_true", help="run TE's six cases (and two with bf16 params)")
     opts = p.parse_args()
     rank, world, _ = common.setup(opts.device)

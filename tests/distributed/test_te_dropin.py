@@ -71,6 +71,26 @@ def test_te_layers_with_overlap_cuda(nproc, tp, forced_overlap):
     _check_overlap(out, tp or nproc)
 
 
+def _check_overlap_fp8(out, recipe, tp):
+    for case in OVERLAP_CASES:
+        assert f"ok {case} fp8={recipe} tp={tp}\n" in out, case
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_layers_with_overlap_fp8(recipe):
+    """TE's test_layers_with_overlap_fp8: FP8 overlap against FP8 without
+    overlap (three steps, and equal delayed-scaling scales afterwards)."""
+    out = run_torchrun("run_te_layer_overlap.py", 2, ["--all", "--fp8", recipe], timeout=300)
+    _check_overlap_fp8(out, recipe, 2)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_layers_with_overlap_fp8_cuda(recipe, forced_overlap):
+    _need_gpus(2)
+    out = run_torchrun("run_te_layer_overlap.py", 2, ["--all", "--fp8", recipe, "--device", "cuda"], timeout=300)
+    _check_overlap_fp8(out, recipe, 2)
+
+
 def test_compare_is_te_worst_element_rule():
     """The runners' comparison (TE's _compare_tensors) catches what it must
     and passes what TE passes."""

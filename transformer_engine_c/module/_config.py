@@ -127,6 +127,7 @@ class UBConfig:
         self.flags = {k: k in on for k in UB_FLAGS}
         self.enabled = bool(on)
         self.comms = {}
+        self.ub_name, self._fp8 = (ub_name if ub_comm is None else None), None
         if not on:
             return
         roles = set()
@@ -151,8 +152,8 @@ class UBConfig:
             elif ub_comm is not None:
                 c = ub_comm
             elif ub_name is not None:
-                from ..userbuffers import get_ub
-                c = get_ub(f"{ub_name}_{role}")
+                from ..userbuffers import _registry, get_ub
+                c = get_ub(f"{ub_name}_{role}", use_fp8=not _registry)  # initialize_ub(use_fp8=True): FP8 only
             else:
                 raise ValueError(f"{cls}: {', '.join(on)} need ub_name (registry, see initialize_ub) or ub_comm")
             if not isinstance(c, CommOverlap):
@@ -170,6 +171,23 @@ class UBConfig:
     def __getitem__(self, k):
         return self.flags[k]
 
+    def for_fp8(self):
+        """The configuration an FP8 call runs: the same flags on the FP8
+        communicators of the registry (initialize_ub's quantization mode
+        FP8) where it has them, else on these (a buffer of the compute dtype
+        holds twice the FP8 bytes). Resolved on the first FP8 call."""
+        if self._fp8 is None:
+            from ..userbuffers import has_fp8_ub, get_ub
+            if self.ub_name is None or not has_fp8_ub():
+                self._fp8 = self
+            else:
+                fp8 = object.__new__(UBConfig)
+                fp8.flags, fp8.enabled, fp8.ub_name, fp8._fp8 = self.flags, self.enabled, self.ub_name, None
+                fp8.comms = {role: get_ub(f"{self.ub_name}_{role}", use_fp8=True) for role in self.comms}
+                fp8._fp8 = fp8
+                self._fp8 = fp8
+        return self._fp8
+
 
 class _NoUB:
     """A UBConfig with nothing on: what a call with no tokens uses (the
@@ -180,6 +198,9 @@ class _NoUB:
 
     def __getitem__(self, k):
         return False
+
+    def for_fp8(self):
+        return self
 
 
 NO_UB = _NoUB()

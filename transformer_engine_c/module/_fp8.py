@@ -43,8 +43,16 @@ micro-batch and reused from the layer's cache until the next first one (TE's
 weight caching: a weight changed between micro-batches of a step is not
 re-read).
 
-Userbuffers overlap is not used in FP8 (the FP8 overlap is still to come):
-a layer whose flags ask for it runs the plain collectives, with one warning.
+Userbuffers overlap runs in FP8 under the per-tensor recipes (the FP8
+communicators of initialize_ub's quantization mode FP8 where they exist, else
+the layer's): a column layer casts its local rows into its slot of the
+buffer with the scale the group shares and gathers FP8 bytes while the FP8
+chunk GEMMs run (gather_input; backward gathers the kept bytes again for
+wgrad, gathered_input); a row layer's dgrad gathers dY's FP8 bytes the same
+way (gather_grad_output); the reduce-scatters' partials (a row layer's
+fprop, a column layer's dgrad) are FP8 GEMMs' outputs in the compute dtype.
+Under Float8BlockScaling a layer whose flags ask for the overlap runs the
+plain collectives, with one warning.
 """
 import warnings
 
@@ -53,6 +61,7 @@ import torch.nn.functional as F
 
 from .. import _C
 from .. import _fp8_engine as E
+from .._comm_overlap import FP8Gemm
 from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
@@ -125,13 +134,17 @@ def _adjust_history(meta, length):
 _warned = set()
 
 
-def _warn_no_overlap(layer):
+def _warn_no_overlap(layer, recipe):
+    """Block scaling runs the plain collectives (one warning per layer)."""
+    if not isinstance(recipe, Float8BlockScaling):
+        return
     uses = getattr(layer, "ub", None) is not None and layer.ub.enabled
     uses = uses or (getattr(layer, "ub2", None) is not None and layer.ub2.enabled)
     if uses and id(layer) not in _warned:
         _warned.add(id(layer))
-        warnings.warn(f"{type(layer).__name__}: userbuffers overlap is not used in FP8 yet; this layer's FP8 "
-                      "calls run the plain collectives", UserWarning, stacklevel=5)
+        warnings.warn(f"{type(layer).__name__}: userbuffers overlap is not used with Float8BlockScaling (its "
+                      "block scales are not gathered through a communicator); this layer's FP8 calls run the "
+                      "plain collectives", UserWarning, stacklevel=5)
 
 
 def layer_call(call, layer, x, grad, first_mb):
@@ -153,7 +166,7 @@ def layer_call(call, layer, x, grad, first_mb):
     if isinstance(recipe, DelayedScaling) and tp.sp and not recipe.reduce_amax:
         raise ValueError(f"{type(layer).__name__}: sequence parallelism in FP8 with DelayedScaling needs "
                          "reduce_amax=True (the gathered tensors share one scale over the group)")
-    _warn_no_overlap(layer)
+    _warn_no_overlap(layer, recipe)
     return FP8Call(call, layer, recipe, grad, first_mb)
 
 
@@ -199,12 +212,16 @@ class FP8Call:
 
     # ----------------------------------------------------------- quantizing
 
-    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None, dbias=False):
+    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None, dbias=False, out=None,
+                  group=None):
         """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
         that scale and no amax; under delayed scaling the role's scale and
-        amax-history entry; under current scaling t's own amax. dbias: the
-        same pass also sums t's columns (the Operand's dbias; not under block
-        scaling, whose callers sum dY themselves)."""
+        amax-history entry; under current scaling t's own amax, or with
+        `group` (a tensor about to be all-gathered in FP8) the maximum over
+        the group's ranks, so that they share the scale. dbias: the same pass
+        also sums t's columns (the Operand's dbias; not under block scaling,
+        whose callers sum dY themselves). out: where the rowwise bytes go (a
+        communicator's slot)."""
         if self.blocks is not None:  # each block's own amax: a re-cast gives the same bytes
             return self._quantize_blocks(t, fp8_dtype, 2 if not forward else role % 3, rowwise, columnwise)
         c = self.call
@@ -219,13 +236,15 @@ class FP8Call:
                 buf = torch.empty(2, dtype=_F32, device=t.device)
                 p = buf.data_ptr()
                 _C.fp8_amax(c.dev, code, t.numel(), t.data_ptr(), p, c.stream)
+                if group is not None and self.layer.tp.size > 1:
+                    torch.distributed.all_reduce(buf[:1], op=torch.distributed.ReduceOp.MAX, group=group)
                 _C.fp8_scale_from_amax(c.dev, 1, p, p + 4, 0, _MAX[fp8_dtype], int(qp.power_2_scale),
                                        float(qp.amax_epsilon), c.stream)
                 scale = buf[1:2]
         # t is contiguous (the steps' tensors are), viewed as [rows, last dim]
         cols = t.shape[-1]
         rows = t.numel() // cols if cols else 0
-        data = torch.empty(t.shape, dtype=_U8, device=t.device) if rowwise else None
+        data = (torch.empty(t.shape, dtype=_U8, device=t.device) if out is None else out) if rowwise else None
         data_t = torch.empty((cols, rows), dtype=_U8, device=t.device) if columnwise else None
         scale_inv = torch.empty(1, dtype=_F32, device=t.device)
         db = ws = None
@@ -273,6 +292,47 @@ class FP8Call:
             scale = q.scale if q.data_t is not None or not self.delayed else q.scale.clone()  # delayed: updated in place
             self.inputs[gi] = q.transpose_only(scale)
         return q
+
+    def gather_input(self, x, out, group):
+        """GEMM gi's fprop input for an all-gather in FP8 (a column layer's
+        userbuffers overlap): this rank's rows x cast rowwise into out (its
+        slot of the communicator's buffer) with a scale every rank of group
+        uses (the gathered bytes carry one scale_inv). Backward keeps the
+        scale, and keep_input's copy of the bytes, which it gathers again."""
+        gi = self.gi
+        if self.recomputing:
+            return self._quantize(x, self.fwd, 0, True, None, True, False, scale=self.inputs[gi].scale, out=out)
+        q = self._quantize(x, self.fwd, 3 * gi, True, self.qparams and self.qparams[0], True, False, out=out,
+                           group=group)
+        if self.grad:
+            self.inputs[gi] = Operand(None, None, q.scale.clone() if self.delayed else q.scale, q.scale_inv, q.dtype)
+        return q
+
+    def keep_input(self, data):
+        """The local FP8 bytes of GEMM gi's gathered input (a copy outside
+        the buffer), for backward's FP8 re-gather."""
+        q = self.inputs.get(self.gi)
+        if q is not None:
+            q.data = data
+
+    def gathered_input(self, gathered):
+        """GEMM gi's wgrad input from the re-gathered FP8 bytes [rows, k] of
+        its forward input: their transpose, with the forward's scale."""
+        q = self.inputs[self.gi]
+        self.inputs[self.gi] = Operand(None, gathered.t().contiguous(), q.scale, q.scale_inv, q.dtype)
+
+    def gather_grad_output(self, dy, out, group):
+        """GEMM gi's output gradient for an all-gather in FP8 (a row layer's
+        dgrad overlap): this rank's rows dy cast rowwise into out (its slot)
+        with a scale the ranks of group share."""
+        return self._quantize(dy, self.bwd, 2 * self.gi, False, self.qparams and self.qparams[2], True, False,
+                              out=out, group=group)
+
+    def gathered_grad_output(self, q, gathered, like):
+        """GEMM gi's cached output gradient from the gathered FP8 bytes of
+        q's tensor: their transpose for wgrad; `like` (a stand-in of the
+        gathered dY's shape) is what the steps pass as dY."""
+        self.grads[self.gi] = Operand(None, gathered.t().contiguous(), q.scale, q.scale_inv, q.dtype, src=like)
 
     def weight(self, w):
         """GEMM gi's weight in FP8 (with its transpose when backward runs):
@@ -391,6 +451,13 @@ def fprop(f, x, w, b, out, keep_t):
     _gemm(f.call, _as_2d(qx.data), qx, qw.data, qw, o, b if fuse else None, False, f.split[0])
     if b is not None and not fuse:
         o += b
+
+
+def chunk_gemm(f, qa, qb, which, out_dtype):
+    """The FP8Gemm of an overlap schedule's chunk GEMMs on Operands qa (the
+    input or output gradient) and qb (the weight); which: 0 fprop, 1 dgrad
+    (the recipe's accumulation mode)."""
+    return FP8Gemm(qa.dtype, qa.scale_inv, qb.dtype, qb.scale_inv, out_dtype, fast_accum=not f.split[which])
 
 
 def dgrad(f, dy, out):

@@ -197,21 +197,48 @@ def _held(ub):
     return stack
 
 
-def fprop_overlap(tp, ub, x, w, bias):
+def fprop_overlap(call, tp, ub, x, w, bias):
     """fprop through the layer's communicator where its flags ask for the
-    overlap and it pays at this shape (CommOverlap.take_overlap), else None."""
+    overlap and it pays at this shape (CommOverlap.take_overlap), else None.
+    In FP8 the chunk GEMMs are FP8 GEMMs: a column layer gathers FP8 bytes
+    (fp8_ag_gemm), a row layer's partials stay in the compute dtype."""
     rows = x.shape[0]
     if not ub.enabled or rows == 0:
         return None
     if tp.mode == "column" and ub["ub_overlap_ag"]:
         c = ub.comms["fprop"]
         if c.take_overlap("ag", rows, x.shape[1], w.shape[0]):
-            return c.ag_gemm(x, w, bias=bias)
+            return c.ag_gemm(x, w, bias=bias) if call.fp8 is None else fp8_ag_gemm(call, c, x, w, bias, tp)
     elif tp.mode == "row" and ub["ub_overlap_rs"]:
         c = ub.comms["fprop"]
         if c.take_overlap("rs", rows // tp.size, x.shape[1], w.shape[0]):
-            return c.gemm_rs(x, w, bias=bias)
+            if call.fp8 is None:
+                return c.gemm_rs(x, w, bias=bias)
+            f = call.fp8
+            qx, qw = f.input(x, True), f.weight(w)
+            return c.gemm_rs(qx.data, qw.data, bias=bias, fp8=_fp8.chunk_gemm(f, qx, qw, 0, x.dtype))
     return None
+
+
+def fp8_ag_gemm(call, comm, x, w, bias, tp):
+    """A column layer's FP8 all-gather + GEMM: x (this rank's rows, 2-D)
+    cast into its slot of the communicator's buffer with the scale the group
+    shares, the FP8 bytes gathered while the chunk GEMMs run; backward keeps
+    a copy of the local bytes (made on the comm stream), never the buffer."""
+    f = call.fp8
+    with comm.exclusive():
+        slot = comm.get_buffer(local_chunk=True, shape=x.shape, dtype=_U8)
+        qx = f.gather_input(x, slot, tp.group)
+        qw = f.weight(w)
+        keep = torch.empty_like(slot) if f.grad and not f.recomputing else None
+        fuse = _fp8._bias_fused(x, bias)
+        y = comm.ag_gemm(slot, qw.data, bias=bias if fuse else None, local_copy=keep,
+                         fp8=_fp8.chunk_gemm(f, qx, qw, 0, x.dtype))
+    if keep is not None:
+        f.keep_input(keep)
+    if bias is not None and not fuse:
+        y += bias
+    return y
 
 
 def wgrad_gather_comm(x_local, w, tp, ub):
@@ -252,9 +279,9 @@ def fprop(call, tp, ub, x, w, b, gi=0):
     layer's GEMMs this is (its FP8 roles)."""
     n, k = w.shape
     if call.fp8 is not None:
-        call.fp8.gi, ub = gi, NO_UB
+        call.fp8.gi, ub = gi, _fp8_ub(call, ub)
     if ub.enabled:
-        y = fprop_overlap(tp, ub, _as_2d(x), w, b)
+        y = fprop_overlap(call, tp, ub, _as_2d(x), w, b)
         if y is not None:
             return y
     dev, stream = call.dev, call.stream
@@ -278,6 +305,13 @@ def fprop(call, tp, ub, x, w, b, gi=0):
     y = x.new_empty(x.shape[:-1] + (n,))
     gemm(call, _rows(x), n, k, x, w, b, y)
     return y
+
+
+def _fp8_ub(call, ub):
+    """The userbuffers an FP8 call runs: the FP8 communicators under
+    per-tensor scaling; none under block scaling (its per-block scales are
+    not gathered through a communicator: the plain collectives run)."""
+    return ub.for_fp8() if call.fp8.blocks is None else NO_UB
 
 
 def _reduce(out, y, tp):
@@ -315,9 +349,13 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
     rows = _rows(x)
     fp8 = call.fp8 is not None
     if fp8:
-        call.fp8.gi, ub = 0, NO_UB
-    if ub.enabled and tp.mode == "column" and ub["ub_overlap_ag"] and rows and ub.comms["fprop"].take_overlap(
-            "ag", rows, k, n):
+        call.fp8.gi, ub = 0, _fp8_ub(call, ub)
+    if ub.enabled and tp.mode == "column" and ub["ub_overlap_ag"] and rows and not (fp8 and want_gathered) and \
+            ub.comms["fprop"].take_overlap("ag", rows, k, n):
+        if fp8:  # the norm's output is cast into the buffer, in FP8
+            ln_out, stats = norm(call, x, gamma, beta, eps, zcg, keep)
+            y = fp8_ag_gemm(call, ub.comms["fprop"], _as_2d(ln_out), w, b, tp)
+            return y, ln_out, stats, None
         return _norm_ag_gemm(call, ub.comms["fprop"], x, gamma, beta, eps, zcg, w, b, tp, keep, want_gathered)
     if ub.enabled or fp8 or (tp.mode == "column" and tp.sp and tp.size > 1):
         ln_out, stats = norm(call, x, gamma, beta, eps, zcg, keep)
@@ -417,7 +455,7 @@ def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None, gi=0):
         call.fp8.begin_backward(gi, wg is not None and wg.need_w,
                                 wg is not None and wg.with_bias and not wg.bias_from_local)
         try:
-            return _linear_backward(call, tp, NO_UB, dy, x, w, need_dx, wg, dx_out)
+            return _linear_backward(call, tp, _fp8_ub(call, ub), dy, x, w, need_dx, wg, dx_out)
         finally:
             call.fp8.end_gemm(gi)
     return _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
@@ -525,8 +563,9 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     xt = gathering = bulk_gather = None
     if need_w:
         bulk_gather = ub.comms["dgrad"] if f["ub_bulk_dgrad"] else wgrad_gather_comm(_as_2d(x), w, tp, ub)
-    if bulk_gather is not None:  # the input all-gather for wgrad runs during the dgrad GEMM
-        bulk_gather.bulk_ag_start(_as_2d(x))
+    kept = _fp8_kept_input(call, x) if bulk_gather is not None else None
+    if bulk_gather is not None:  # the input all-gather for wgrad runs during the dgrad GEMM (FP8 bytes in FP8)
+        bulk_gather.bulk_ag_start(_as_2d(x) if kept is None else kept)
     elif need_w:
         tmp = (dev, stream, T_WGRAD_INPUT) if wg.plain else None  # a delayed Wgrad step keeps it
         if need_dx:
@@ -537,7 +576,13 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     if need_dx:
         rows = _rows(dy)
         if f["ub_overlap_rs_dgrad"] and ub.comms["dgrad"].take_overlap("rs", rows // tp.size, n, k):
-            dx = ub.comms["dgrad"].gemm_rs(_as_2d(dy), w, transb=False).view(x.shape)
+            if call.fp8 is None:
+                dx = ub.comms["dgrad"].gemm_rs(_as_2d(dy), w, transb=False).view(x.shape)
+            else:  # dY [rows, n] times W's FP8 transpose [k, n]
+                fp, qdy = call.fp8, call.fp8.grad_output(dy)
+                qw = fp.weights[fp.gi]
+                dx = ub.comms["dgrad"].gemm_rs(_as_2d(qdy.data), qw.data_t,
+                                               fp8=_fp8.chunk_gemm(fp, qdy, qw, 1, dy.dtype)).view(x.shape)
         elif f["ub_bulk_wgrad"] and need_w:
             partial = dy.new_empty(rows, k)
             _dgrad_gemm(call, rows, n, k, dy, w, partial)
@@ -550,6 +595,9 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
                 all_reduce(dx, tp.group, tp.size)
     if bulk_gather is not None:
         xt = bulk_gather.bulk_ag_finish()
+        if kept is not None:  # wgrad reads the transpose of the gathered bytes, a copy outside the buffer
+            call.fp8.gathered_input(xt)
+            xt = _stand_in(x, xt.shape)
     if partial is not None:
         ub.comms["wgrad"].bulk_rs_start(partial)
     dw = db = None
@@ -560,6 +608,23 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     if partial is not None:
         dx = ub.comms["wgrad"].bulk_rs_finish().view(x.shape)
     return dx, dw, db
+
+
+def _fp8_kept_input(call, x):
+    """The local FP8 bytes the forward gathered for GEMM gi (FP8 overlap),
+    which backward gathers again for wgrad, or None (not in FP8, or not
+    kept: the compute-dtype rows are gathered and cast again)."""
+    if call.fp8 is None:
+        return None
+    q = call.fp8.inputs.get(call.fp8.gi)
+    return q.data if q is not None and q.data is not None and q.data_t is None else None
+
+
+def _stand_in(t, shape):
+    """A tensor of `shape` with t's dtype and device over one element: what
+    the steps pass where the FP8 operands hold the values (only its shape is
+    read)."""
+    return t.new_empty(1).expand(shape)
 
 
 def _dgrad_gemm(call, rows, n, k, dy, w, out):
@@ -582,9 +647,22 @@ def _row_backward(call, tp, ub, dy_local, x, w, need_dx, wg, dx_out):
             "ag", _rows(dy_local), n, k):
         c = ub.comms["dgrad"]
         dy2 = _as_2d(dy_local)
+        gathered = (dy2.shape[0] * c.tp_size, n)
         with c.exclusive():  # the gathered grad_output stays in the buffer until wgrad has read it
-            dx = c.ag_gemm(dy2, w, transb=False).view(x.shape)
-            dy = c.get_buffer(shape=(dy2.shape[0] * c.tp_size, n), dtype=dy2.dtype)
+            if call.fp8 is None:
+                dx = c.ag_gemm(dy2, w, transb=False).view(x.shape)
+                dy = c.get_buffer(shape=gathered, dtype=dy2.dtype)
+            else:  # dY's FP8 bytes gathered; wgrad reads the transpose of the gathered bytes
+                f = call.fp8
+                slot = c.get_buffer(local_chunk=True, shape=dy2.shape, dtype=_U8)
+                qdy = f.gather_grad_output(dy2, slot, tp.group)
+                qw = f.weights[f.gi]
+                dx = c.ag_gemm(slot, qw.data_t, fp8=_fp8.chunk_gemm(f, qdy, qw, 1, dy2.dtype)).view(x.shape)
+                # one rank: the gathered dY is dy2 (a bias gradient may sum it); under sequence
+                # parallelism the bias gradient is the local rows' (bias_from_local)
+                dy = dy2 if c.tp_size == 1 else _stand_in(dy2, gathered)
+                if wg is not None and wg.need_w:
+                    f.gathered_grad_output(qdy, c.get_buffer(shape=gathered, dtype=_U8), dy)
             dw = db = None
             if wg is not None:
                 dw, db = _wgrad(call, wg, dy, _as_2d(x), ub, dy2)

@@ -36,8 +36,9 @@ __all__ = ["initialize_ub", "get_ub", "destroy_ub", "UserBufferQuantizationMode"
 
 
 class UserBufferQuantizationMode(enum.Enum):
-    """The buffer formats TE's initialize_ub can create: NONE (the activation
-    dtype) is supported, FP8 raises NotImplementedError."""
+    """The buffer formats TE's initialize_ub can create: NONE (the
+    activation dtype) and FP8 (uint8 buffers that FP8 calls gather FP8 bytes
+    through; get_ub(name, use_fp8=True))."""
     NONE = "none"
     FP8 = "fp8"
 
@@ -82,13 +83,24 @@ def initialize_ub(shape, tp_size, use_fp8=False, quantization_modes=None, dtype=
     buffers live on the current CUDA device, or on the CPU where the group
     has no NCCL backend (gloo) or there is no GPU (`device=` decides).
     `bootstrap_backend` may be "nccl" or "gloo" (the handles are exchanged over
-    the tensor-parallel process group either way); MPI bootstrapping,
-    cuBLASMp and FP8 buffers raise NotImplementedError. Further keywords
+    the tensor-parallel process group either way); MPI bootstrapping and
+    cuBLASMp raise NotImplementedError. `quantization_modes` (or the older
+    `use_fp8`) as in TE: NONE makes buffers of `dtype`, FP8 uint8 buffers of
+    the same shape that the layers' FP8 calls gather FP8 bytes through
+    (docs/fp8.md, "Userbuffers"). Further keywords
     (transport, device, timeout, min_chunk_flops, gemm_sm_margin) are
     CommOverlap's."""
-    modes = list(quantization_modes) if quantization_modes is not None else []
-    if use_fp8 or any(UserBufferQuantizationMode(m) is UserBufferQuantizationMode.FP8 for m in modes):
-        raise NotImplementedError("FP8 userbuffers (use_fp8 / UserBufferQuantizationMode.FP8) are not supported")
+    if quantization_modes is None:  # TE: the older use_fp8 picks one mode
+        modes = [UserBufferQuantizationMode.FP8 if use_fp8 else UserBufferQuantizationMode.NONE]
+    else:
+        if isinstance(quantization_modes, (str, UserBufferQuantizationMode)) or not quantization_modes:
+            raise TypeError("initialize_ub: quantization_modes must be a non-empty list of "
+                            f"UserBufferQuantizationMode, got {quantization_modes!r}")
+        try:
+            modes = [UserBufferQuantizationMode(m) for m in quantization_modes]
+        except ValueError:
+            raise ValueError(f"initialize_ub: quantization_modes {quantization_modes!r}: each must be a "
+                             "UserBufferQuantizationMode (NONE or FP8)") from None
     if with_cublasmp:
         raise NotImplementedError("initialize_ub(with_cublasmp=True): cuBLASMp overlap is not supported")
     if bootstrap_backend not in (None, "nccl", "gloo"):
@@ -101,14 +113,14 @@ def initialize_ub(shape, tp_size, use_fp8=False, quantization_modes=None, dtype=
     if kwargs.get("device") is None and kwargs.get("transport", "auto") == "auto" and dist.is_available() \
             and dist.is_initialized() and "nccl" not in dist.get_backend(tp_group):
         kwargs["device"] = "cpu"  # a gloo-only group trains on the CPU, whether or not the host has GPUs
-    _ub.initialize_ub(shape, tp_size, dtype=dtype, ub_cfgs=ub_cfgs, tp_group=tp_group, **kwargs)
+    _ub.initialize_ub(shape, tp_size, dtype=dtype, ub_cfgs=ub_cfgs, tp_group=tp_group,
+                      modes=[m.value for m in modes], **kwargs)
 
 
 def get_ub(name, use_fp8=False):
-    """The communicator initialize_ub created for a TE layer name."""
-    if use_fp8:
-        raise NotImplementedError("get_ub(use_fp8=True): FP8 userbuffers are not supported")
-    return _ub.get_ub(name)
+    """The communicator initialize_ub created for a TE layer name: the FP8
+    one (quantization mode FP8) with use_fp8."""
+    return _ub.get_ub(name, use_fp8)
 
 
 def destroy_ub():

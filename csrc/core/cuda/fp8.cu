@@ -473,9 +473,17 @@ static tec_status cuda_scale_from_amax(int device, const float *amax, float *sca
 
 /* The plan cache's key of an FP8 call: our row-major A [m, k] times B
  * [n, k]^T is the gemm.cu layout transa = 0, transb = 1 (cuBLASLt's TN). */
-static void fp8_key(const tec_fp8_gemm_args *g, int fuse_bias, gemm_key *key, const void **epi_ptr)
+static tec_status fp8_key(int device, const tec_fp8_gemm_args *g, int fuse_bias, gemm_key *key,
+                          const void **epi_ptr)
 {
     memset(key, 0, sizeof *key);
+    if (g->sm_margin > 0) { /* leave SMs free for the comm stream's kernels (an overlap schedule) */
+        int sms;
+        tec_status s = tec_cuda_sm_count(device, &sms);
+        if (s != TEC_OK)
+            return s;
+        key->sm_target = sms - g->sm_margin > 1 ? sms - g->sm_margin : 1;
+    }
     key->ab = g->c_dtype;
     key->c = g->c_dtype;
     key->transa = 0;
@@ -500,6 +508,7 @@ static void fp8_key(const tec_fp8_gemm_args *g, int fuse_bias, gemm_key *key, co
     key->lda = g->lda;
     key->ldb = g->ldb;
     key->ldc = g->ldc;
+    return TEC_OK;
 }
 
 template <typename CT, typename BT>
@@ -539,7 +548,8 @@ static tec_status cuda_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *st
     tec_status s = gemm_cache_get(device, &cache);
     if (s != TEC_OK)
         return s;
-    fp8_key(g, fuse, &key, &epi_ptr);
+    if ((s = fp8_key(device, g, fuse, &key, &epi_ptr)) != TEC_OK)
+        return s;
     if ((s = gemm_plan_acquire(cache, &key, epi_ptr, 0, st, &use)) != TEC_OK)
         return s;
     gemm_plan *plan = use.plan;
