@@ -533,9 +533,14 @@ class CommOverlap(_C.CommOverlap):
         else:
             check_tensor(out, "out", dtype=dtype, device=self.device, shape=(rows, n))
             self._check_outside("gemm_rs", out, "out")
+        # one rank runs a single GEMM with the bias in its epilogue, where an FP8 GEMM's float32
+        # output takes a bfloat16 bias: a float32 one is added afterwards
+        late = bias if fp8 is not None and self.tp_size == 1 and dtype is torch.float32 else None
         self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[dtype], weight.data_ptr(),
                       weight.stride(0), int(transb), out.data_ptr(),
-                      bias.data_ptr() if bias is not None else 0, self._stream(), *fp8_args)
+                      bias.data_ptr() if bias is not None and late is None else 0, self._stream(), *fp8_args)
+        if late is not None:
+            out += late
         return out
 
     @_serialised
