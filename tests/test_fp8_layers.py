@@ -399,6 +399,51 @@ def test_mlp_checkpoint_equals_no_checkpoint_in_fp8():
     assert torch.equal(history, b.fp8_meta["scaling_fwd"].amax_history)
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = te.LayerNormLinear(64, 96, params_dtype=torch.float32, device="cpu")
+        self.b = te.Linear(96, 64, params_dtype=torch.float32, device="cpu")
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_te_checkpoint_recomputes_in_fp8_with_the_forwards_scales(recipe, reentrant):
+    """tec.checkpoint inside an FP8 autocast: the recomputation runs in FP8
+    with the scales the forward used (delayed scaling's move after every
+    step: the inputs grow), so outputs, gradients, scales and histories equal
+    the run without checkpointing, step after step."""
+    def steps(m):  # one model at a time: an autocast's exit updates every registered meta
+        got = []
+        for step in range(4):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)) * (1 + 2 * step)
+            dy = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 + step))
+            xi = x.clone().requires_grad_()
+            for p in m.parameters():
+                p.grad = None
+            with te.autocast(recipe=RECIPES[recipe]()):
+                y = te.checkpoint(m, xi, use_reentrant=reentrant) if m is ckpt else m(xi)
+            y.backward(dy)
+            got.append([y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()])
+        metas = {(name, k): (layer.fp8_meta[k].scale.clone(), layer.fp8_meta[k].amax_history.clone())
+                 for name, layer in (("a", m.a), ("b", m.b)) for k in ("scaling_fwd", "scaling_bwd")
+                 if recipe == "delayed"}
+        return got, metas
+
+    plain, ckpt = _Block(), _Block()
+    (want, want_meta), (got, got_meta) = steps(plain), steps(ckpt)
+    for step, (a_step, b_step) in enumerate(zip(want, got)):
+        for i, (a, b) in enumerate(zip(a_step, b_step)):
+            assert torch.equal(a, b), f"step {step}: tensor {i} differs"
+    for key, (scale, history) in want_meta.items():
+        assert torch.equal(scale, got_meta[key][0]) and torch.equal(history, got_meta[key][1]), key
+    assert not ckpt.a.__dict__["_fp8_recompute"] and not ckpt.b.__dict__["_fp8_recompute"]  # every stash popped
+
+
 def test_module_called_twice_in_one_autocast():
     """As TE: both calls' amaxes go into the same history row, and the first
     call is the one that reduces the backward amaxes."""

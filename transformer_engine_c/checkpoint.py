@@ -19,12 +19,18 @@ before the recomputation), `tp_group`, and `distribute_saved_activations`
 (not supported with use_reentrant=True: NotImplementedError; with
 use_reentrant=False it has no effect, as in TE, and warns). The function
 runs under `activation_recompute_forward` (recompute_phase in backward).
+Inside an FP8 autocast the recomputation runs in the forward's autocast
+again (its recipe and group, without the exit's amax update), and each
+layer casts with the scales its forward used (module/_fp8.py), so the
+recomputed FP8 values are the forward's.
 """
+import contextlib
 import warnings
 
 import torch
 import torch.utils.checkpoint
 
+from .quantization import FP8GlobalStateManager, autocast
 from .te_distributed import activation_recompute_forward
 
 __all__ = ["checkpoint"]
@@ -105,18 +111,24 @@ def _recomputable(function, get_rng_state_tracker):
     forward saw them."""
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
     forward_states = []
+    fp8_state = []
 
     def run(*a, **kw):
         if not forward_states:
             forward_states.append(_copy_states(tracker.get_states()) if tracker is not None else None)
+            fp8_state.append(FP8GlobalStateManager.get_autocast_state())
             with activation_recompute_forward(activation_recompute=True, recompute_phase=False):
                 return function(*a, **kw)
         now = None
         if tracker is not None:
             now = tracker.get_states()
             tracker.set_states(_copy_states(forward_states[0]))
+        enabled, calibrating, recipe, group = fp8_state[0][:4]
         try:
-            with activation_recompute_forward(activation_recompute=True, recompute_phase=True):
+            # the forward's FP8 autocast again, without its exit's amax update (TE's _graph=True)
+            with activation_recompute_forward(activation_recompute=True, recompute_phase=True), \
+                    autocast(enabled=enabled, calibrating=calibrating, recipe=recipe,
+                             amax_reduction_group=group, _graph=True) if enabled else contextlib.nullcontext():
                 return function(*a, **kw)
         finally:
             if tracker is not None:

@@ -42,9 +42,9 @@ BWD = {"ub_overlap_ag": [("fc2_dgrad", "ag_overlap")], "ub_overlap_rs_dgrad": [(
 GRAD_MODES = ["train", "no_grad", "inference_mode", "ckpt_reentrant", "ckpt", "checkpoint_arg"]
 
 
-def counts():
+def counts(use_fp8=False):
     return {(n, k): v for n in ("fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad")
-            for k, v in tec.get_ub(n).stats().items()}
+            for k, v in tec.get_ub(n, use_fp8).stats().items()}
 
 
 def expected(flags, mode):
@@ -219,11 +219,63 @@ def check_distributed_weight(dev, world, rank):
     return labels
 
 
+def check_case_fp8(activation, normalization, flags, mode, tp, rank, dev, recipe_name):
+    """FP8 (the recipe over the group, two steps where backward runs): the
+    module with userbuffers (FP8 all-gathers through the FP8 communicators)
+    against the same module without them, in float32 (the FP8 products are
+    the same; only the reduce-scatters' summation order differs: relative
+    error <= 1e-5), the overlapped paths proven by the FP8 communicators'
+    stats()."""
+    kw = dict(activation=activation, normalization=normalization, set_parallel_mode=True, sequence_parallel=True,
+              tp_group=dist.group.WORLD, tp_size=tp, params_dtype=torch.float32, device=dev,
+              checkpoint=mode == "checkpoint_arg")
+    torch.manual_seed(7)
+    m, plain = tec.LayerNormMLP(H, FFN, **flags, **kw), tec.LayerNormMLP(H, FFN, **kw)
+    with torch.no_grad():
+        for i, (n, p) in enumerate(m.named_parameters()):
+            gen = torch.Generator().manual_seed(i + (17 * (rank + 1) if n in ("fc1_weight", "fc1_bias", "fc2_weight")
+                                                    else 0))
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if n == "layer_norm_weight" else 0.0))
+    plain.load_state_dict(m.state_dict())
+    recipe = {"delayed": tec.recipe.DelayedScaling, "current": tec.recipe.Float8CurrentScaling}[recipe_name]()
+    label = f"fp8={recipe_name} {activation} {normalization} {'+'.join(sorted(flags)) or 'no-ub'} {mode} tp={tp}"
+    grad = mode not in ("no_grad", "inference_mode")
+    for step in range(2 if grad else 1):
+        g = torch.Generator().manual_seed(1000 + step)
+        x = (torch.randn(SEQ * tp, B, H, generator=g) * (1 + step)).chunk(tp, 0)[rank].to(dev)
+        dy = torch.randn(SEQ * tp, B, H, generator=g).chunk(tp, 0)[rank].to(dev)
+        before = counts(True)
+        res = []
+        for mod in (m, plain):
+            xi = x.clone().requires_grad_(grad)
+            with tec.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                y = run_mode(mod, xi, mode)
+            if grad:
+                (y * dy).sum().backward()
+            res.append((y, xi.grad, [p.grad for p in mod.parameters()]))
+            if mod is m:
+                after = counts(True)
+        for key, n in expected(flags, mode).items():
+            ran = after[key] - before[key]
+            assert ran == n, f"{label} step {step}: {key[0]}.{key[1]} moved by {ran}, expected {n}"
+        (y, dx, grads), (yp, dxp, gradsp) = res
+        close(y, yp, f"{label} step {step}: output vs without userbuffers")
+        if grad:
+            close(dx, dxp, f"{label} step {step}: input grad vs without userbuffers")
+            for (n, _), a, b in zip(m.named_parameters(), grads, gradsp):
+                close(a, b, f"{label} step {step}: grad of {n} vs without userbuffers")
+    return label
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--fp8", choices=["delayed", "current"], default=None,
+                    help="the FP8 cases instead (every flag combination and grad mode)")
     args = ap.parse_args()
     rank, tp, dev = setup(args.device)
+    if args.fp8:
+        return main_fp8(args, rank, tp, dev)
     init_ub((SEQ * B * tp, H), tp, dtype=torch.float32)  # bf16 layers reinterpret the same bytes
     cases = [(a, nrm, UB_COMBOS[-2], "train") for a in ACTS for nrm in ("LayerNorm", "RMSNorm")]
     cases += [("swiglu", "LayerNorm", f, mode) for f in UB_COMBOS for mode in GRAD_MODES]
@@ -250,6 +302,27 @@ def main():
     if rank == 0:
         print(f"ok saved-tensor check: {chk.checked} saved tensors, no alias of a buffer", flush=True)
         print(f"PASS run_layernorm_mlp ({n} cases, {tp} ranks, {dev.type})", flush=True)
+    dist.destroy_process_group()
+
+
+def main_fp8(args, rank, tp, dev):
+    mode = tec.module.base.UserBufferQuantizationMode
+    init_ub((SEQ * B * tp, H), tp, dtype=torch.float32, quantization_modes=[mode.NONE, mode.FP8])
+    cases = [("swiglu", "LayerNorm", f, gm) for f in UB_COMBOS for gm in GRAD_MODES]
+    cases += [(a, "RMSNorm", UB_COMBOS[-1], "train") for a in ("gelu", "relu")]
+    n = 0
+    with tec.debug.check_saved_tensors() as chk:
+        for case in cases:
+            label = check_case_fp8(*case, tp, rank, dev, args.fp8)
+            n += 1
+            if rank == 0:
+                print(f"ok {label}", flush=True)
+    assert chk.checked > 0 and not chk.violations, (chk.checked, chk.violations)
+    tec.destroy_ub()
+    dist.barrier()
+    if rank == 0:
+        print(f"ok saved-tensor check: {chk.checked} saved tensors, no alias of a buffer", flush=True)
+        print(f"PASS run_layernorm_mlp ({n} FP8 cases, {tp} ranks, {dev.type})", flush=True)
     dist.destroy_process_group()
 
 

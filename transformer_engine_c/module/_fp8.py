@@ -54,6 +54,7 @@ fprop, a column layer's dgrad) are FP8 GEMMs' outputs in the compute dtype.
 Under Float8BlockScaling a layer whose flags ask for the overlap runs the
 plain collectives, with one warning.
 """
+import collections
 import warnings
 
 import torch
@@ -66,6 +67,7 @@ from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from ..te_distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 
 _U8, _F32 = torch.uint8, torch.float32
 _CODES, _MAX = E.FP8_DTYPES, E.FP8_MAX
@@ -109,7 +111,10 @@ def _meta_for(layer, recipe, device):
     if isinstance(recipe, DelayedScaling):
         fwd = meta.get("scaling_fwd") if meta else None
         if fwd is None or fwd.scale.device != device:
-            meta = make_fp8_meta(recipe, type(layer)._fp8_num_gemms, device)
+            # normal tensors even when the first call runs under inference_mode: the autocast's exit
+            # updates them in place outside it
+            with torch.inference_mode(False):
+                meta = make_fp8_meta(recipe, type(layer)._fp8_num_gemms, device)
             layer.fp8_meta = meta
         elif fwd.amax_history.shape[0] != recipe.amax_history_len:
             _adjust_history(meta, recipe.amax_history_len)
@@ -132,6 +137,8 @@ def _adjust_history(meta, length):
 
 
 _warned = set()
+# checkpointed forwards whose recomputation has not run yet, per layer (the oldest dropped beyond this)
+_RECOMPUTE_STASH = 1024
 
 
 def _warn_no_overlap(layer, recipe):
@@ -192,7 +199,6 @@ class FP8Call:
             # TE's fixed accumulation modes for per-tensor delayed scaling
             self.split = (False, True, True)
             self.qparams = None
-            _State.add_fp8_tensors_to_global_buffer(self.meta)
         else:
             self.split = (recipe.fp8_gemm_fprop.use_split_accumulator, recipe.fp8_gemm_dgrad.use_split_accumulator,
                           recipe.fp8_gemm_wgrad.use_split_accumulator)
@@ -201,7 +207,9 @@ class FP8Call:
         self.blocks = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) \
             if isinstance(recipe, Float8BlockScaling) else None
         # the first FP8 module of the outermost autocast reduces the backward amaxes
-        self.reduce_bwd = _State.is_first_fp8_module() if grad else False
+        self.reduce_bwd = self._checkpointed(layer, grad)
+        if self.delayed and "recompute" not in self.meta:  # a recompute's stashed copy is not registered
+            _State.add_fp8_tensors_to_global_buffer(self.meta)
         self.gi = 0
         self.inputs, self.weights, self.grads = {}, {}, {}
         self.need_wgrad, self.want_dbias = True, False
@@ -209,6 +217,33 @@ class FP8Call:
         # only the scales, and backward's recompute uses them (recomputing)
         self.recomputing = False
         self.keep_t = not getattr(layer, "checkpoint", False)
+
+    def _checkpointed(self, layer, grad):
+        """Whether this call owns the backward amax reduction (the first FP8
+        module of the outermost autocast, when backward runs), with TE's
+        activation-recompute rules (tec.checkpoint): a checkpointed forward
+        stashes the delayed-scaling scales and history it used and whether it
+        was the first module; its recomputation in backward pops them, so it
+        casts with the forward's scales (its amaxes go to the copy and are
+        dropped) and the first module's recomputation (the one whose backward
+        runs, under use_reentrant=True) owns the reduction."""
+        if in_fp8_activation_recompute_phase():
+            stash = layer.__dict__.get("_fp8_recompute")
+            if stash:
+                fwd, first = stash.popleft()
+                if fwd is not None:
+                    self.meta = dict(self.meta, scaling_fwd=fwd, recompute=True)
+                return first and grad
+            return False
+        if not is_fp8_activation_recompute_enabled():
+            return _State.is_first_fp8_module() if grad else False
+        first = _State.is_first_fp8_module()
+        fwd = None
+        if self.delayed:
+            m = self.meta["scaling_fwd"]
+            fwd = type(m).of(m.scale.clone(), m.scale_inv.clone(), m.amax_history.clone())
+        layer.__dict__.setdefault("_fp8_recompute", collections.deque(maxlen=_RECOMPUTE_STASH)).append((fwd, first))
+        return first and grad
 
     # ----------------------------------------------------------- quantizing
 
