@@ -5,6 +5,7 @@ PyTorch sequential path, PyTorch async-TP and the limit, in one process.
     python -m transformer_engine_c.bench --shapes 8192x4096x12288 --cases ag_gemm,gemm_rs,mlp
     python -m transformer_engine_c.bench --sweep                  # tokens 2048-16384, H 2048/4096/8192, N 3H/4H
     python -m transformer_engine_c.bench --cases mlp --graphs     # + CUDA-graphed MLP steps (CUDA only)
+    python -m transformer_engine_c.bench --cases mlp --fp8-recipe delayed  # + LayerNormMLP in FP8 at TP>1
 
 Shapes are TOKENSxHIDDENxN (N: the column layer's full output width). Times
 are medians over --iters samples after --warmup, with CUDA events on GPUs
@@ -67,6 +68,9 @@ def parse():
                     help="mlp rows also time the step captured in a CUDA graph and replayed: ours without "
                     "and with userbuffers overlap (ours_graphed_no_overlap, ours_graphed_overlap) and "
                     "PyTorch's TP MLP block (torch_mlp_graphed); CUDA only")
+    ap.add_argument("--fp8-recipe", dest="fp8", default=None, choices=["delayed", "current"],
+                    help="mlp rows also time LayerNormMLP in FP8 with this recipe, without and with overlap "
+                    "(lnmlp_fp8, lnmlp_fp8_overlap: FP8 all-gathers through the FP8 communicators)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     if args.graphs and not cuda:
@@ -219,14 +223,18 @@ def _symm_mem(group):
         return None
 
 
-def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
-    """Our layers for a case, with or without userbuffers overlap."""
+def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap, fp8=False):
+    """Our layers for a case, with or without userbuffers overlap (with fp8
+    the registry also has the FP8 communicators)."""
     ub = {}
     if overlap:
         if not hasattr(tec, "initialize_ub"):
             raise NotImplementedError
         tec.destroy_ub()
-        tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group, device=device)
+        mode = tec.UserBufferQuantizationMode
+        modes = [mode.NONE, mode.FP8] if fp8 else [mode.NONE]
+        tec.initialize_ub([T, max(H, N // size)], size, dtype=dtype, tp_group=group, device=device,
+                          quantization_modes=modes)
     fc1 = fc2 = None
     mlp = kind in ("mlp", "mlp_bulk")
     # The ag_gemm / gemm_rs rows compare a layer with PyTorch's sequential path, which has no
@@ -246,14 +254,19 @@ def _ub_layers(tec, kind, size, group, T, H, N, dtype, device, overlap):
     return fc1, fc2
 
 
-def _lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, with_overlap):
+def _lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, with_overlap, fp8=None):
     """{"lnmlp", "lnmlp_overlap"}: the same MLP step through tec.LayerNormMLP
     (gelu), without and with overlap (the registry _ub_layers made: fc1_* and
-    fc2_*, the same flags as the two-layer block's)."""
+    fc2_*, the same flags as the two-layer block's); with fp8 (a recipe name)
+    also "lnmlp_fp8" and "lnmlp_fp8_overlap", the step in FP8 (the FP8
+    communicators)."""
     if not hasattr(tec, "LayerNormMLP"):
         return {}
     fns = {}
-    for name, overlap in (("lnmlp", False), ("lnmlp_overlap", True)):
+    variants = [("lnmlp", False, None), ("lnmlp_overlap", True, None)]
+    if fp8:
+        variants += [("lnmlp_fp8", False, fp8), ("lnmlp_fp8_overlap", True, fp8)]
+    for name, overlap, recipe in variants:
         if overlap and not with_overlap:
             continue
         ub = {}
@@ -263,8 +276,16 @@ def _lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, with_overlap)
         m = tec.LayerNormMLP(H, N, activation="gelu", params_dtype=dtype, device=device, set_parallel_mode=True,
                              sequence_parallel=True, tp_group=group, tp_size=size, **ub)
 
-        def step(m=m):
-            m(x).backward(dy)
+        if recipe is None:
+            def step(m=m):
+                m(x).backward(dy)
+        else:
+            rec = {"delayed": tec.recipe.DelayedScaling, "current": tec.recipe.Float8CurrentScaling}[recipe]()
+
+            def step(m=m, rec=rec):
+                with tec.autocast(recipe=rec, amax_reduction_group=group):
+                    y = m(x)
+                y.backward(dy)
         fns[name] = step
     return fns
 
@@ -397,7 +418,8 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
         fns, layers = {}, {}
         for name, overlap in (("ours", False), ("ours_overlap", True)):
             try:
-                layers[name] = fc1, fc2 = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap)
+                layers[name] = fc1, fc2 = _ub_layers(tec, case, size, group, T, H, N, dtype, device, overlap,
+                                                     bool(args.fp8))
             except NotImplementedError:
                 continue
 
@@ -405,7 +427,8 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
                 y = fc2(F.gelu(fc1(x)))
                 y.backward(dy)
             fns[name] = step
-        fns.update(_lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, "ours_overlap" in fns))
+        fns.update(_lnmlp_fns(tec, case, size, group, H, N, dtype, device, x, dy, "ours_overlap" in fns,
+                              args.fp8))
         fns.update(torch_mlp_fns(H, N, group, dtype, device, x, dy, args.graphs))
         add_pg_variants(tec, fns, ("ours_overlap", "lnmlp_overlap"), device)
         if args.graphs:  # the same layers, captured (their communicators shared with the eager step)
@@ -426,6 +449,10 @@ def run_shape(tec, case, T, H, N, args, rank, size, device, group, timer, symm):
             row["lnmlp_speedup"] = row["lnmlp"] / row["lnmlp_overlap"]
         if row.get("lnmlp") and row.get("ours"):
             row["lnmlp_vs_two_layer"] = row["ours"] / row["lnmlp"]
+        if row.get("lnmlp_fp8") and row.get("lnmlp_fp8_overlap"):  # FP8 with overlap over FP8 without
+            row["fp8_overlap_speedup"] = row["lnmlp_fp8"] / row["lnmlp_fp8_overlap"]
+        if row.get("lnmlp_fp8_overlap") and row.get("lnmlp_overlap"):  # FP8 over bf16, both overlapped
+            row["fp8_vs_bf16"] = row["lnmlp_overlap"] / row["lnmlp_fp8_overlap"]
         # PyTorch's eager TP MLP block over ours (eager: LayerNormMLP's step, overlapped where it can;
         # graphed: the faster of our graphed steps), PyTorch's graphed block over our graphed step, and
         # graphed without overlap over graphed with
@@ -458,7 +485,7 @@ COLUMNS = ("case", "tokens", "hidden", "n", "tp", "norm", "comm", "gemm", "limit
            "ours_graphed_overlap", "graphed_overlap_speedup", "torch_mlp_graphed", "graphed_vs_torch_mlp",
            "graphed_vs_torch_graphed", "ours_overlap_pg", "lnmlp_overlap_pg",
            "sequential_over_ours_overlap_pg", "torch_mlp_over_ours_overlap_pg",
-           "torch_mlp_over_lnmlp_overlap_pg")
+           "torch_mlp_over_lnmlp_overlap_pg", "lnmlp_fp8", "lnmlp_fp8_overlap", "fp8_overlap_speedup", "fp8_vs_bf16")
 
 
 def fmt(v):
@@ -539,6 +566,11 @@ def targets(rows):
                   "(ours_graphed_no_overlap / ours_graphed_overlap)", r.get("graphed_overlap_speedup"), 1.0)
         check(r, "not slower than without overlap (ours / ours_overlap)", r.get("speedup_vs_ours"), 1.0)
         check(r, "LayerNormMLP not slower than without overlap (lnmlp / lnmlp_overlap)", r.get("lnmlp_speedup"), 1.0)
+        if r["case"] == "mlp" and r["tp"] == 2:  # the FP8 rows (--fp8-recipe)
+            check(r, "TP=2: FP8 LayerNormMLP with overlap over FP8 without (lnmlp_fp8 / lnmlp_fp8_overlap)",
+                  r.get("fp8_overlap_speedup"), 1.25)
+            check(r, "TP=2: FP8 LayerNormMLP over bf16, both overlapped (lnmlp_overlap / lnmlp_fp8_overlap)",
+                  r.get("fp8_vs_bf16"), 1.5)
         if (r["tokens"], r["hidden"], r["n"]) == MLP_HEADLINE and r["tp"] == 2 and r["case"] == "mlp":
             check(r, "TP=2: LayerNormMLP faster than without overlap", r.get("lnmlp_speedup"), 1.20)
             check(r, "TP=2: LayerNormMLP without overlap no slower than the two-layer block (ours / lnmlp)",
