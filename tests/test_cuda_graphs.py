@@ -385,3 +385,197 @@ def test_fp8_tensors_restored_in_place_on_cpu():
     _assert_same(_meta_state(b), [t for k in ("scaling_fwd", "scaling_bwd") for t in
                                   (fresh[k].scale, fresh[k].scale_inv, fresh[k].amax_history)], "fresh")
     G.reset()
+
+
+# ------------------------------------------------------ FP8 graphs on CUDA
+
+
+def _graph_it(dtype, **kw):
+    def wrap(layer, recipe, caching):
+        sample = torch.randn(32, 64, dtype=dtype, device="cuda", requires_grad=True)
+        return tec.make_graphed_callables(layer, (sample,), fp8_enabled=True, fp8_recipe=recipe,
+                                          fp8_weight_caching=caching, **kw)
+    return wrap
+
+
+@CUDA
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_fp8_graph_replays_as_eager(kind, recipe):
+    """100 graphed FP8 steps against 100 eager ones, the optimizer changing
+    the weights in between: the same outputs, input and parameter gradients
+    and final scales and histories, bit for bit."""
+    want, got = _eager_and(kind, recipe, "cuda", torch.bfloat16, 100, wrap=_graph_it(torch.bfloat16))
+    _assert_same(got, want, f"{kind} {recipe}")
+
+
+@CUDA
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_fp8_graph_weight_caching_replays_as_eager(kind, recipe):
+    """fp8_weight_caching: is_first_microbatch=True replays cast the
+    weights, False ones reuse the first's FP8 weight in the same graph, as
+    eager weight caching does (3 micro-batches a step, 20 steps)."""
+    want, got = _eager_and(kind, recipe, "cuda", torch.bfloat16, 20, first_mbs=(True, False, False), caching=True,
+                           wrap=_graph_it(torch.bfloat16))
+    _assert_same(got, want, f"{kind} {recipe} caching")
+
+
+@CUDA
+def test_fp8_graph_with_a_frozen_weight_cast_differs():
+    """The negative: a graph whose weight cast never runs again after the
+    first replay (caching forced on, is_first_microbatch=False from then on)
+    gives other results than eager steps that cast the updated weights."""
+    G.reset()
+    want = _train(_fp8_layer("LayerNormMLP", "cuda", torch.bfloat16), RECIPES["current"](), 5, "cuda", torch.bfloat16)
+    G.reset()
+    layer = _graph_it(torch.bfloat16)(_fp8_layer("LayerNormMLP", "cuda", torch.bfloat16), RECIPES["current"](), True)
+    first = iter([True] + [False] * 4)
+    replay = layer.forward
+    layer.forward = lambda x: replay(x, is_first_microbatch=next(first))
+    got = _train(layer, RECIPES["current"](), 5, "cuda", torch.bfloat16)
+    assert torch.equal(got[0], want[0])
+    assert _differs(got, want)
+    G.reset()
+
+
+@CUDA
+def test_fp8_graph_replayed_outside_the_autocast_freezes_its_scales():
+    """The negative for delayed scaling: replayed outside the autocast, no
+    update runs (the scales stay those of capture time) and the steps
+    differ from eager ones; inside it, they match (the test above)."""
+    G.reset()
+    want = _train(_fp8_layer("LayerNormLinear", "cuda", torch.bfloat16), RECIPES["delayed"](), 5, "cuda",
+                  torch.bfloat16)
+    G.reset()
+    layer = _graph_it(torch.bfloat16)(_fp8_layer("LayerNormLinear", "cuda", torch.bfloat16), RECIPES["delayed"](),
+                                      False)
+    got = _train(layer, RECIPES["delayed"](), 5, "cuda", torch.bfloat16, autocast=False)
+    assert _differs(got, want)
+    assert bool((layer.fp8_meta["scaling_fwd"].scale == 1).all())
+    G.reset()
+
+
+@CUDA
+def test_fp8_graph_weight_caching_needs_is_first_microbatch():
+    layer = _graph_it(torch.bfloat16)(_fp8_layer("Linear", "cuda", torch.bfloat16), RECIPES["delayed"](), True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+    with tec.autocast(recipe=RECIPES["delayed"]()):
+        with pytest.raises(ValueError, match="is_first_microbatch boolean keyword argument must be given"):
+            layer(x)
+        with pytest.raises(TypeError, match=r"keyword arguments \['scale'\] are not supported"):
+            layer(x, is_first_microbatch=True, scale=2)
+    G.reset()
+
+
+@CUDA
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_fp8_graph_steps_do_not_synchronise(recipe):
+    """No host synchronisation in a graphed FP8 step, the scale updates
+    outside the graphs included (torch's sync debug mode raises on one; the
+    capture itself refuses any inside the graphs)."""
+    layer = _graph_it(torch.bfloat16)(_fp8_layer("LayerNormMLP", "cuda", torch.bfloat16), RECIPES[recipe](), False)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            with tec.autocast(recipe=RECIPES[recipe]()):
+                y = layer(x)
+            y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    G.reset()
+
+
+# TE's tests/pytorch/test_cuda_graphs.py, FP8 cases: a model of three layers
+# graphed whole ("full") or layer by layer ("individual") against the same
+# model eager, 3 optimizer steps of 2 micro-batches, [seq, batch, hidden]
+# inputs, parameters, their gradients and the last output compared exactly.
+
+class _Sequential(torch.nn.Sequential):
+    """Passes keyword arguments (is_first_microbatch) to every module."""
+
+    def forward(self, x, **kwargs):
+        for m in self:
+            x = m(x, **kwargs)
+        return x
+
+
+TE_MODULES = ["linear", "layernorm_mlp_nocheckpoint", "layernorm_mlp_checkpoint", "layernorm_linear"]
+
+
+def _te_recipes():
+    recipes = [DelayedScaling(), Float8CurrentScaling()]
+    if torch.cuda.is_available() and tec.quantization.is_fp8_block_scaling_available():
+        recipes.append(Float8BlockScaling())
+    return recipes
+
+
+def _te_module(module, dtype):
+    h = 64
+    if module == "linear":
+        return tec.Linear(h, h, params_dtype=dtype, device="cuda")
+    if module == "layernorm_linear":
+        return tec.LayerNormLinear(h, h, params_dtype=dtype, device="cuda")
+    return tec.LayerNormMLP(h, h, params_dtype=dtype, device="cuda", checkpoint=module.endswith("_checkpoint"))
+
+
+def _te_run(graph_mode, module, dtype, recipe, caching):
+    G.reset()
+    torch.manual_seed(1234)
+    torch.cuda.manual_seed(1234)
+    modules = [_te_module(module, dtype) for _ in range(3)]
+    for m in modules:
+        for p in m.parameters():
+            p.grad = torch.empty_like(p)
+
+    def sample():
+        return torch.ones(32, 2, 64, dtype=dtype, device="cuda", requires_grad=True)
+    kw = dict(num_warmup_iters=10, fp8_enabled=True, fp8_recipe=recipe, fp8_weight_caching=caching)
+    if graph_mode == "full":
+        model = tec.make_graphed_callables(torch.nn.Sequential(*modules), (sample(),), **kw)
+    elif graph_mode == "individual":
+        model = _Sequential(*[tec.make_graphed_callables(m, (sample(),), **kw) for m in modules])
+    else:
+        model = _Sequential(*modules)
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        for mb in range(2):
+            x = torch.randn(32, 2, 64, dtype=dtype, device="cuda", requires_grad=True)
+            dy = torch.randn(32, 2, 64, dtype=dtype, device="cuda")
+            with tec.autocast(enabled=True, recipe=recipe):
+                out = model(x, **({"is_first_microbatch": mb == 0} if caching else {}))
+            out.backward(dy)
+        opt.step()
+    values = []
+    for p in model.parameters():
+        values += [p.detach().clone(), p.grad.clone()]
+    G.reset()
+    return values + [out.detach().clone()]
+
+
+@CUDA
+@pytest.mark.parametrize("module", TE_MODULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("recipe", _te_recipes(), ids=lambda r: type(r).__name__)
+def test_make_graphed_callables_te_fp8(module, dtype, recipe):
+    full = _te_run("full", module, dtype, recipe, False)
+    individual = _te_run("individual", module, dtype, recipe, False)
+    eager = _te_run("none", module, dtype, recipe, False)
+    _assert_same(full, eager, "full")
+    _assert_same(individual, eager, "individual")
+
+
+@CUDA
+@pytest.mark.parametrize("module", TE_MODULES)
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=lambda r: type(r).__name__)
+def test_make_graphed_callables_te_fp8_weight_caching(module, recipe):
+    full = _te_run("full", module, torch.bfloat16, recipe, True)
+    individual = _te_run("individual", module, torch.bfloat16, recipe, True)
+    eager = _te_run("none", module, torch.bfloat16, recipe, True)
+    _assert_same(full, eager, "full")
+    _assert_same(individual, eager, "individual")
