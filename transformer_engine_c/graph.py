@@ -161,7 +161,10 @@ class _Capture:
     (_Replay) over torch's, or puts the module's own forward back."""
 
     def __init__(self, module, fp8, recipe, group, flag):
-        self.module, self.fp8, self.recipe, self.group, self.flag = module, fp8, recipe, group, flag
+        self.module, self.fp8, self.group, self.flag = module, fp8, group, flag
+        # a module without FP8 captures under autocast(enabled=False), as TE's; any recipe
+        # will do there (a given one: the default would ask the device for its kind)
+        self.recipe = recipe if recipe is not None else DelayedScaling()
         self.own = module.__dict__.get("forward")  # an instance attribute, or None: the class's
         self.orig = module.forward
         self.training = module.training
