@@ -57,6 +57,8 @@ def test_unsupported_arguments_are_refused():
         tec.make_graphed_callables(m, x, fp8_enabled=True, fp8_recipe="delayed")
     with pytest.raises(TypeError, match="graphs modules .*got function"):
         tec.make_graphed_callables(lambda t: t * 2, x, fp8_enabled=True)
+    with pytest.raises(ValueError, match="FP8 needs num_warmup_iters >= 1"):
+        tec.make_graphed_callables(m, x, fp8_enabled=True, num_warmup_iters=0)
 
 
 @pytest.mark.parametrize("kw", [{}, {"fp8_enabled": True}, {"fp8_enabled": True, "fp8_weight_caching": True},

@@ -71,6 +71,9 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     callables = modules if isinstance(modules, tuple) else (modules,)
     enabled, recipe = _check_arguments(callables, sample_kwargs, fp8_enabled, fp8_calibrating, fp8_recipe,
                                        fp8_weight_caching, _order, retain_graph_in_backward)
+    if any(enabled) and num_warmup_iters < 1:
+        raise ValueError("make_graphed_callables: FP8 needs num_warmup_iters >= 1 (the layers make their FP8 "
+                         f"state on their first call, which must not be captured), got {num_warmup_iters}")
     for m in callables:
         _check_capturable(m)
     if not torch.cuda.is_available():
