@@ -41,7 +41,10 @@ Weights are quantized (with their transpose, when backward will run) on
 every call, or, when the caller passes is_first_microbatch, on the first
 micro-batch and reused from the layer's cache until the next first one (TE's
 weight caching: a weight changed between micro-batches of a step is not
-re-read).
+re-read). Under CUDA graph capture with fp8_weight_caching (graph.py) the
+weight is cast into the layer's graph buffer on every call, through the
+engine's noop flag, which the replays set for the later micro-batches
+(FP8Call.graph_weight).
 
 Userbuffers overlap is not used in FP8 (the FP8 overlap is still to come):
 a layer whose flags ask for it runs the plain collectives, with one warning.
