@@ -330,6 +330,8 @@ def test_bench_fp8_command_runs_on_cpu(tmp_path):
     assert rows["gemm"]["status"]["torch_scaled_mm"].startswith("skipped: ")
     assert rows["gemm"]["ratios"] == {"fp8_gemm_vs_scaled_mm": None}
     assert all(s.startswith("skipped: ") for s in rows["memory"]["status"].values()) and rows["memory"]["status"]
+    assert rows["graphs"]["status"] == {v: fp8.NO_GRAPHS for v in fp8.GRAPH_VARIANTS} and not rows["graphs"]["ms"]
+    assert "CUDA graphs run on CUDA only" in r.stdout
     checks = data["targets"]
     assert [(t["target"], t["row"].split()[0]) for t in checks] == [(t[0], t[1]) for t in fp8.TARGETS]
     for t in checks:  # the CPU shape is none of the targets' shapes: each says why it was not judged

@@ -136,6 +136,84 @@ def test_quantize_dbias_bad_input():
         F.quantize(x, E4M3, torch.ones(1), dbias=torch.empty(16, dtype=torch.bfloat16))
 
 
+def _quantize_into_sentinels(x, device, noop, columnwise, with_dbias):
+    """quantize into outputs prefilled with sentinels (0xA5 bytes, amax 7,
+    scale_inv 3, dbias 11) under the noop flag `noop`; returns the outputs."""
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    out = torch.full(x.shape, 0xA5, dtype=torch.uint8, device=device)
+    out_t = torch.full((cols, rows), 0xA5, dtype=torch.uint8, device=device) if columnwise else None
+    amax = torch.tensor([7.0], device=device)
+    sinv = torch.tensor([3.0], device=device)
+    db = torch.full((cols,), 11.0, dtype=x.dtype, device=device) if with_dbias else None
+    F.quantize(x.to(device), E4M3, torch.tensor([0.5], device=device), amax=amax, columnwise=columnwise, out=out,
+               out_t=out_t, scale_inv=sinv, dbias=db, noop=noop)
+    return out, out_t, amax, sinv, db
+
+
+def assert_untouched(outs):
+    out, out_t, amax, sinv, db = (None if t is None else t.cpu() for t in outs)
+    assert bool((out == 0xA5).all()), "the rowwise output was written"
+    assert out_t is None or bool((out_t == 0xA5).all()), "the transpose was written"
+    assert amax.item() == 7.0 and sinv.item() == 3.0, "amax or scale_inv was written"
+    assert db is None or bool((db == 11.0).all()), "dbias was written"
+
+
+# the vector cast+transpose, the scalar tile kernel, the rowwise kernel (with and without dbias)
+NOOP_CASES = [((264, 520), True, False), ((264, 520), True, True), ((127, 129), True, True),
+              ((127, 129), False, True), ((96, 64), False, False)]
+
+
+@pytest.mark.parametrize("shape,columnwise,with_dbias", NOOP_CASES)
+@pytest.mark.parametrize("flag", [1.0, -2.0, float("nan")])
+def test_quantize_noop_flag_writes_nothing(device, shape, columnwise, with_dbias, flag):
+    """A nonzero noop flag (read by the device) switches every kernel of the
+    cast off: outputs, amax, scale_inv and dbias keep what they held."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 9).to(torch.bfloat16)
+    outs = _quantize_into_sentinels(x, device, torch.tensor([flag], device=device), columnwise, with_dbias)
+    assert_untouched(outs)
+
+
+@pytest.mark.parametrize("shape,columnwise,with_dbias", NOOP_CASES)
+def test_quantize_noop_flag_zero_casts_as_without_it(device, shape, columnwise, with_dbias):
+    """Flag 0: the same outputs as a cast without a flag; and the
+    untouched-check sees those writes (it is not vacuous)."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(4)) * 9).to(torch.bfloat16)
+    got = _quantize_into_sentinels(x, device, torch.zeros(1, device=device), columnwise, with_dbias)
+    want = _quantize_into_sentinels(x, device, None, columnwise, with_dbias)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None) and (g is None or torch.equal(g.cpu(), w.cpu()))
+    assert_same_fp8(got[0].cpu(), torch_quantize(x, E4M3, 0.5))
+    with pytest.raises(AssertionError, match="written"):
+        assert_untouched(got)
+
+
+def test_quantize_noop_flag_is_read_when_the_cast_runs(device):
+    """The flag's value at run time decides, not at the call's set-up: one
+    flag tensor, flipped between two casts into the same outputs."""
+    flag = torch.ones(1, device=device)
+    x1 = torch.randn(64, 32, device=device)
+    out = torch.full((64, 32), 0xA5, dtype=torch.uint8, device=device)
+    F.quantize(x1, E4M3, torch.ones(1, device=device), out=out, noop=flag)
+    assert bool((out == 0xA5).all())
+    flag.zero_()
+    F.quantize(x1, E4M3, torch.ones(1, device=device), out=out, noop=flag)
+    assert_same_fp8(out.cpu(), torch_quantize(x1.cpu(), E4M3, 1.0))
+
+
+def test_quantize_noop_bad_input(device):
+    x = torch.randn(8, 16, device=device)
+    with pytest.raises(TypeError, match="noop must be a float32 tensor of one element"):
+        F.quantize(x, E4M3, torch.ones(1, device=device), noop=torch.zeros(1, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="noop must be a float32 tensor of one element"):
+        F.quantize(x, E4M3, torch.ones(1, device=device), noop=torch.zeros(2, device=device))
+    with pytest.raises(TypeError, match="noop must be"):
+        F.quantize(x, E4M3, torch.ones(1, device=device), noop=True)
+    if device == "cpu" and torch.cuda.is_available():
+        with pytest.raises(ValueError, match="noop is on cuda"):
+            F.quantize(x, E4M3, torch.ones(1), noop=torch.zeros(1, device="cuda"))
+
+
 def test_fused_amax_keeps_a_larger_value_and_ignores_nan(device):
     x = torch.tensor([[1.0, -3.0, float("nan"), 2.0]], device=device)
     amax = torch.tensor([5.0], device=device)
@@ -304,11 +382,11 @@ def test_engine_checks_reach_python():
     one = torch.ones(1)
     with pytest.raises(ValueError, match="missing scale"):
         _C.fp8_quantize(-1, 0, 0, 1, 1, torch.ones(1).data_ptr(), 0, torch.empty(1, dtype=torch.uint8).data_ptr(),
-                        0, 0, 0, 0, 0, 0, 0)
+                        0, 0, 0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="format"):
-        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0, 0, 0, 0)
+        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="dbias needs a workspace of 4 bytes, got 0"):
-        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, 0, 0, one.data_ptr(), 0, 0, 0)
+        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, 0, 0, one.data_ptr(), 0, 0, 0, 0)
     with pytest.raises(ValueError, match="fp8_max must be finite"):
         _C.fp8_scale_from_amax(-1, 1, one.data_ptr(), one.data_ptr(), 0, 0.0, 0, 0.0, 0)
     with pytest.raises(ValueError, match="leading dimension too small"):

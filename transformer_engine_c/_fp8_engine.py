@@ -52,19 +52,25 @@ def check_fp8_gemm_shape(shape, name):
 
 
 def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, out=None, out_t=None,
-             scale_inv=None, dbias=None):
+             scale_inv=None, dbias=None, noop=None):
     """Cast x (float32/bf16/fp16, contiguous, viewed as [rows, last dim])
     to FP8 with `scale`: data = fp8(x * scale), saturating. Returns
     (data [x's shape] or None, data_t [last dim, rows] or None, scale_inv).
     amax, if given (float32, one element, e.g. an amax-history entry),
     becomes max(amax, max |x|). out / out_t / scale_inv: preallocated outputs.
     dbias, if given (x's dtype, [last dim]), receives x's column sums (a bias
-    gradient, summed in float32) from the same pass."""
+    gradient, summed in float32) from the same pass. noop, if given (float32,
+    one element on x's device), is read by the device when the cast runs:
+    nonzero, nothing is written (out, out_t, amax, scale_inv and dbias keep
+    their contents), which lets a cast captured in a CUDA graph be switched
+    off per replay (TE's noop flag)."""
     check_tensor(x, "input")
     code = fp8_code(fp8_dtype)
     _scalar(scale, "scale", x.device)
     if amax is not None:
         _scalar(amax, "amax", x.device)
+    if noop is not None:
+        _scalar(noop, "noop", x.device)
     if not rowwise and not columnwise and amax is None:
         raise ValueError("quantize: nothing to produce (rowwise, columnwise and amax are all off)")
     cols = x.shape[-1] if x.dim() else 1
@@ -99,7 +105,7 @@ def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, 
                     out.data_ptr() if out is not None else 0, out_t.data_ptr() if out_t is not None else 0,
                     amax.data_ptr() if amax is not None else 0, scale_inv.data_ptr(),
                     0 if dbias is None else dbias.data_ptr(), 0 if ws is None else ws.data_ptr(), nbytes,
-                    stream_of(x.device))
+                    0 if noop is None else noop.data_ptr(), stream_of(x.device))
     return out, out_t, scale_inv
 
 

@@ -114,6 +114,7 @@ class FP8GlobalStateManager:
     IS_FIRST_FP8_MODULE = False
     FP8_GRAPH_CAPTURING = False
     AUTOCAST_DEPTH = 0
+    SKIP_FP8_WEIGHT_UPDATE = None
     autocast_arguments = {}
     global_amax_buffer = {}
     global_amax_history_buffer = {}
@@ -127,6 +128,7 @@ class FP8GlobalStateManager:
         cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = None
         cls.IS_FIRST_FP8_MODULE = cls.FP8_GRAPH_CAPTURING = False
         cls.AUTOCAST_DEPTH = 0
+        cls.SKIP_FP8_WEIGHT_UPDATE = None
         cls.autocast_arguments = {}
         cls.global_amax_buffer = {}
         cls.global_amax_history_buffer = {}
@@ -161,6 +163,29 @@ class FP8GlobalStateManager:
     @classmethod
     def fp8_graph_capturing(cls):
         return cls.FP8_GRAPH_CAPTURING
+
+    @classmethod
+    def set_skip_fp8_weight_update_tensor(cls, skip, device=None):
+        """TE's weight-caching flag of CUDA graphs: a float32 tensor of one
+        element that the weight casts captured with fp8_weight_caching read
+        when they run (nonzero: the cast writes nothing, the cached FP8 weight
+        stays). Made on first use on `device` (the current CUDA device, the
+        CPU without CUDA; a new one where another device is asked for), then
+        filled with `skip` on the device. Returns it."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        flag = cls.SKIP_FP8_WEIGHT_UPDATE
+        if flag is None or flag.device != device:
+            flag = cls.SKIP_FP8_WEIGHT_UPDATE = torch.zeros(1, dtype=torch.float32, device=device)
+        flag.fill_(float(bool(skip)))
+        return flag
+
+    @classmethod
+    def get_skip_fp8_weight_update_tensor(cls):
+        """The flag of set_skip_fp8_weight_update_tensor, or None (no weight
+        caching under capture)."""
+        return cls.SKIP_FP8_WEIGHT_UPDATE
 
     @classmethod
     def is_first_fp8_module(cls):

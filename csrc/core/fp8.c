@@ -49,6 +49,8 @@ tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *st
     }
     if (a->rows * a->cols > 0 && !a->x)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: missing input");
+    /* a noop flag is read by the device when the call runs: the arguments
+     * above are the same call's whether it is set or not */
     return ops->quantize(device, a, stream);
 }
 

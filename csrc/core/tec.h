@@ -508,7 +508,12 @@ float tec_fp8_max(tec_fp8_format f);
  * if given, receives 1 / *scale. scale: one float. dbias, if given,
  * receives x's column sums [cols] in `dtype` (a bias gradient, summed in
  * float32), with workspace: tec_fp8_quantize_workspace_bytes() bytes of
- * device memory (the partial sums, a fixed order: deterministic). */
+ * device memory (the partial sums, a fixed order: deterministic).
+ * noop, if given, is one float in the operation's device memory, read when
+ * the operation runs: nonzero makes the call write nothing at all (no out,
+ * out_t, amax, scale_inv or dbias), so a call captured in a CUDA graph can
+ * be switched off per replay (TE's noop flag: a cached FP8 weight kept
+ * from the first micro-batch). The arguments are checked as without it. */
 typedef struct {
     int64_t rows, cols;
     tec_dtype dtype;
@@ -522,6 +527,7 @@ typedef struct {
     void *dbias;
     void *workspace;
     size_t workspace_bytes;
+    const float *noop;
 } tec_fp8_quantize_args;
 tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *stream);
 

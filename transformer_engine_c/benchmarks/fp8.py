@@ -2,6 +2,7 @@
 torchao float8 and torch.nn (issue 29's targets).
 
     python -m transformer_engine_c.bench --fp8 [--out bench_fp8]
+    python -m transformer_engine_c.bench --fp8 --graphs      (the graphs block only)
     python -m transformer_engine_c.bench --fp8 --device cpu --shapes 64x64x128 --iters 3
 
 Shapes are TOKENSxHIDDENxN as in --tp1 (LayerNormMLP: hidden HIDDEN, ffn N).
@@ -18,6 +19,11 @@ Blocks, each timed forward+backward with grad_output given:
     training step minus that of the high-precision step, against the bound
     of one FP8 copy and one FP8 transpose of every weight (2 bytes per
     weight element; the bf16 weights are in both steps). CUDA only.
+  graphs: LayerNormMLP's fwd+bwd step captured with tec.make_graphed_callables,
+    in bf16 ("ours_graphed") and in FP8 (fp8_enabled with DelayedScaling and
+    Float8CurrentScaling; replayed under the autocast, so DelayedScaling's
+    scale updates run outside the graphs at its exit and after the backward
+    graph, as in training). CUDA only (the row says so elsewhere).
 Sampling is --tp1's: a sample is --batch steps back to back, device time
 from CUDA events (the host clock on the CPU), the variants of a row sampled
 in interleaved rounds, the median of --iters samples. A variant that cannot
@@ -40,13 +46,15 @@ BIG_LINEAR = (8192, 4096, 12288)
 BIG_MLP = (8192, 4096, 16384)
 SMALL = (2048, 2048, 6144)
 LAYER_BLOCKS = ("LayerNormLinear", "LayerNormMLP", "Linear")
-BLOCKS = LAYER_BLOCKS + ("gemm", "memory")
+BLOCKS = LAYER_BLOCKS + ("gemm", "memory", "graphs")
 GPU_SHAPES = {"LayerNormLinear": [BIG_LINEAR, SMALL], "LayerNormMLP": [BIG_MLP, SMALL], "Linear": [BIG_LINEAR, SMALL],
-              "gemm": [BIG_LINEAR, BIG_MLP, SMALL], "memory": [BIG_MLP]}
+              "gemm": [BIG_LINEAR, BIG_MLP, SMALL], "memory": [BIG_MLP], "graphs": [SMALL]}
 CPU_SHAPE = (64, 64, 128)
 VARIANTS = ("ours", "ours_fp8_delayed", "ours_fp8_current", "torchao_fp8", "torch")
 GEMM_VARIANTS = ("ours_fp8_gemm", "torch_scaled_mm")
 MEMORY_VARIANTS = ("ours", "ours_fp8_delayed")
+GRAPH_VARIANTS = ("ours_graphed", "ours_fp8_delayed_graphed", "ours_fp8_current_graphed")
+NO_GRAPHS = "skipped: CUDA graphs run on CUDA only"
 OK = "ok"
 NO_TORCHAO = "torchao not installed"
 
@@ -73,13 +81,17 @@ TARGETS = [
     ("our FP8 GEMM >= 0.97x torch._scaled_mm", "gemm", BIG_LINEAR, "fp8_gemm_vs_scaled_mm", 0.97),
     ("memory: FP8 step's extra over bf16 <= one FP8 copy + transpose per weight", "memory", BIG_MLP,
      "extra_vs_bound", 1.0),
+    ("graphed LayerNormMLP fwd+bwd: FP8 DelayedScaling >= 1.3x our graphed bf16", "graphs", SMALL,
+     "graphed_fp8_delayed_vs_graphed_ours", 1.3),
 ]
 # ratio name: (numerator variant, denominator variant), both timed in ms
 RATIOS = {"fp8_delayed_vs_ours": ("ours", "ours_fp8_delayed"), "fp8_current_vs_ours": ("ours", "ours_fp8_current"),
           "fp8_delayed_vs_torchao": ("torchao_fp8", "ours_fp8_delayed"),
           "fp8_current_vs_torchao": ("torchao_fp8", "ours_fp8_current"), "ours_vs_torch": ("torch", "ours"),
           "torchao_vs_torch": ("torch", "torchao_fp8"), "fp8_delayed_vs_torch": ("torch", "ours_fp8_delayed"),
-          "fp8_gemm_vs_scaled_mm": ("torch_scaled_mm", "ours_fp8_gemm")}
+          "fp8_gemm_vs_scaled_mm": ("torch_scaled_mm", "ours_fp8_gemm"),
+          "graphed_fp8_delayed_vs_graphed_ours": ("ours_graphed", "ours_fp8_delayed_graphed"),
+          "graphed_fp8_current_vs_graphed_ours": ("ours_graphed", "ours_fp8_current_graphed")}
 
 
 def parse(argv):
@@ -96,7 +108,10 @@ def parse(argv):
     ap.add_argument("--batch", type=int, default=4, help="steps per timed sample")
     ap.add_argument("--no-compile", action="store_true", help="run torchao's block eagerly (not its target's form)")
     ap.add_argument("--out", default=None, help="directory for fp8.json / fp8.md")
+    ap.add_argument("--graphs", action="store_true", help="the graphs block only (same as --blocks graphs)")
     args = ap.parse_args(argv)
+    if args.graphs:
+        args.blocks = "graphs"
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
@@ -294,6 +309,29 @@ def memory_row(tec, recipe_mod, shape, args, device):
     return row
 
 
+def graphs_row(tec, recipe_mod, shape, args, device):
+    """Graphed LayerNormMLP steps: bf16 and FP8 (both recipes), each layer
+    captured with its own parameters' copy; on the CPU every variant says
+    why it did not run."""
+    T, H, N = shape
+    if device.type != "cuda":
+        return dict(block="graphs", tokens=T, hidden=H, n=N, status={n: NO_GRAPHS for n in GRAPH_VARIANTS}, ms={},
+                    host_us={}, ratios={r: None for r in RATIOS if r.startswith("graphed_")})
+    ours = tp1.ours_layer(tec, "LayerNormMLP", H, N, args.dtype, device)
+    x = torch.randn(T, H, dtype=args.dtype, device=device, requires_grad=True)
+    dy = torch.randn(T, H, dtype=args.dtype, device=device)
+    fns, status = {}, {}
+    for name, recipe in zip(GRAPH_VARIANTS, (None, recipe_mod.DelayedScaling(), recipe_mod.Float8CurrentScaling())):
+        layer = ours if recipe is None else fp8_twin(tec, "LayerNormMLP", H, N, args.dtype, device, ours)
+        try:  # the sample is x itself: a replay copies no input
+            g = tec.make_graphed_callables(layer, (x,), fp8_enabled=recipe is not None, fp8_recipe=recipe)
+        except Exception as exc:
+            status[name] = why(exc)
+            continue
+        fns[name] = tp1.steps(g, x, dy)["fwd+bwd"] if recipe is None else fp8_step(tec, g, x, dy, recipe)
+    return timed_row("graphs", shape, fns, status, GRAPH_VARIANTS, args, True)
+
+
 def targets(rows, cuda, have_torchao):
     """One entry per TARGETS line: the ratio where its row ran, and
     PASS / MISS on CUDA; otherwise the reason it was not judged (torchao's
@@ -337,6 +375,8 @@ def run(args):
                 rows.append(memory_row(tec, recipe_mod, shape, args, device))
             elif block == "gemm":
                 rows.append(gemm_row(shape, args, device))
+            elif block == "graphs":
+                rows.append(graphs_row(tec, recipe_mod, shape, args, device))
             else:
                 rows.append(layer_row(tec, recipe_mod, ao, block, shape, args, device))
             print(f"done {block} {'x'.join(map(str, shape))}", file=sys.stderr, flush=True)
@@ -371,6 +411,12 @@ def table(rows, checks):
             lines.append(f"gemm {r['tokens']}x{r['hidden']}x{r['n']}: ours FP8 {_ms(r, 'ours_fp8_gemm')} ms, "
                          f"torch._scaled_mm {_ms(r, 'torch_scaled_mm')} ms, "
                          f"ratio {_x(r['ratios']['fp8_gemm_vs_scaled_mm'])}")
+        elif r["block"] == "graphs":
+            q = r["ratios"]
+            lines.append(f"graphs LayerNormMLP {r['tokens']}x{r['hidden']}x{r['n']}: graphed bf16 "
+                         f"{_ms(r, 'ours_graphed')} ms, FP8 delayed {_ms(r, 'ours_fp8_delayed_graphed')} ms "
+                         f"(x {_x(q['graphed_fp8_delayed_vs_graphed_ours'])}), FP8 current "
+                         f"{_ms(r, 'ours_fp8_current_graphed')} ms (x {_x(q['graphed_fp8_current_vs_graphed_ours'])})")
         elif r["block"] == "memory" and r["bytes"]:
             b = r["bytes"]
             lines.append(f"memory LayerNormMLP {r['tokens']}x{r['hidden']}x{r['n']}: peak {b['ours_peak'] / 2**20:.1f} "
@@ -413,6 +459,15 @@ def markdown(rows, checks, meta):
             cells = [f"{b[k] / 2**20:.1f}" for k in ("ours_peak", "fp8_peak", "extra", "bound")] if b else ["-"] * 4
             out.append(f"| {r['tokens']}×{r['hidden']}×{r['n']} | " + " | ".join(cells) +
                        f" | {_x(r['ratios']['extra_vs_bound'])} |")
+    out += ["", "## CUDA graphs (LayerNormMLP fwd+bwd, graphed)", "",
+            "| shape | bf16 ms | FP8 delayed ms | FP8 current ms | x delayed | x current |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["block"] == "graphs":
+            q = r["ratios"]
+            out.append(f"| {r['tokens']}×{r['hidden']}×{r['n']} | " +
+                       " | ".join(_ms(r, v) for v in GRAPH_VARIANTS) + " | " +
+                       f"{_x(q['graphed_fp8_delayed_vs_graphed_ours'])} | "
+                       f"{_x(q['graphed_fp8_current_vs_graphed_ours'])} |")
     out += ["", "## Status", ""]
     for r in rows:
         for name, s in r["status"].items():

@@ -41,7 +41,10 @@ Weights are quantized (with their transpose, when backward will run) on
 every call, or, when the caller passes is_first_microbatch, on the first
 micro-batch and reused from the layer's cache until the next first one (TE's
 weight caching: a weight changed between micro-batches of a step is not
-re-read).
+re-read). Under CUDA graph capture with fp8_weight_caching (graph.py) the
+weight is cast into the layer's graph buffer on every call, through the
+engine's noop flag, which the replays set for the later micro-batches
+(FP8Call.graph_weight).
 
 Userbuffers overlap runs in FP8 under the per-tensor recipes (the FP8
 communicators of initialize_ub's quantization mode FP8 where they exist, else
@@ -248,7 +251,7 @@ class FP8Call:
     # ----------------------------------------------------------- quantizing
 
     def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None, dbias=False, out=None,
-                  group=None):
+                  group=None, into=None, noop=None):
         """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
         that scale and no amax; under delayed scaling the role's scale and
         amax-history entry; under current scaling t's own amax, or with
@@ -256,7 +259,9 @@ class FP8Call:
         the group's ranks, so that they share the scale. dbias: the same pass
         also sums t's columns (the Operand's dbias; not under block scaling,
         whose callers sum dY themselves). out: where the rowwise bytes go (a
-        communicator's slot)."""
+        communicator's slot); into: an Operand whose data, data_t and
+        scale_inv receive the cast (a persistent buffer); noop: the engine's
+        device flag that switches the cast off (tec.h)."""
         if self.blocks is not None:  # each block's own amax: a re-cast gives the same bytes
             return self._quantize_blocks(t, fp8_dtype, 2 if not forward else role % 3, rowwise, columnwise)
         c = self.call
@@ -279,9 +284,12 @@ class FP8Call:
         # t is contiguous (the steps' tensors are), viewed as [rows, last dim]
         cols = t.shape[-1]
         rows = t.numel() // cols if cols else 0
-        data = (torch.empty(t.shape, dtype=_U8, device=t.device) if out is None else out) if rowwise else None
-        data_t = torch.empty((cols, rows), dtype=_U8, device=t.device) if columnwise else None
-        scale_inv = torch.empty(1, dtype=_F32, device=t.device)
+        if into is not None:
+            data, data_t, scale_inv = into.data, into.data_t, into.scale_inv
+        else:
+            data = (torch.empty(t.shape, dtype=_U8, device=t.device) if out is None else out) if rowwise else None
+            data_t = torch.empty((cols, rows), dtype=_U8, device=t.device) if columnwise else None
+            scale_inv = torch.empty(1, dtype=_F32, device=t.device)
         db = ws = None
         nbytes = 0
         if dbias:
@@ -291,7 +299,7 @@ class FP8Call:
         _C.fp8_quantize(c.dev, code, _CODES[fp8_dtype], rows, cols, t.data_ptr(), scale.data_ptr(),
                         0 if data is None else data.data_ptr(), 0 if data_t is None else data_t.data_ptr(), amax,
                         scale_inv.data_ptr(), 0 if db is None else db.data_ptr(), 0 if ws is None else ws.data_ptr(),
-                        nbytes, c.stream)
+                        nbytes, 0 if noop is None else noop.data_ptr(), c.stream)
         return Operand(data, data_t, scale, scale_inv, fp8_dtype, t, db)
 
     def _quantize_blocks(self, t, fp8_dtype, kind, rowwise, columnwise):
@@ -371,10 +379,18 @@ class FP8Call:
 
     def weight(self, w):
         """GEMM gi's weight in FP8 (with its transpose when backward runs):
-        cast now, or the layer's cached cast on a later micro-batch."""
+        cast now, or the layer's cached cast on a later micro-batch; under
+        CUDA graph capture with weight caching, the cast into the layer's
+        graph buffer that the skip flag switches off (graph_weight)."""
         gi, layer = self.gi, self.layer
         if self.recomputing:
             return self.weights[gi]
+        skip = _State.get_skip_fp8_weight_update_tensor() if _State.fp8_graph_capturing() else None
+        if skip is not None:
+            q = self.graph_weight(w, skip)
+            if self.grad:
+                self.weights[gi] = q
+            return q
         cache = layer.__dict__.setdefault("_fp8_weights", {})
         kept = cache.get(gi)
         if (self.first_mb is False and kept is not None and kept.dtype is self.fwd
@@ -389,6 +405,36 @@ class FP8Call:
                 cache[gi] = q
         if self.grad:
             self.weights[gi] = q
+        return q
+
+    def graph_weight(self, w, skip):
+        """TE's weight caching under CUDA graphs: GEMM gi's weight is cast
+        into a buffer the layer keeps for its graphs (`_fp8_graph_weights`:
+        data, its transpose and scale_inv, made once per weight shape, dtype
+        and device, so that every capture and replay uses the same memory),
+        and the cast reads `skip` (the device flag of
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor) when it runs:
+        a replay for a first micro-batch (flag 0) casts the weight and records
+        its amax, a later one (flag 1) writes nothing and the GEMMs read the
+        cast of the first, as eager is_first_microbatch=False does."""
+        if self.blocks is not None:
+            raise NotImplementedError(f"{type(self.layer).__name__}: fp8_weight_caching under CUDA graphs is not "
+                                      "supported with Float8BlockScaling (its block cast has no noop flag)")
+        if skip.device != w.device:
+            raise ValueError(f"{type(self.layer).__name__}: the weight-caching flag is on {skip.device}, the "
+                             f"weight on {w.device}")
+        gi = self.gi
+        buffers = self.layer.__dict__.setdefault("_fp8_graph_weights", {})
+        buf = buffers.get(gi)
+        if buf is None or buf.dtype is not self.fwd or buf.data.shape != w.shape or buf.data.device != w.device:
+            # the transpose is always kept: a graph with and one without backward share the buffer
+            buf = Operand(torch.empty(w.shape, dtype=_U8, device=w.device),
+                          torch.empty((w.shape[-1], w.numel() // w.shape[-1]), dtype=_U8, device=w.device),
+                          None, torch.ones(1, dtype=_F32, device=w.device), self.fwd)
+            buffers[gi] = buf
+        q = self._quantize(w, self.fwd, 3 * gi + 1, True, self.qparams and self.qparams[1], True, True, into=buf,
+                           noop=skip)
+        q.src = None
         return q
 
     def grad_output(self, dy):

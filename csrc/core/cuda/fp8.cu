@@ -48,14 +48,24 @@ __device__ __forceinline__ float block_max(float v)
     return v;
 }
 
+/* The noop flag of tec.h: set (nonzero), the kernel writes nothing. Every
+ * thread of a block reads the same value, so a block returns as a whole
+ * (before any barrier). */
+__device__ __forceinline__ bool switched_off(const float *noop)
+{
+    return noop != NULL && *noop != 0.0f;
+}
+
 /* Rowwise cast of n elements, VEC per thread per step (VEC == 1: any
  * alignment), with amax (NULL: none) and scale_inv (NULL: none). out may be
  * NULL (amax only). */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256)
 quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale, int fmt, uint8_t *out,
-                float *amax, float *scale_inv)
+                float *amax, float *scale_inv, const float *noop)
 {
+    if (switched_off(noop))
+        return;
     const float s = *scale;
     float m = 0.0f;
     const int64_t nv = n / VEC;
@@ -106,8 +116,11 @@ constexpr int kTile = 64;
 template <typename T>
 __global__ void __launch_bounds__(256)
 cast_transpose_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale, int fmt,
-                      uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv)
+                      uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
+                      const float *noop)
 {
+    if (switched_off(noop))
+        return;
     __shared__ uint8_t tile[kTile][kTile + 4];
     const float s = *scale;
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -177,8 +190,10 @@ template <typename T, bool E5M2, bool DBIAS>
 __global__ void __launch_bounds__(256)
 cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale,
                           uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
-                          float *__restrict__ partial)
+                          float *__restrict__ partial, const float *noop)
 {
+    if (switched_off(noop))
+        return;
     __shared__ uint2 stage[kVCols][kVSlots];
     __shared__ float red[DBIAS ? 8 : 1][DBIAS ? kVCols : 8];
     const float s = *scale;
@@ -271,8 +286,11 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
  * thread. */
 template <typename T>
 __global__ void __launch_bounds__(256)
-column_partial_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, float *__restrict__ partial)
+column_partial_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, float *__restrict__ partial,
+                      const float *noop)
 {
+    if (switched_off(noop))
+        return;
     const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
     if (c >= cols)
         return;
@@ -287,8 +305,10 @@ column_partial_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, float
 /* dbias[c] = the sum of partial[b, c] over the nb blocks, in order. */
 template <typename T>
 __global__ void __launch_bounds__(256) dbias_sum_kernel(const float *__restrict__ partial, int64_t nb, int64_t cols,
-                                                        T *__restrict__ dbias)
+                                                        T *__restrict__ dbias, const float *noop)
 {
+    if (switched_off(noop))
+        return;
     const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
     if (c >= cols)
         return;
@@ -358,10 +378,10 @@ void launch_vec(const tec_fp8_quantize_args *a, dim3 grid, cudaStream_t st)
     if (a->dbias)
         cast_transpose_vec_kernel<T, E5M2, true><<<grid, 256, 0, st>>>(
             (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv,
-            (float *)a->workspace);
+            (float *)a->workspace, a->noop);
     else
         cast_transpose_vec_kernel<T, E5M2, false><<<grid, 256, 0, st>>>(
-            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL);
+            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL, a->noop);
 }
 
 template <typename T>
@@ -392,7 +412,7 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
                                      (long long)a->rows);
             cast_transpose_kernel<T><<<grid, dim3(kTile, 4), 0, st>>>((const T *)a->x, a->rows, a->cols, a->scale,
                                                                      a->format, a->out, a->out_t, a->amax,
-                                                                     a->scale_inv);
+                                                                     a->scale_inv, a->noop);
             TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
         }
     } else if (a->out || a->amax || a->scale_inv) {
@@ -400,10 +420,11 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
         const bool vec = tec_cuda_aligned16(a->x) && ((uintptr_t)a->out & (kVec - 1)) == 0;
         if (vec)
             quantize_kernel<T, kVec><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
-                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv);
+                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop);
         else
             quantize_kernel<T, 1><<<grid_for(n, 256, sms), 256, 0, st>>>((const T *)a->x, n, a->scale, a->format,
-                                                                          a->out, a->amax, a->scale_inv);
+                                                                          a->out, a->amax, a->scale_inv,
+                                                                          a->noop);
         TEC_CUDA_LAUNCH_CHECK("fp8 quantize kernel");
     }
     if (a->dbias && a->cols > 0) {
@@ -412,11 +433,11 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
                                  (long long)a->rows);
         if (!partial_done && nb > 0) {
             column_partial_kernel<T><<<vgrid, 256, 0, st>>>((const T *)a->x, a->rows, a->cols,
-                                                            (float *)a->workspace);
+                                                            (float *)a->workspace, a->noop);
             TEC_CUDA_LAUNCH_CHECK("fp8 quantize column-sum kernel");
         }
         dbias_sum_kernel<T><<<(unsigned)((a->cols + 255) / 256), 256, 0, st>>>((const float *)a->workspace, nb,
-                                                                              a->cols, (T *)a->dbias);
+                                                                              a->cols, (T *)a->dbias, a->noop);
         TEC_CUDA_LAUNCH_CHECK("fp8 quantize bias-gradient kernel");
     }
     return TEC_OK;
