@@ -251,7 +251,7 @@ def test_graphs_wiring_with_capture_stubbed(tmp_path, monkeypatch):
     try:
         group = dist.new_group([0])
         timer = bench.Timer(torch.device("cpu"), group, warmup=1, iters=2, batch=1)
-        args = argparse.Namespace(dtype=torch.float32, graphs=True)
+        args = argparse.Namespace(dtype=torch.float32, graphs=True, fp8=None)
         row = bench.run_shape(tec, "mlp", 64, 32, 96, args, 0, 1, torch.device("cpu"), group, timer, None)
     finally:
         tec.destroy_ub()
