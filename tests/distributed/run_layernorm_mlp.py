@@ -235,15 +235,15 @@ def check_case_fp8(activation, normalization, flags, mode, tp, rank, dev, recipe
         for i, (n, p) in enumerate(m.named_parameters()):
             gen = torch.Generator().manual_seed(i + (17 * (rank + 1) if n in ("fc1_weight", "fc1_bias", "fc2_weight")
                                                     else 0))
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if n == "layer_norm_weight" else 0.0))
+            p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * 0.3 + (1.0 if n == "layer_norm_weight" else 0.0))
     plain.load_state_dict(m.state_dict())
     recipe = {"delayed": tec.recipe.DelayedScaling, "current": tec.recipe.Float8CurrentScaling}[recipe_name]()
     label = f"fp8={recipe_name} {activation} {normalization} {'+'.join(sorted(flags)) or 'no-ub'} {mode} tp={tp}"
     grad = mode not in ("no_grad", "inference_mode")
     for step in range(2 if grad else 1):
         g = torch.Generator().manual_seed(1000 + step)
-        x = (torch.randn(SEQ * tp, B, H, generator=g) * (1 + step)).chunk(tp, 0)[rank].to(dev)
-        dy = torch.randn(SEQ * tp, B, H, generator=g).chunk(tp, 0)[rank].to(dev)
+        x = (torch.randn(SEQ * tp, B, H, generator=g, device="cpu") * (1 + step)).chunk(tp, 0)[rank].to(dev)
+        dy = torch.randn(SEQ * tp, B, H, generator=g, device="cpu").chunk(tp, 0)[rank].to(dev)
         before = counts(True)
         res = []
         for mod in (m, plain):
