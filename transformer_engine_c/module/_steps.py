@@ -435,11 +435,14 @@ def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None, gi=0):
 def _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     if dy.dim() != x.dim():  # a 2-D output (a communicator's) of a 3-D input
         dy = dy.view((-1,) + tuple(x.shape[1:-1]) + (dy.shape[-1],))
-    if _rows(dy) == 0 or _rows(x) == 0:
+    if dy.numel() == 0 or x.numel() == 0:  # no tokens (the feature dims are never 0)
         return _no_tokens_backward(dy, x, w, need_dx, wg, dx_out)
-    if tp.mode == "row":
+    mode = tp.mode
+    if mode == "row":
         return _row_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
     if not ub.enabled:
+        if mode is None or not tp.sp:
+            return _local_backward(call, tp, dy, x, w, need_dx, wg, dx_out)
         return _column_backward(call, tp, NO_UB, dy, x, w, need_dx, wg, dx_out)
     try:
         with _held(ub):
@@ -507,6 +510,24 @@ def _wgrad(call, wg, dy, xt, ub, dy_local=None):
     return dw, (db_local if wg.bias_from_local else db)
 
 
+def _local_backward(call, tp, dy, x, w, need_dx, wg, dx_out):
+    """A layer without a parallel mode, or a column layer without sequence
+    parallelism (its input is not gathered): dgrad and wgrad in one engine
+    call, then dgrad's all-reduce over the group (a column layer on several
+    ranks)."""
+    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
+    dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, wg is not None and wg.with_bias)
+    if dx is not None and tp.size > 1 and tp.mode == "column":
+        all_reduce(dx, tp.group, tp.size)
+    if wg is not None:
+        if not wg.plain:
+            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
+            dw, db = wg(_as_2d(dy), _as_2d(x), NO_UB, fp8=ops)
+        elif not wg.need_w:
+            db = _bias_grad(call, dy, w.shape[0]) if wg.with_bias else None
+    return dx, dw, db
+
+
 def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     """Column layer: dX = dY W, all-reduced over the group (reduce-scattered
     under sequence parallelism, or through the dgrad communicator with
@@ -521,16 +542,6 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     f = ub.flags if ub.enabled else _NO_FLAGS
     need_w = wg is not None
     dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
-    if not sp and not ub.enabled:  # no gather: dgrad and wgrad in one engine call, then dgrad's all-reduce
-        dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, need_w and wg.with_bias)
-        if dx is not None and column:
-            all_reduce(dx, tp.group, tp.size)
-        if need_w and not wg.plain:
-            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
-            dw, db = wg(_as_2d(dy), _as_2d(x), ub, fp8=ops)
-        elif need_w and not wg.need_w:
-            db = _bias_grad(call, dy, n) if wg.with_bias else None
-        return dx, dw, db
     xt = gathering = bulk_gather = None
     if need_w:
         bulk_gather = ub.comms["dgrad"] if f["ub_bulk_dgrad"] else wgrad_gather_comm(_as_2d(x), w, tp, ub)
