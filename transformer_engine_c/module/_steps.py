@@ -440,17 +440,30 @@ def _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     mode = tp.mode
     if mode == "row":
         return _row_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
-    if not ub.enabled:
-        if mode is None or not tp.sp:
-            return _local_backward(call, tp, dy, x, w, need_dx, wg, dx_out)
+    if ub.enabled:
+        try:
+            with _held(ub):
+                return _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
+        except BaseException:
+            for comm in ub.comms.values():  # no bulk operation is left pending
+                comm._abandon()
+            raise
+    if mode == "column" and tp.sp:
         return _column_backward(call, tp, NO_UB, dy, x, w, need_dx, wg, dx_out)
-    try:
-        with _held(ub):
-            return _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
-    except BaseException:
-        for comm in ub.comms.values():  # no bulk operation is left pending
-            comm._abandon()
-        raise
+    # No gather (no parallel mode, or a column layer without sequence
+    # parallelism): dgrad and wgrad in one engine call, then dgrad's
+    # all-reduce over the group (a column layer on several ranks).
+    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
+    dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, wg is not None and wg.with_bias)
+    if dx is not None and mode == "column" and tp.size > 1:
+        all_reduce(dx, tp.group, tp.size)
+    if wg is not None:
+        if not wg.plain:
+            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
+            dw, db = wg(_as_2d(dy), _as_2d(x), NO_UB, fp8=ops)
+        elif not wg.need_w:
+            db = _bias_grad(call, dy, w.shape[0]) if wg.with_bias else None
+    return dx, dw, db
 
 
 def _no_tokens_backward(dy, x, w, need_dx, wg, dx_out):
@@ -508,24 +521,6 @@ def _wgrad(call, wg, dy, xt, ub, dy_local=None):
     _C.gemm(call.dev, call.code, call.code, 1, 0, n, k, _rows(dy), dy.data_ptr(), n, xt.data_ptr(), k, dw.data_ptr(),
             k, 0, 0 if db is None else db.data_ptr(), 0, call.ws, call.nbytes, call.stream)
     return dw, (db_local if wg.bias_from_local else db)
-
-
-def _local_backward(call, tp, dy, x, w, need_dx, wg, dx_out):
-    """A layer without a parallel mode, or a column layer without sequence
-    parallelism (its input is not gathered): dgrad and wgrad in one engine
-    call, then dgrad's all-reduce over the group (a column layer on several
-    ranks)."""
-    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
-    dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, wg is not None and wg.with_bias)
-    if dx is not None and tp.size > 1 and tp.mode == "column":
-        all_reduce(dx, tp.group, tp.size)
-    if wg is not None:
-        if not wg.plain:
-            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
-            dw, db = wg(_as_2d(dy), _as_2d(x), NO_UB, fp8=ops)
-        elif not wg.need_w:
-            db = _bias_grad(call, dy, w.shape[0]) if wg.with_bias else None
-    return dx, dw, db
 
 
 def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):

@@ -98,8 +98,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         need = ctx.needs_input_grad
         wg = None
         if need[3] or need[4]:
-            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[4], call.first_mb,
-                                       bias_from_local=tp.mode == "row" and tp.sp, need_w=need[3])
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[4], call.first_mb, tp.mode == "row" and tp.sp,
+                                       need[3])
         dx, dgamma, dbeta, dw, db = _steps.norm_linear_backward(call, tp, layer.ub, dy, x, ln_out, stats, g,
                                                                 plan.zcg, plan.rms, w, wg, extra)
         if not call.ready:

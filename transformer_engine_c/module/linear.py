@@ -76,8 +76,8 @@ class _LinearFn(torch.autograd.Function):
         tp = layer.tp
         wg = None
         if need[1] or need[2]:
-            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[2], call.first_mb,
-                                       bias_from_local=tp.mode == "row" and tp.sp, need_w=need[1])
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[2], call.first_mb, tp.mode == "row" and tp.sp,
+                                       need[1])
         dx, dw, db = _steps.linear_backward(call, tp, layer.ub, dy, x, w, need[0], wg)
         if dx is not None and not call.ready:
             dx = like_input(dx, ctx.inp_shape)
