@@ -161,9 +161,12 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
         plan = self._plan or self._make_plan()
-        weight = self._weight_tensor()
-        b = self._bias_tensor()
         params = self._parameters
+        if plan.single:
+            weight = params[plan.weight]
+            b = None if plan.bias is None else params[plan.bias]
+        else:
+            weight, b = self._weight_tensor(), self._bias_tensor()
         g = params.get("layer_norm_weight")
         if g is None:
             g = self.layer_norm_weight
