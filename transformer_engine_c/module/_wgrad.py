@@ -7,8 +7,10 @@ is reduce-scattered into its shard (module/_weights.py).
 
 WeightGrads is one GEMM's policy and the owner of its delayed work; it reads
 only the module's public attributes (its parameters by name,
-fuse_wgrad_accumulation, delay_wgrad_compute). Wgrad is one backward's use of
-it."""
+fuse_wgrad_accumulation, delay_wgrad_compute), on every backward. Wgrad is
+one backward's use of it; a plain one (neither fused, delayed nor
+distributed) holds nothing of that backward, so each WeightGrads makes it once
+per kind (bias or not, local bias, frozen weight or not) and reuses it."""
 import torch
 
 from .. import _engine
