@@ -4,13 +4,16 @@ collectives (TP=1), small tensors so the GPU keeps up with the host:
 what it prints is the CPU cost per call, the cost that bounds small shapes.
 
     python3 scripts/host_costs.py [--device cuda] [--rows 1024 --hidden 1024]
+    python3 scripts/host_costs.py --compare-only --rounds 30
 
 It ends with the layers against the same layers built from plain PyTorch
 modules at [4, 16] (nn.Linear; nn.LayerNorm + nn.Linear; and for LayerNormMLP
 nn.LayerNorm, nn.Linear, GELU, nn.Linear), the comparison the host-cost target
-is set on.
+is set on (--compare-only: that alone), with the least and the median of the
+interleaved rounds.
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -45,11 +48,16 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--profile", action="store_true", help="also a torch.profiler table of the LayerNormLinear step")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds of the layer comparison")
+    ap.add_argument("--compare-only", action="store_true", help="only the layer comparison (the target's rows)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.compare_only:
+        print_comparison(layer_comparison(device, dtype, args.rounds), device, args.rounds)
+        return
     T, H = args.rows, args.hidden
     x = torch.randn(T, H, dtype=dtype, device=device)
     w = torch.randn(H, H, dtype=dtype, device=device)
@@ -100,7 +108,7 @@ def main():
             ("tec.LayerNormLinear fwd (grad)", per_call(lambda: lnl(xg), device)),
             ("tec.LayerNormLinear fwd+bwd", per_call(lnl_step, device, n=50)),
             ("torch LN+Linear fwd+bwd", per_call(torch_step, device, n=50))]
-    compare = layer_comparison(device, dtype)
+    compare = layer_comparison(device, dtype, args.rounds)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -110,15 +118,21 @@ def main():
     print(f"host us per call, {device}, {dtype}, [{T}, {H}]")
     for name, us in res:
         print(f"  {name:36s} {us:8.1f}")
-    print(f"\nlayers against the same layer built from plain PyTorch modules, {device}, [4, 16] "
-          "(least of interleaved rounds; target: ratio <= 1.25)")
-    print(f"  {'case':36s} {'ours':>8s} {'torch':>8s} {'ratio':>7s}")
-    for name, ours, ref in compare:
-        print(f"  {name:36s} {ours:8.1f} {ref:8.1f} {ours / ref:7.2f}")
+    print_comparison(compare, device, args.rounds)
+
+
+def print_comparison(compare, device, rounds):
+    print(f"\nlayers against the same layer built from plain PyTorch modules, {device}, [4, 16], us per call "
+          f"over {rounds} interleaved rounds (least and median; target: ratio <= 1.25)")
+    print(f"  {'case':36s} {'ours':>8s} {'torch':>8s} {'ratio':>7s} {'ours med':>9s} {'torch med':>9s} {'ratio':>7s}")
+    for name, ours, ref, ours_med, ref_med in compare:
+        print(f"  {name:36s} {ours:8.1f} {ref:8.1f} {ours / ref:7.2f} {ours_med:9.1f} {ref_med:9.1f} "
+              f"{ours_med / ref_med:7.2f}")
 
 
 def layer_comparison(device, dtype, rounds=15):
-    """(case, our us, torch us) per layer call at [4, 16], where the time is
+    """(case, our least us, torch's least, our median, torch's median) per
+    layer call at [4, 16] over `rounds`, where the time is
     all host work: tec.Linear against nn.Linear, tec.LayerNormLinear against
     nn.LayerNorm + nn.Linear, tec.LayerNormMLP (ffn 64) against nn.LayerNorm,
     nn.Linear, GELU, nn.Linear; no-grad forward and forward+backward. Ours and
@@ -151,11 +165,11 @@ def layer_comparison(device, dtype, rounds=15):
              ("LayerNormMLP fwd+bwd", lambda: mlp(xg).backward(dy), lambda: tmlp(xg).backward(dy))]
     out = []
     for name, ours, ref in cases:
-        best = [float("inf"), float("inf")]
-        for _ in range(rounds):
-            for i, fn in enumerate((ours, ref)):
-                best[i] = min(best[i], per_call(fn, device, n=100, reps=1))
-        out.append((name, best[0], best[1]))
+        times = ([], [])
+        for r in range(rounds):  # alternating which goes first
+            for i, fn in ((0, ours), (1, ref)) if r % 2 == 0 else ((1, ref), (0, ours)):
+                times[i].append(per_call(fn, device, n=100, reps=1))
+        out.append((name, min(times[0]), min(times[1]), statistics.median(times[0]), statistics.median(times[1])))
     return out
 
 

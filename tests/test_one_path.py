@@ -185,6 +185,31 @@ def test_partial_grads(device, kind):
 
 
 @pytest.mark.parametrize("kind", ["linear", "lnl"])
+def test_plain_weight_gradient_steps_are_shared_and_the_policy_read_per_call(device, kind):
+    """A plain Wgrad (neither fused, delayed nor distributed) is made once per
+    kind of backward and shared: backward calls that alternate a frozen and
+    a trainable weight each get the reference's gradients, and
+    fuse_wgrad_accumulation set after those calls takes effect at once."""
+    m = _layer(kind, device, torch.float32)
+    x = torch.randn(6, 24, device=device, requires_grad=True)
+    dy = torch.randn(6, 20, device=device)
+    owner = m._wgrads[0]
+    assert owner.step(m.weight, True, None, False, True) is owner.step(m.weight, True, None, False, True)
+    assert owner.step(m.weight, True, None, False, True) is not owner.step(m.weight, True, None, False, False)
+    for frozen in (True, False, True, False):
+        m.weight.requires_grad_(not frozen)
+        _check(m, kind, x, dy)
+    m.fuse_wgrad_accumulation = True
+    m.weight.main_grad = torch.zeros(m.weight.shape, device=device)
+    fused = owner.step(m.weight, True, False, False, True)
+    assert fused.fuse and not fused.plain
+    m(x, is_first_microbatch=False).backward(dy)
+    yr, p = _reference(m, kind, x.detach().double().cpu())
+    yr.backward(dy.double().cpu())
+    _close(m.weight.main_grad, p["weight"].grad, "main_grad after fuse_wgrad_accumulation was set")
+
+
+@pytest.mark.parametrize("kind", ["linear", "lnl"])
 def test_calls_that_are_not_ready(device, kind):
     """What the Call does not take as is (a non-contiguous input or weight,
     autocast, a flag set after construction) is converted, with the

@@ -23,6 +23,7 @@ from ._config import compute_dtype
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _DTYPE_CODES = _engine.DTYPE_CODES
+_CPU = torch.device("cpu")
 _is_grad_enabled = torch.is_grad_enabled
 try:
     _any_autocast = torch._C._is_any_autocast_enabled
@@ -61,7 +62,7 @@ class LinearPlan:
     """Linear's and LayerNormLinear's decisions for one configuration."""
 
     __slots__ = ("weight", "bias", "n", "k", "single", "sp_row", "size", "gamma", "beta", "eps", "zcg", "rms",
-                 "shapes")
+                 "shapes", "rest")
 
     def __init__(self, layer):
         self.single = len(layer.weight_names) == 1  # else the split parameters are concatenated per call
@@ -79,13 +80,14 @@ class LinearPlan:
         self.zcg = 1 if norm and layer.zero_centered_gamma else 0
         # weight, bias, then the norm's weight and bias (make_call's order)
         self.shapes = ((self.n, self.k), (self.n,), (self.k,), (self.k,))
+        self.rest = self.shapes[1:]
 
 
 class MLPPlan:
     """LayerNormMLP's decisions for one configuration."""
 
     __slots__ = ("hidden", "f1", "ffn", "act", "act_params", "rms", "eps", "zcg", "bias", "k", "sp_row", "size",
-                 "shapes")
+                 "shapes", "rest")
 
     def __init__(self, layer):
         self.act = _engine.activation_code(layer.activation)
@@ -102,6 +104,7 @@ class MLPPlan:
         # fc1's weight, the norm's weight and bias, fc2's weight, fc1's and fc2's bias (make_call's order)
         h = self.hidden
         self.shapes = ((self.f1, h), (h,), (h,), (h, self.ffn), (self.f1,), (h,))
+        self.rest = self.shapes[1:]
 
 
 class Call:
@@ -121,66 +124,64 @@ def make_call(layer, plan, x, w, params, is_first_microbatch):
     the other tensors the Function reads (None allowed), in the order of
     plan.shapes."""
     c = Call()
-    c.layer, c.plan, c.first_mb = layer, plan, is_first_microbatch
-    c.fp8 = None
-    if _FP8State.FP8_CALIBRATION and not _FP8State.FP8_ENABLED:
-        raise NotImplementedError(f"{type(layer).__name__}: FP8 calibration (autocast(calibrating=True)) is not "
-                                  "implemented")
-    if _FP8State.FP8_ENABLED:  # the GEMMs run in FP8 (module/_fp8.py)
-        from ._fp8 import layer_call
+    c.layer, c.plan, c.first_mb, c.fp8 = layer, plan, is_first_microbatch, None
+    if _FP8State.FP8_ENABLED or _FP8State.FP8_CALIBRATION:
+        if not _FP8State.FP8_ENABLED:
+            raise NotImplementedError(f"{type(layer).__name__}: FP8 calibration (autocast(calibrating=True)) is "
+                                      "not implemented")
+        from ._fp8 import layer_call  # the GEMMs run in FP8 (module/_fp8.py)
         c.fp8 = layer_call(c, layer, x, _is_grad_enabled(), is_first_microbatch)
     dtype = w.dtype
-    ready = False
-    shapes = plan.shapes
-    if (type(x) is _Tensor and x.dtype is dtype and type(w) is _Parameter and w.is_contiguous()
-            and w.shape == shapes[0]):
-        sh = x.shape
-        ready = (len(sh) in (2, 3) and sh[-1] == plan.k and x.is_contiguous()
-                 and not (plan.sp_row and sh[0] % plan.size) and not _any_autocast())
-        if ready:
-            i = 1
-            for p in params:
-                if p is not None and not (type(p) is _Parameter and p.dtype is dtype and p.is_contiguous()
-                                          and p.shape == shapes[i]):
-                    ready = False
-                    break
-                i += 1
-        if ready:
-            index = _device_index(x, (w,) + tuple(params))
-            ready = index is not None
-    if ready:
-        d = _engine.engine_device(index if index >= 0 else x.device)
-        c.cast = False
+    d = _ready_device(plan, x, w, params, dtype)
+    if d is not None:
+        c.ready, c.cast = True, False
     else:
+        c.ready = False
         dtype, c.cast = compute_dtype(w)
         d = _engine.engine_device(_full_device(w.device))
-    c.ready, c.dtype, c.code = ready, dtype, _DTYPE_CODES[dtype]
+    c.dtype, c.code = dtype, _DTYPE_CODES[dtype]
     c.device, c.dev, c.ws, c.nbytes = d.device, d.code, d.ws, d.nbytes
-    c.stream = d.stream()
+    c.stream = 0 if d.code < 0 else d.stream()
     return c
+
+
+def _ready_device(plan, x, w, params, dtype):
+    """The engine Device of a ready call (see the module docstring), else
+    None: x a plain contiguous 2-D or 3-D tensor of dtype with plan.k
+    features (a row layer's sequence divisible over the group), w and each
+    tensor of params (None allowed) a contiguous Parameter of dtype and its
+    shape in plan.shapes, all on one CPU or CUDA device, no autocast."""
+    if type(x) is not _Tensor or x.dtype is not dtype or type(w) is not _Parameter or not w.is_contiguous():
+        return None
+    shapes = plan.shapes
+    sh = x.shape
+    if (w.shape != shapes[0] or len(sh) not in (2, 3) or sh[-1] != plan.k or not x.is_contiguous()
+            or plan.sp_row and sh[0] % plan.size or _any_autocast()):
+        return None
+    if x.is_cpu:
+        if not w.is_cpu:
+            return None
+        for p, shape in zip(params, plan.rest):
+            if p is not None and not (type(p) is _Parameter and p.dtype is dtype and p.is_cpu and p.is_contiguous()
+                                      and p.shape == shape):
+                return None
+        return _engine.engine_device(_CPU)
+    if not x.is_cuda:
+        return None
+    index = x.get_device()
+    if not w.is_cuda or w.get_device() != index:
+        return None
+    for p, shape in zip(params, plan.rest):
+        if p is not None and not (type(p) is _Parameter and p.dtype is dtype and p.is_cuda
+                                  and p.get_device() == index and p.is_contiguous() and p.shape == shape):
+            return None
+    return _engine.engine_device(index)
 
 
 def _full_device(device):
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _device_index(x, params):
-    """The CUDA ordinal of x when x and every tensor of params (None
-    allowed) lie on it, -1 when all are on the CPU, else None."""
-    if x.is_cpu:
-        for p in params:
-            if p is not None and not p.is_cpu:
-                return None
-        return -1
-    if not x.is_cuda:
-        return None
-    index = x.get_device()
-    for p in params:
-        if p is not None and (not p.is_cuda or p.get_device() != index):
-            return None
-    return index
 
 
 def check_params(named, dtype, device, shapes):

@@ -132,7 +132,7 @@ def grown(t, size, tmp=None):
     tmp (the engine's device code, the stream, the role) a temporary."""
     sh = t.shape
     shape = (sh[0] * size,) + tuple(sh[1:])
-    return t.new_empty(shape) if tmp is None else temp(t, shape, *tmp)
+    return t.new_empty(*shape) if tmp is None else temp(t, shape, *tmp)
 
 
 def gather(x, tp, async_op=False, tmp=None):
@@ -160,6 +160,19 @@ def _bias_grad(call, dy, n):
 def _rows(t):
     sh = t.shape
     return sh[0] if len(sh) == 2 else sh[0] * sh[1]
+
+
+def new_rows(t, n):
+    """A fresh tensor of t's (2-D or 3-D) leading dims with n features. Sizes
+    are passed as ints: torch parses a torch.Size argument several times
+    slower, a cost that shows on every call at small shapes."""
+    sh = t.shape
+    return t.new_empty(sh[0], n) if len(sh) == 2 else t.new_empty(sh[0], sh[1], n)
+
+
+def new_like(t):
+    """A fresh contiguous tensor of t's (2-D or 3-D) shape (ints, see new_rows)."""
+    return t.new_empty(*t.shape)
 
 
 def _as_2d(t):
@@ -284,25 +297,21 @@ def fprop(call, tp, ub, x, w, b, gi=0):
         y = fprop_overlap(call, tp, ub, _as_2d(x), w, b)
         if y is not None:
             return y
-    dev, stream = call.dev, call.stream
-    if tp.mode == "column":
-        if tp.sp and tp.size > 1:
-            x = gather(x, tp, tmp=(dev, stream, T_GATHERED))
-            y = x.new_empty(x.shape[:-1] + (n,))
-            gemm(call, _rows(x), n, k, x, w, b, y, local=False)
-            return y
-        y = x.new_empty(x.shape[:-1] + (n,))
-        gemm(call, _rows(x), n, k, x, w, b, y)
-        return y
-    if tp.mode == "row":
-        y = x.new_empty(out_dims(x, n, tp))
-        out = temp(x, x.shape[:-1] + (n,), dev, stream, T_PARTIAL) if tp.sp and tp.size > 1 else y
+    mode = tp.mode
+    if mode == "row":
+        y = x.new_empty(*out_dims(x, n, tp))
+        out = temp(x, x.shape[:-1] + (n,), call.dev, call.stream, T_PARTIAL) if tp.sp and tp.size > 1 else y
         gemm(call, _rows(x), n, k, x, w, None, out)
         _reduce(out, y, tp)
         if b is not None:
             y += b
         return y
-    y = x.new_empty(x.shape[:-1] + (n,))
+    if mode == "column" and tp.sp and tp.size > 1:
+        x = gather(x, tp, tmp=(call.dev, call.stream, T_GATHERED))
+        y = new_rows(x, n)
+        gemm(call, _rows(x), n, k, x, w, b, y, local=False)
+        return y
+    y = new_rows(x, n)  # no collective: one GEMM into the output
     gemm(call, _rows(x), n, k, x, w, b, y)
     return y
 
@@ -329,8 +338,8 @@ def norm(call, x, gamma, beta, eps, zcg, keep, out=None):
     k = x.shape[-1]
     rows = _rows(x)
     if out is None:
-        out = x.new_empty(x.shape) if keep else temp(x, x.shape, call.dev, call.stream, T_LN_OUT)
-    stats, sp = norm_stats(x.device, rows, beta is None, keep)
+        out = new_like(x) if keep else temp(x, x.shape, call.dev, call.stream, T_LN_OUT)
+    stats, sp = norm_stats(call.device, rows, beta is None, keep)
     mu, rsigma = _mu_rsigma(sp, rows, beta is None)
     if rows == 0:  # no tokens: nothing to normalise
         return out, stats
@@ -362,17 +371,17 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
         if tp.mode == "column" and tp.sp and tp.size > 1:
             dev, stream = call.dev, call.stream
             ln_total = gather(ln_out, tp, tmp=None if want_gathered else (dev, stream, T_GATHERED))
-            y = x.new_empty(ln_total.shape[:-1] + (n,))
+            y = new_rows(ln_total, n)
             gemm(call, _rows(ln_total), n, k, ln_total, w, b, y, local=False)
             return y, ln_out, stats, (ln_total if want_gathered else None)
         return fprop(call, tp, ub, ln_out, w, b), ln_out, stats, None
     # one engine call: the norm, then the GEMM (a row layer's partial product, reduced, then the bias)
     dev, stream = call.dev, call.stream
-    ln_out = x.new_empty(x.shape) if keep else temp(x, x.shape, dev, stream, T_LN_OUT)
-    stats, sp = norm_stats(x.device, rows, beta is None, keep)
+    ln_out = new_like(x) if keep else temp(x, x.shape, dev, stream, T_LN_OUT)
+    stats, sp = norm_stats(call.device, rows, beta is None, keep)
     mu, rsigma = _mu_rsigma(sp, rows, beta is None)
     row = tp.mode == "row"
-    y = x.new_empty(out_dims(x, n, tp))
+    y = x.new_empty(*out_dims(x, n, tp))
     out = temp(x, x.shape[:-1] + (n,), dev, stream, T_PARTIAL) if row and tp.sp and tp.size > 1 else y
     if rows == 0:  # no tokens: an empty output (a row layer still takes part in the reduction)
         if row:
@@ -413,7 +422,7 @@ def act_fwd(call, act, x, keep, params):
     rows, f1 = _rows(x), x.shape[-1]
     cols = f1 // 2 if act >= 16 else f1
     shape = x.shape[:-1] + (cols,)
-    a = x.new_empty(shape) if keep else temp(x, shape, call.dev, call.stream, T_ACT_OUT)
+    a = new_rows(x, cols) if keep else temp(x, shape, call.dev, call.stream, T_ACT_OUT)
     _C.act_fwd(call.dev, act, call.code, rows, cols, x.data_ptr(), 0, a.data_ptr(), params[0], params[1], params[2],
                call.stream)
     return a
@@ -432,7 +441,7 @@ def act_bwd(call, act, dact, h, want_dbias, params, keep):
         db = h.new_empty(f1)
         nbytes = _C.act_bwd_workspace_bytes(dev, act, rows, cols)
         ws = temp_bytes(h, nbytes, dev, stream, T_ACT_WS) if nbytes else None  # held until the call returns
-    dh = h.new_empty(h.shape) if keep else temp(h, h.shape, dev, stream, T_DH)
+    dh = new_like(h) if keep else temp(h, h.shape, dev, stream, T_DH)
     _C.act_bwd(dev, act, call.code, rows, cols, dact.data_ptr(), h.data_ptr(), dh.data_ptr(),
                0 if db is None else db.data_ptr(), 0 if ws is None else ws.data_ptr(), nbytes, params[0], params[1],
                params[2], stream)
@@ -464,25 +473,41 @@ def linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out=None, gi=0):
 def _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     if dy.dim() != x.dim():  # a 2-D output (a communicator's) of a 3-D input
         dy = dy.view((-1,) + tuple(x.shape[1:-1]) + (dy.shape[-1],))
-    if _rows(dy) == 0 or _rows(x) == 0:
+    if dy.numel() == 0 or x.numel() == 0:  # no tokens (the feature dims are never 0)
         return _no_tokens_backward(dy, x, w, need_dx, wg, dx_out)
-    if tp.mode == "row":
+    mode = tp.mode
+    if mode == "row":
         return _row_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
-    if not ub.enabled:
+    if ub.enabled:
+        try:
+            with _held(ub):
+                return _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
+        except BaseException:
+            for comm in ub.comms.values():  # no bulk operation is left pending
+                comm._abandon()
+            raise
+    if mode == "column" and tp.sp:
         return _column_backward(call, tp, NO_UB, dy, x, w, need_dx, wg, dx_out)
-    try:
-        with _held(ub):
-            return _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out)
-    except BaseException:
-        for comm in ub.comms.values():  # no bulk operation is left pending
-            comm._abandon()
-        raise
+    # No gather (no parallel mode, or a column layer without sequence
+    # parallelism): dgrad and wgrad in one engine call, then dgrad's
+    # all-reduce over the group (a column layer on several ranks).
+    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
+    dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, wg is not None and wg.with_bias)
+    if dx is not None and mode == "column" and tp.size > 1:
+        all_reduce(dx, tp.group, tp.size)
+    if wg is not None:
+        if not wg.plain:
+            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
+            dw, db = wg(_as_2d(dy), _as_2d(x), NO_UB, fp8=ops)
+        elif not wg.need_w:
+            db = _bias_grad(call, dy, w.shape[0]) if wg.with_bias else None
+    return dx, dw, db
 
 
 def _no_tokens_backward(dy, x, w, need_dx, wg, dx_out):
     """A call without tokens: dx empty, the parameters' gradients zeros (or
     the Wgrad step's, which handles empty products)."""
-    dx = (dx_out if dx_out is not None else x.new_empty(x.shape)) if need_dx else None
+    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
     if wg is None:
         return dx, None, None
     if not wg.plain:
@@ -549,17 +574,7 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
     sp = column and tp.sp
     f = ub.flags if ub.enabled else _NO_FLAGS
     need_w = wg is not None
-    dx = (dx_out if dx_out is not None else x.new_empty(x.shape)) if need_dx else None
-    if not sp and not ub.enabled:  # no gather: dgrad and wgrad in one engine call, then dgrad's all-reduce
-        dw, db = _fused_linear_bwd(call, _rows(dy), dy, x, w, dx, wg, need_w and wg.with_bias)
-        if dx is not None and column:
-            all_reduce(dx, tp.group, tp.size)
-        if need_w and not wg.plain:
-            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
-            dw, db = wg(_as_2d(dy), _as_2d(x), ub, fp8=ops)
-        elif need_w and not wg.need_w:
-            db = _bias_grad(call, dy, n) if wg.with_bias else None
-        return dx, dw, db
+    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
     xt = gathering = bulk_gather = None
     if need_w:
         bulk_gather = ub.comms["dgrad"] if f["ub_bulk_dgrad"] else wgrad_gather_comm(_as_2d(x), w, tp, ub)
@@ -670,7 +685,7 @@ def _row_backward(call, tp, ub, dy_local, x, w, need_dx, wg, dx_out):
     sp = tp.sp and tp.size > 1
     dy = gather(dy_local, tp, tmp=(call.dev, call.stream, T_DY) if wg is None or wg.plain else None) if sp \
         else dy_local
-    dx = (dx_out if dx_out is not None else x.new_empty(x.shape)) if need_dx else None
+    dx = (dx_out if dx_out is not None else new_like(x)) if need_dx else None
     need_w = wg is not None
     if need_w and (not wg.plain or not wg.need_w):
         if dx is not None:
@@ -691,7 +706,7 @@ def norm_backward(call, dln, x, stats, gamma, zcg, rms, dx=None):
     k = x.shape[-1]
     rows = _rows(x)
     dev, stream = call.dev, call.stream
-    dx = x.new_empty(x.shape) if dx is None else dx
+    dx = new_like(x) if dx is None else dx
     dgamma = gamma.new_empty(k)
     dbeta = None if rms else gamma.new_empty(k)
     if rows == 0:  # no tokens: zero parameter gradients
@@ -729,7 +744,7 @@ def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w,
     dy_local = dy
     if sp:
         dy = gather(dy, tp, tmp=(dev, stream, T_DY))
-    dx = x.new_empty(x.shape)
+    dx = new_like(x)
     dgamma = gamma.new_empty(k)
     dbeta = None if rms else gamma.new_empty(k)
     dw = db = None

@@ -7,8 +7,10 @@ is reduce-scattered into its shard (module/_weights.py).
 
 WeightGrads is one GEMM's policy and the owner of its delayed work; it reads
 only the module's public attributes (its parameters by name,
-fuse_wgrad_accumulation, delay_wgrad_compute). Wgrad is one backward's use of
-it."""
+fuse_wgrad_accumulation, delay_wgrad_compute), on every backward. Wgrad is
+one backward's use of it; a plain one (neither fused, delayed nor
+distributed) holds nothing of that backward, so each WeightGrads makes it once
+per kind (bias or not, local bias, frozen weight or not) and reuses it."""
 import torch
 
 from .. import _engine
@@ -22,11 +24,15 @@ class WeightGrads:
     left for backward_dw() (with the bias gradients that come from another
     step, e.g. LayerNormMLP's fc1 bias from the activation's backward)."""
 
-    __slots__ = ("module", "weight_names", "bias_names", "queue", "bias_queue")
+    __slots__ = ("module", "weight_names", "bias_names", "queue", "bias_queue", "plain_steps")
 
     def __init__(self, module, weight_names, bias_names):
         self.module, self.weight_names, self.bias_names = module, list(weight_names), list(bias_names)
         self.queue, self.bias_queue = [], []
+        # The plain Wgrads (neither fused, delayed nor distributed), which
+        # hold nothing of one backward: made once per (with_bias,
+        # bias_from_local, need_w) and shared by every backward.
+        self.plain_steps = [None] * 8
 
     @property
     def fuse(self):
@@ -41,7 +47,14 @@ class WeightGrads:
 
     def step(self, weight, with_bias, is_first_microbatch, bias_from_local=False, need_w=True):
         """The Wgrad of one backward (see Wgrad)."""
-        return Wgrad(self, weight, with_bias, is_first_microbatch, bias_from_local, need_w)
+        module = self.module
+        if module.fuse_wgrad_accumulation or module.delay_wgrad_compute or is_distributed_weight(weight):
+            return Wgrad(self, weight, with_bias, is_first_microbatch, bias_from_local, need_w)
+        i = 4 * bool(with_bias) + 2 * bool(bias_from_local) + bool(need_w)
+        wg = self.plain_steps[i]
+        if wg is None:
+            wg = self.plain_steps[i] = Wgrad(self, None, with_bias, is_first_microbatch, bias_from_local, need_w)
+        return wg
 
     def pending(self):
         return bool(self.queue or self.bias_queue)

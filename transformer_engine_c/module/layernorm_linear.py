@@ -98,8 +98,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         need = ctx.needs_input_grad
         wg = None
         if need[3] or need[4]:
-            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[4], call.first_mb,
-                                       bias_from_local=tp.mode == "row" and tp.sp, need_w=need[3])
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[4], call.first_mb, tp.mode == "row" and tp.sp,
+                                       need[3])
         dx, dgamma, dbeta, dw, db = _steps.norm_linear_backward(call, tp, layer.ub, dy, x, ln_out, stats, g,
                                                                 plan.zcg, plan.rms, w, wg, extra)
         if not call.ready:
@@ -161,9 +161,12 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
         plan = self._plan or self._make_plan()
-        weight = self._weight_tensor()
-        b = self._bias_tensor()
         params = self._parameters
+        if plan.single:
+            weight = params[plan.weight]
+            b = None if plan.bias is None else params[plan.bias]
+        else:
+            weight, b = self._weight_tensor(), self._bias_tensor()
         g = params.get("layer_norm_weight")
         if g is None:
             g = self.layer_norm_weight

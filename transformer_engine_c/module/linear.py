@@ -65,7 +65,7 @@ class _LinearFn(torch.autograd.Function):
             ctx.objects = None
         if call.ready:
             w = weight
-            check_saved(w, dtype, (layer.out_local, layer.in_local), "weight")
+            check_saved(w, dtype, call.plan.shapes[0], "weight")
         else:
             if layer.save_original_input:
                 x = as_2d(cast(x, dtype))
@@ -76,8 +76,8 @@ class _LinearFn(torch.autograd.Function):
         tp = layer.tp
         wg = None
         if need[1] or need[2]:
-            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[2], call.first_mb,
-                                       bias_from_local=tp.mode == "row" and tp.sp, need_w=need[1])
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[2], call.first_mb, tp.mode == "row" and tp.sp,
+                                       need[1])
         dx, dw, db = _steps.linear_backward(call, tp, layer.ub, dy, x, w, need[0], wg)
         if dx is not None and not call.ready:
             dx = like_input(dx, ctx.inp_shape)
@@ -132,8 +132,12 @@ class Linear(TransformerEngineBaseModule):
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
         plan = self._plan or self._make_plan()
-        weight = self._weight_tensor()
-        b = self._bias_tensor()
+        if plan.single:
+            params = self._parameters
+            weight = params[plan.weight]
+            b = None if plan.bias is None else params[plan.bias]
+        else:
+            weight, b = self._weight_tensor(), self._bias_tensor()
         call = make_call(self, plan, inp, weight, (b,), is_first_microbatch)
         bias = None if self.return_bias else b
         if _is_grad_enabled():
