@@ -37,8 +37,10 @@ of dY and X (128x1 blocks of the originals, quantized from the
 high-precision values); a re-cast of a forward value (a re-gathered X, a
 recompute) gives the same bytes, since nothing but the values decides them.
 
-Weights are quantized (with their transpose, when backward will run) on
-every call, or, when the caller passes is_first_microbatch, on the first
+A Float8Tensor weight (FP8 primary weights, quantized_model_init) enters
+the GEMMs as it is: its bytes and scale_inv, its transpose made once per
+change of the weight (FP8Call._primary_weight). Other weights are quantized
+(with their transpose, when backward will run) on every call, or, when the caller passes is_first_microbatch, on the first
 micro-batch and reused from the layer's cache until the next first one (TE's
 weight caching: a weight changed between micro-batches of a step is not
 re-read).
@@ -57,6 +59,7 @@ from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from ..tensor.float8_tensor import Float8Tensor
 
 _U8, _F32 = torch.uint8, torch.float32
 _CODES, _MAX = E.FP8_DTYPES, E.FP8_MAX
@@ -280,6 +283,11 @@ class FP8Call:
         gi, layer = self.gi, self.layer
         if self.recomputing:
             return self.weights[gi]
+        if isinstance(w, Float8Tensor):  # an FP8 primary weight: its own bytes, no cast
+            q = self._primary_weight(w)
+            if self.grad:
+                self.weights[gi] = q
+            return q
         cache = layer.__dict__.setdefault("_fp8_weights", {})
         kept = cache.get(gi)
         if (self.first_mb is False and kept is not None and kept.dtype is self.fwd
@@ -295,6 +303,25 @@ class FP8Call:
         if self.grad:
             self.weights[gi] = q
         return q
+
+    def _primary_weight(self, w):
+        """The Operand of a Float8Tensor weight (FP8 primary weights): its
+        `_data` and `_scale_inv` as they are, and, when backward runs, its
+        transpose, made from the bytes once after each change of the weight
+        and kept with it (Float8Tensor.get_transpose; an in-place update
+        drops it). Per-tensor weights only: under block scaling, or when its
+        format is not the recipe's forward one, the weight is refused."""
+        if self.blocks is not None:
+            raise ValueError(f"{type(self.layer).__name__}: a per-tensor Float8Tensor weight (built under "
+                             "quantized_model_init with a per-tensor recipe) cannot enter a Float8BlockScaling "
+                             "GEMM; build the model under the recipe it trains with")
+        if w._fp8_dtype != self.fwd:
+            raise ValueError(f"{type(self.layer).__name__}: the Float8Tensor weight is {w._fp8_dtype}, the recipe's "
+                             f"forward format is {self.fwd}")
+        if w._data is None:
+            raise ValueError(f"{type(self.layer).__name__}: the Float8Tensor weight holds no rowwise data")
+        data_t = w.get_transpose() if self.grad else None
+        return Operand(w._data, data_t, None, w._scale_inv, w._fp8_dtype)
 
     def grad_output(self, dy):
         """GEMM gi's output gradient in FP8: rowwise for dgrad, its transpose
