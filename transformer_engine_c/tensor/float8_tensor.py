@@ -179,6 +179,11 @@ class Float8Tensor(QuantizedTensor):
                 raise RuntimeError("Float8Tensor.copy_: the destination has no quantizer to cast with")
             dst.quantize_(src if isinstance(src, Float8Tensor) else src.expand(dst.shape))
             return dst
+        if func is _aten._to_copy.default and isinstance(args[0], Float8Tensor):  # .to(dtype), .float(): values
+            t = args[0]
+            vals = t.dequantize(dtype=kwargs.get("dtype") or t.dtype)
+            rest = {k: v for k, v in kwargs.items() if k in ("device", "layout", "pin_memory", "memory_format")}
+            return _aten._to_copy.default(vals, **rest) if rest else vals
         if func in (_aten.view.default, _aten._unsafe_view.default) and args[0]._data is not None:
             t = args[0]
             data = t._data.view(args[1])
