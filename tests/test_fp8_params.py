@@ -421,3 +421,34 @@ def test_bench_fp8_params_runs_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--fp8", "--fp8-params", "--device",
                           "cpu", "--hidden", "100"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--hidden" in bad.stderr
+
+
+# ------------------------------------------------------------ sharded
+
+
+def test_distributed_weight_of_fp8_shards_gathers_in_fp8():
+    """tests/distributed/run_fp8_distributed_weight.py on 2 ranks (gloo):
+    the gather moves uint8 bytes with one agreed scale, the layer's results
+    equal the unsharded FP8 weight's, and its negative case (no amax
+    reduction: the gather must re-scale) holds."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "distributed"))
+    from launch import run_torchrun
+    out = run_torchrun("run_fp8_distributed_weight.py", 2, timeout=300)
+    assert "2 ranks" in out
+
+
+def test_distributed_weight_of_an_fp8_shard_on_one_rank():
+    recipe = Float8CurrentScaling()
+    m = fp8_layer("Linear", recipe)
+    full = m.weight
+    w = te.DistributedWeight(full.detach())
+    assert type(w).__name__ == "Float8DistributedWeight" and isinstance(w, torch.nn.Parameter)
+    assert w.is_distributed_weight and w.world_size == 1 and w._data is full._data
+    g = w.materialize()
+    assert type(g) is Float8Tensor and g._data is full._data and w.gather_count == 1
+    ref = bf16_twin(m, "Linear")
+    m.weight = w
+    x = torch.randn(16, 64, dtype=BF16)
+    got = step(m, x, recipe)
+    assert w.gather_count == 3 and w.grad is not None and w.grad.dtype == BF16  # forward and backward gather
+    assert same(got, step(ref, x, recipe))
