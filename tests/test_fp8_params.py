@@ -28,13 +28,21 @@ BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 RECIPES = {"delayed": DelayedScaling, "current": lambda: Float8CurrentScaling(
     fp8_quant_fwd_weight=QParams(power_2_scale=True))}
 LAYERS = {
-    "Linear": lambda: te.Linear(64, 32, params_dtype=BF16, device="cpu"),
-    "LayerNormLinear": lambda: te.LayerNormLinear(64, 96, params_dtype=BF16, device="cpu"),
-    "LayerNormMLP": lambda: te.LayerNormMLP(64, 128, params_dtype=BF16, device="cpu"),
-    "LayerNormMLP-checkpoint": lambda: te.LayerNormMLP(64, 128, params_dtype=BF16, device="cpu", checkpoint=True),
+    "Linear": lambda d: te.Linear(64, 32, params_dtype=BF16, device=d),
+    "LayerNormLinear": lambda d: te.LayerNormLinear(64, 96, params_dtype=BF16, device=d),
+    "LayerNormMLP": lambda d: te.LayerNormMLP(64, 128, params_dtype=BF16, device=d),
+    "LayerNormMLP-checkpoint": lambda d: te.LayerNormMLP(64, 128, params_dtype=BF16, device=d, checkpoint=True),
 }
 WEIGHTS = {"Linear": ["weight"], "LayerNormLinear": ["weight"], "LayerNormMLP": ["fc1_weight", "fc2_weight"],
            "LayerNormMLP-checkpoint": ["fc1_weight", "fc2_weight"]}
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def dev(request):
+    """The device of a test that runs on both (CUDA where there is a GPU)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine (GPU tests run on the GPU machines)")
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -45,14 +53,14 @@ def fresh_state():
     G.reset()
 
 
-def fp8_layer(kind, recipe):
+def fp8_layer(kind, recipe, device="cpu"):
     with te.quantized_model_init(enabled=True, recipe=recipe):
-        return LAYERS[kind]()
+        return LAYERS[kind](device)
 
 
 def bf16_twin(m8, kind):
     """The same layer with plain bf16 parameters holding m8's (dequantized) values."""
-    ref = LAYERS[kind]()
+    ref = LAYERS[kind](next(m8.parameters()).device)
     with torch.no_grad():
         for name, p in m8.named_parameters():
             getattr(ref, name).copy_(p.dequantize() if isinstance(p, Float8Tensor) else p)
@@ -80,8 +88,8 @@ def same(a, b):
 
 @pytest.mark.parametrize("rname", RECIPES)
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
-def test_weights_are_float8_tensor_parameters_with_te_attributes(kind, rname):
-    m = fp8_layer(kind, RECIPES[rname]())
+def test_weights_are_float8_tensor_parameters_with_te_attributes(kind, rname, dev):
+    m = fp8_layer(kind, RECIPES[rname](), dev)
     assert m.primary_weights_in_fp8
     for name, p in m.named_parameters():
         if name not in WEIGHTS[kind]:  # norms and biases stay bf16
@@ -98,7 +106,7 @@ def test_weights_are_float8_tensor_parameters_with_te_attributes(kind, rname):
         assert type(d) is torch.Tensor and d.dtype == BF16 and d.shape == p.shape
         assert 0.005 < d.float().std().item() < 0.05  # TE's normal(0, 0.023) init, in FP8
     with te.quantized_model_init(enabled=False):
-        plain = LAYERS[kind]()
+        plain = LAYERS[kind]("cpu")
     assert not plain.primary_weights_in_fp8
     assert all(type(p) is torch.nn.Parameter for p in plain.parameters())
 
@@ -118,14 +126,14 @@ def test_split_weights_and_the_older_name():
 
 @pytest.mark.parametrize("rname", RECIPES)
 @pytest.mark.parametrize("kind", list(LAYERS))
-def test_fp8_weights_match_a_bf16_layer_holding_their_values(kind, rname):
+def test_fp8_weights_match_a_bf16_layer_holding_their_values(kind, rname, dev):
     """Forward and backward in FP8 are bit-exact against the same layer whose
     bf16 weights are the dequantized values (the twin quantizes them to the
     same bytes); a twin whose weight differs in one element is not."""
     recipe = RECIPES[rname]()
-    m8 = fp8_layer(kind, recipe)
+    m8 = fp8_layer(kind, recipe, dev)
     ref = bf16_twin(m8, kind)
-    x = torch.randn(16, 64, dtype=BF16)
+    x = torch.randn(16, 64, dtype=BF16, device=dev)
     got = step(m8, x, recipe)
     assert same(got, step(ref, x, recipe))
     bad = bf16_twin(m8, kind)
@@ -163,16 +171,16 @@ def count_weight_casts(monkeypatch):
 
 
 @pytest.mark.parametrize("rname", RECIPES)
-def test_the_gemms_read_the_weight_bytes_without_a_cast(monkeypatch, rname):
+def test_the_gemms_read_the_weight_bytes_without_a_cast(monkeypatch, rname, dev):
     recipe = RECIPES[rname]()
-    m8 = fp8_layer("LayerNormMLP", recipe)
+    m8 = fp8_layer("LayerNormMLP", recipe, dev)
     ref = bf16_twin(m8, "LayerNormMLP")
     calls = count_weight_casts(monkeypatch)
     operands = []
     real = _fp8.FP8Call._primary_weight
     monkeypatch.setattr(_fp8.FP8Call, "_primary_weight", lambda self, w: operands.append((w, real(self, w)))
                         or operands[-1][1])
-    x = torch.randn(16, 64, dtype=BF16)
+    x = torch.randn(16, 64, dtype=BF16, device=dev)
     step(m8, x, recipe)
     assert calls == []
     assert [w for w, _ in operands] == [m8.fc1_weight, m8.fc2_weight]
@@ -182,11 +190,11 @@ def test_the_gemms_read_the_weight_bytes_without_a_cast(monkeypatch, rname):
     assert calls == [1, 4]
 
 
-def test_the_transpose_is_made_once_per_weight_update():
+def test_the_transpose_is_made_once_per_weight_update(dev):
     recipe = DelayedScaling()
-    m8 = fp8_layer("Linear", recipe)
+    m8 = fp8_layer("Linear", recipe, dev)
     w = m8.weight
-    x = torch.randn(16, 64, dtype=BF16)
+    x = torch.randn(16, 64, dtype=BF16, device=dev)
     with torch.no_grad(), te.autocast(recipe=recipe):
         m8(x)
     assert w._transpose is None  # no backward: no transpose
@@ -220,15 +228,15 @@ def train(m, o, x, target, recipe, steps=6):
 
 @pytest.mark.parametrize("opt", ["SGD", "Adam"])
 @pytest.mark.parametrize("rname", ["delayed", "current"])
-def test_optimizers_train_fp8_weights_in_place(opt, rname):
+def test_optimizers_train_fp8_weights_in_place(opt, rname, dev):
     recipe = DelayedScaling() if rname == "delayed" else Float8CurrentScaling()
-    m8 = fp8_layer("LayerNormMLP", recipe)
+    m8 = fp8_layer("LayerNormMLP", recipe, dev)
     w = m8.fc1_weight
     data, scale_inv = w._data, w._scale_inv
     before = (data.clone(), scale_inv.clone())
     o = torch.optim.SGD(m8.parameters(), lr=5.0) if opt == "SGD" else torch.optim.Adam(m8.parameters(), lr=1e-2)
-    x = torch.randn(32, 64, dtype=BF16)
-    target = torch.randn(32, 64, dtype=BF16)
+    x = torch.randn(32, 64, dtype=BF16, device=dev)
+    target = torch.randn(32, 64, dtype=BF16, device=dev)
     losses = train(m8, o, x, target, recipe)
     assert losses[-1] < 0.9 * losses[0], losses
     assert m8.fc1_weight is w and type(w) is Float8Tensor
@@ -269,17 +277,17 @@ def test_an_in_place_update_requantizes_with_the_quantizers_scale():
     assert hist[0, 1].item() == pytest.approx(wd.dequantize().abs().max().item(), rel=0.07)
 
 
-def test_main_grad_with_fuse_wgrad_accumulation_matches_the_bf16_layer():
+def test_main_grad_with_fuse_wgrad_accumulation_matches_the_bf16_layer(dev):
     recipe = DelayedScaling()
     with te.quantized_model_init(recipe=recipe):
-        m8 = te.Linear(64, 32, params_dtype=BF16, device="cpu", fuse_wgrad_accumulation=True)
-    ref = te.Linear(64, 32, params_dtype=BF16, device="cpu", fuse_wgrad_accumulation=True)
+        m8 = te.Linear(64, 32, params_dtype=BF16, device=dev, fuse_wgrad_accumulation=True)
+    ref = te.Linear(64, 32, params_dtype=BF16, device=dev, fuse_wgrad_accumulation=True)
     with torch.no_grad():
         ref.weight.copy_(m8.weight.dequantize())
         ref.bias.copy_(m8.bias)
-    x = torch.randn(16, 64, dtype=BF16)
+    x = torch.randn(16, 64, dtype=BF16, device=dev)
     for m in (m8, ref):
-        m.weight.main_grad = torch.zeros(32, 64)
+        m.weight.main_grad = torch.zeros(32, 64, device=dev)
         for first in (True, False):
             with te.autocast(recipe=recipe):
                 y = m(x, is_first_microbatch=first)
@@ -329,7 +337,7 @@ def test_state_dict_round_trip():
     assert torch.equal(m.fp8_meta["scaling_fwd"].scale, m2.fp8_meta["scaling_fwd"].scale)
     with torch.no_grad(), te.autocast(recipe=recipe):
         assert torch.equal(m(x), m2(x))
-    plain = LAYERS["LayerNormMLP"]()  # into bf16 parameters: the dequantized values
+    plain = LAYERS["LayerNormMLP"]("cpu")  # into bf16 parameters: the dequantized values
     plain.load_state_dict(sd)
     assert torch.equal(plain.fc1_weight, m.fc1_weight.dequantize())
     m3 = fp8_layer("LayerNormMLP", recipe)  # from bf16 parameters: quantized into the FP8 storage
@@ -390,17 +398,17 @@ def test_a_per_tensor_weight_refuses_block_scaling_and_a_lost_quantizer():
 # ------------------------------------------------------------ memory
 
 
-def test_parameter_memory_is_at_most_0_6_of_bf16():
+def test_parameter_memory_is_at_most_0_6_of_bf16(dev):
     """A memory fact (bytes): FP8 primary weights hold <= 0.6x the bf16
     model's parameter bytes, built and after a training step; the measure
     counts a held transpose (so it is not blind to one)."""
     recipe = DelayedScaling()
-    hp = bench.build(te, 256, False, recipe, "cpu")
-    f8 = bench.build(te, 256, True, recipe, "cpu")
+    hp = bench.build(te, 256, False, recipe, dev)
+    f8 = bench.build(te, 256, True, recipe, dev)
     ratio = bench.param_bytes(f8) / bench.param_bytes(hp)
     assert ratio <= 0.6, ratio
     opt = torch.optim.SGD(f8.parameters(), lr=1e-3)
-    bench.train_step(te, f8, torch.randn(32, 256, dtype=BF16), recipe, opt)
+    bench.train_step(te, f8, torch.randn(32, 256, dtype=BF16, device=dev), recipe, opt)
     assert bench.param_bytes(f8) / bench.param_bytes(hp) <= 0.6
     w = f8[0].fc1_weight
     held = bench.param_bytes(f8)

@@ -39,8 +39,11 @@ recompute) gives the same bytes, since nothing but the values decides them.
 
 A Float8Tensor weight (FP8 primary weights, quantized_model_init) enters
 the GEMMs as it is: its bytes and scale_inv, its transpose made once per
-change of the weight (FP8Call._primary_weight). Other weights are quantized
-(with their transpose, when backward will run) on every call, or, when the caller passes is_first_microbatch, on the first
+change of the weight (FP8Call._primary_weight); what follows is about the
+other weights.
+
+Weights are quantized (with their transpose, when backward will run) on
+every call, or, when the caller passes is_first_microbatch, on the first
 micro-batch and reused from the layer's cache until the next first one (TE's
 weight caching: a weight changed between micro-batches of a step is not
 re-read).
