@@ -28,7 +28,7 @@ from .. import userbuffers as _ub
 from .._fp8_meta import fp8_dtype_of, make_fp8_meta
 from ..quantization import FP8GlobalStateManager as _FP8State
 from ..recipe import DelayedScaling
-from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8ParamQuantizer
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8ParamQuantizer, Float8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
 from . import _extra_state
 from ._config import TPConfig, UBConfig, check_same_size
@@ -430,7 +430,9 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         else:
             full = w
         if isinstance(full, QuantizedTensor):
-            return full if fp8 and full.dtype == dtype else full.dequantize(dtype=dtype)
+            if fp8 and type(full) is Float8Tensor and full.dtype == dtype:
+                return full
+            return full.dequantize(dtype=dtype)
         if full.dtype != dtype:
             return full.to(dtype, memory_format=torch.contiguous_format)
         return full if full.is_contiguous() else full.contiguous()  # torch accepts any layout; so do we

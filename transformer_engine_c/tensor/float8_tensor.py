@@ -106,6 +106,11 @@ class Float8Tensor(QuantizedTensor):
         self._quantizer.update_quantized(tensor, self, noop_flag=noop_flag)
         return self
 
+    def _reset_caches(self):
+        """Drop the cached transpose (TE's name; Megatron calls it after
+        writing the bytes directly)."""
+        self._transpose, self._transpose_invalid = None, True
+
     def storage_bytes(self):
         """Bytes this tensor holds: the FP8 data, its transpose when kept,
         and the scale_inv."""

@@ -1,8 +1,8 @@
 """TransformerEngine's `QuantizedTensor`: the base class of quantized
 parameter and activation tensors, for code that tests `isinstance(t,
-QuantizedTensor)` (Megatron-Core does, to find FP8 parameters). No tensor
-of this package is one unless a subclass makes it; the base class itself
-cannot be instantiated."""
+QuantizedTensor)` (Megatron-Core does, to find FP8 parameters). This
+package's one subclass is Float8Tensor (float8_tensor.py: FP8 primary
+weights, the quantizers' outputs); the base class itself cannot be instantiated."""
 import torch
 
 __all__ = ["QuantizedTensor"]
