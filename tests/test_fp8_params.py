@@ -5,6 +5,7 @@ transpose made once per weight update); outside an autocast the layers
 dequantize; optimizers update them in place; state_dicts round-trip; the
 parameter memory is at most 0.6x the bf16 model's; the errors name what is
 wrong. Each comparison has a negative case showing it catches a fault."""
+import copy
 import io
 import json
 import subprocess
@@ -315,6 +316,22 @@ def test_tensor_operations_behave_as_te():
     assert type(r) is Float8Tensor and torch.equal(r.dequantize(), w.dequantize().reshape(64, 32))
     s = w * 2
     assert type(s) is torch.Tensor and torch.equal(s, w.dequantize() * 2)
+
+
+def test_a_deep_copied_model_has_its_own_bytes_and_scales():
+    recipe = DelayedScaling()
+    m = fp8_layer("LayerNormMLP", recipe)
+    m2 = copy.deepcopy(m)
+    w, w2 = m.fc1_weight, m2.fc1_weight
+    assert type(w2) is Float8Tensor and isinstance(w2, torch.nn.Parameter) and w2.requires_grad
+    assert torch.equal(w2._data, w._data) and w2._data.data_ptr() != w._data.data_ptr()
+    assert w2._quantizer.scale.data_ptr() == m2.fp8_meta["scaling_fwd"].scale[1:2].data_ptr()
+    x = torch.randn(16, 64, dtype=BF16)
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        assert torch.equal(m(x), m2(x))
+    with torch.no_grad():
+        w2.mul_(2)
+    assert not torch.equal(w2.dequantize(), w.dequantize())  # the original is untouched
 
 
 def test_state_dict_round_trip():

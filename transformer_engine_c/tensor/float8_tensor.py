@@ -22,6 +22,7 @@ policy decides the new scale) and drop the cached transpose; detach / alias
 and view / reshape share the bytes, clone copies them, copy_ from another
 Float8Tensor of the same format copies bytes and scale; everything else
 (`.float()`, `.to(dtype)`, arithmetic) returns plain dequantized tensors."""
+import copy
 import weakref
 
 import torch
@@ -116,6 +117,24 @@ class Float8Tensor(QuantizedTensor):
         and the scale_inv."""
         return sum(t.numel() * t.element_size() for t in (self._data, self._transpose, self._scale_inv)
                    if t is not None)
+
+    def __deepcopy__(self, memo):
+        """A copy of the bytes, the scale and the attributes (a deep-copied
+        module's weights quantize with the copy's fp8_meta)."""
+        if id(self) in memo:
+            return memo[id(self)]
+
+        def dup(t):
+            return None if t is None else t.clone()
+        new = Float8Tensor(shape=self.shape, dtype=self.dtype, data=dup(self._data), fp8_scale_inv=dup(self._scale_inv),
+                           fp8_dtype=self._fp8_dtype, data_transpose=None if self._transpose_invalid else dup(
+                               self._transpose), quantizer=copy.deepcopy(self._quantizer, memo),
+                           requires_grad=self.requires_grad, device=self.device)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in new.__dict__:
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
 
     def __reduce_ex__(self, protocol):
         return _make_in_reduce_ex, (self._data, self._scale_inv, self._fp8_dtype, self.dtype, tuple(self.shape),
@@ -401,4 +420,14 @@ class Float8ParamQuantizer(Float8Quantizer):
     def copy(self):
         q = Float8ParamQuantizer.__new__(Float8ParamQuantizer)
         q.__dict__.update(self.__dict__)
+        return q
+
+    def __deepcopy__(self, memo):
+        """Within a deep copy of the owner: the copy's fp8_meta and owner."""
+        q = Float8ParamQuantizer.__new__(Float8ParamQuantizer)
+        memo[id(self)] = q
+        q.__dict__.update(self.__dict__)
+        owner = self._owner()
+        q._owner = weakref.ref(memo.get(id(owner), owner)) if owner is not None else self._owner
+        q._meta = copy.deepcopy(self._meta, memo)
         return q
