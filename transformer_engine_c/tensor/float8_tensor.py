@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from .. import _fp8_engine
-from .quantized_tensor import QuantizedTensor
+from .quantized_tensor import QuantizedTensor, on_values
 
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8ParamQuantizer"]
 
@@ -45,11 +45,6 @@ def _make_in_reduce_ex(data, fp8_scale_inv, fp8_dtype, dtype, shape, data_transp
     casts into a parameter with load_state_dict, which copies the bytes)."""
     return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=fp8_scale_inv, fp8_dtype=fp8_dtype,
                         data_transpose=data_transpose)
-
-
-def _written_args(func):
-    """Indices of the arguments an ATen op writes (in-place, out=)."""
-    return [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
 class Float8Tensor(QuantizedTensor):
@@ -216,26 +211,7 @@ class Float8Tensor(QuantizedTensor):
                                 fp8_dtype=t._fp8_dtype, data_transpose=t._transpose if keep_t else None,
                                 quantizer=t._quantizer, device=t.device)
 
-        def plain(a):
-            return a.dequantize() if isinstance(a, Float8Tensor) else a
-
-        p_args = torch.utils._pytree.tree_map(plain, args)
-        p_kwargs = torch.utils._pytree.tree_map(plain, kwargs)
-        out = func(*p_args, **p_kwargs)
-        written = _written_args(func) if func._schema.is_mutable else ()
-        if not written:
-            return out
-        # in place: the computed values go back into each Float8Tensor written
-        back = {}
-        for i in written:
-            if i >= len(args):
-                continue
-            origs, news = (args[i], p_args[i]) if isinstance(args[i], (list, tuple)) else ((args[i],), (p_args[i],))
-            for o, n in zip(origs, news):
-                if isinstance(o, Float8Tensor):
-                    o.quantize_(n)
-                    back[id(n)] = o
-        return torch.utils._pytree.tree_map(lambda r: back.get(id(r), r), out)
+        return on_values(func, args, kwargs)
 
 
 class _Quantizer:
