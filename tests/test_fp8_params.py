@@ -21,13 +21,14 @@ from transformer_engine_c.quantization import FP8GlobalStateManager as G
 from transformer_engine_c.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                                          MXFP8BlockScaling, QParams)
 from transformer_engine_c.tensor import QuantizedTensor
+from transformer_engine_c.tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from transformer_engine_c.tensor.float8_tensor import Float8Tensor
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
 # current scaling with power-of-two scales: a dequantized weight re-quantizes
 # to the same bytes and scale, so the bf16 twin's FP8 GEMMs see the same values
 RECIPES = {"delayed": DelayedScaling, "current": lambda: Float8CurrentScaling(
-    fp8_quant_fwd_weight=QParams(power_2_scale=True))}
+    fp8_quant_fwd_weight=QParams(power_2_scale=True)), "block": Float8BlockScaling}
 LAYERS = {
     "Linear": lambda d: te.Linear(64, 32, params_dtype=BF16, device=d),
     "LayerNormLinear": lambda d: te.LayerNormLinear(64, 96, params_dtype=BF16, device=d),
@@ -54,6 +55,18 @@ def fresh_state():
     G.reset()
 
 
+def storage(w):
+    """(FP8 bytes, scale_inv) of an FP8 weight of either kind."""
+    if isinstance(w, Float8BlockwiseQTensor):
+        return w._rowwise_data, w._rowwise_scale_inv
+    return w._data, w._scale_inv
+
+
+def transpose(w):
+    """The kept transpose (bytes) of an FP8 weight, or None."""
+    return w._columnwise_data if isinstance(w, Float8BlockwiseQTensor) else w._transpose
+
+
 def fp8_layer(kind, recipe, device="cpu"):
     with te.quantized_model_init(enabled=True, recipe=recipe):
         return LAYERS[kind](device)
@@ -64,7 +77,7 @@ def bf16_twin(m8, kind):
     ref = LAYERS[kind](next(m8.parameters()).device)
     with torch.no_grad():
         for name, p in m8.named_parameters():
-            getattr(ref, name).copy_(p.dequantize() if isinstance(p, Float8Tensor) else p)
+            getattr(ref, name).copy_(p.dequantize() if isinstance(p, QuantizedTensor) else p)
     return ref
 
 
@@ -96,12 +109,17 @@ def test_weights_are_float8_tensor_parameters_with_te_attributes(kind, rname, de
         if name not in WEIGHTS[kind]:  # norms and biases stay bf16
             assert type(p) is torch.nn.Parameter and p.dtype == BF16, name
             continue
-        assert type(p) is Float8Tensor and isinstance(p, torch.nn.Parameter) and isinstance(p, QuantizedTensor)
+        want = Float8BlockwiseQTensor if rname == "block" else Float8Tensor
+        assert type(p) is want and isinstance(p, torch.nn.Parameter) and isinstance(p, QuantizedTensor)
         assert p.dtype == BF16 and p.requires_grad and p.is_leaf and p.dim() == 2
-        assert p._data.dtype == torch.uint8 and p._data.shape == p.shape
-        assert p._scale_inv.dtype == torch.float32 and p._scale_inv.numel() == 1
+        data, scale_inv = storage(p)
+        assert data.dtype == torch.uint8 and data.shape == p.shape and scale_inv.dtype == torch.float32
         assert p._fp8_dtype == E4M3 and p._quantizer is not None
-        assert p._transpose is None and p._transpose_invalid  # made by the first FP8 call that needs it
+        assert transpose(p) is None  # made by the first FP8 call that needs it
+        if rname == "block":  # one scale per 128x128 block (one block here)
+            assert p._is_2D_scaled and scale_inv.numel() >= 1
+        else:
+            assert scale_inv.numel() == 1 and p._transpose_invalid
         assert p.tensor_model_parallel and p.partition_dim in (0, 1)
         d = p.dequantize()
         assert type(d) is torch.Tensor and d.dtype == BF16 and d.shape == p.shape
@@ -177,6 +195,14 @@ def test_the_gemms_read_the_weight_bytes_without_a_cast(monkeypatch, rname, dev)
     m8 = fp8_layer("LayerNormMLP", recipe, dev)
     ref = bf16_twin(m8, "LayerNormMLP")
     calls = count_weight_casts(monkeypatch)
+    blocks = []  # block scaling's casts of weights (kind 1)
+    real_blocks = _fp8.FP8Call._quantize_blocks
+
+    def counting_blocks(self, t, fp8_dtype, kind, *a):
+        if kind == 1:
+            blocks.append(kind)
+        return real_blocks(self, t, fp8_dtype, kind, *a)
+    monkeypatch.setattr(_fp8.FP8Call, "_quantize_blocks", counting_blocks)
     operands = []
     real = _fp8.FP8Call._primary_weight
     monkeypatch.setattr(_fp8.FP8Call, "_primary_weight", lambda self, w: operands.append((w, real(self, w)))
@@ -186,9 +212,11 @@ def test_the_gemms_read_the_weight_bytes_without_a_cast(monkeypatch, rname, dev)
     assert calls == []
     assert [w for w, _ in operands] == [m8.fc1_weight, m8.fc2_weight]
     for w, q in operands:  # the parameter's own storage, not a copy
-        assert q.data is w._data and q.scale_inv is w._scale_inv and q.data_t is w._transpose
+        data, scale_inv = storage(w)
+        assert q.data is data and q.scale_inv is scale_inv and q.data_t is transpose(w)
     step(ref, x, recipe)  # the same counter sees the bf16 layer's casts
     assert calls == [1, 4]
+    assert blocks == ([] if rname != "block" else [1, 1])
 
 
 def test_the_transpose_is_made_once_per_weight_update(dev):
@@ -228,20 +256,21 @@ def train(m, o, x, target, recipe, steps=6):
 
 
 @pytest.mark.parametrize("opt", ["SGD", "Adam"])
-@pytest.mark.parametrize("rname", ["delayed", "current"])
+@pytest.mark.parametrize("rname", ["delayed", "current", "block"])
 def test_optimizers_train_fp8_weights_in_place(opt, rname, dev):
-    recipe = DelayedScaling() if rname == "delayed" else Float8CurrentScaling()
+    recipe = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}[rname]()
     m8 = fp8_layer("LayerNormMLP", recipe, dev)
     w = m8.fc1_weight
-    data, scale_inv = w._data, w._scale_inv
+    data, scale_inv = storage(w)
     before = (data.clone(), scale_inv.clone())
     o = torch.optim.SGD(m8.parameters(), lr=5.0) if opt == "SGD" else torch.optim.Adam(m8.parameters(), lr=1e-2)
     x = torch.randn(32, 64, dtype=BF16, device=dev)
     target = torch.randn(32, 64, dtype=BF16, device=dev)
     losses = train(m8, o, x, target, recipe)
     assert losses[-1] < 0.9 * losses[0], losses
-    assert m8.fc1_weight is w and type(w) is Float8Tensor
-    assert w._data is data and w._scale_inv is scale_inv  # updated in their storage
+    assert m8.fc1_weight is w and isinstance(w, QuantizedTensor)
+    assert storage(w)[0] is data and storage(w)[1] is scale_inv  # updated in their storage
+    assert transpose(w) is None  # dropped by the update
     assert not torch.equal(data, before[0]) and not torch.equal(scale_inv, before[1])
 
 
@@ -334,8 +363,9 @@ def test_a_deep_copied_model_has_its_own_bytes_and_scales():
     assert not torch.equal(w2.dequantize(), w.dequantize())  # the original is untouched
 
 
-def test_state_dict_round_trip():
-    recipe = DelayedScaling()
+@pytest.mark.parametrize("rname", ["delayed", "block"])
+def test_state_dict_round_trip(rname):
+    recipe = RECIPES[rname]()
     m = fp8_layer("LayerNormMLP", recipe)
     x = torch.randn(16, 64, dtype=BF16)
     with te.autocast(recipe=recipe):
@@ -344,14 +374,16 @@ def test_state_dict_round_trip():
     torch.save(m.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=False)
-    assert type(sd["fc1_weight"]) is Float8Tensor
+    kind = Float8BlockwiseQTensor if rname == "block" else Float8Tensor
+    assert type(sd["fc1_weight"]) is kind
     m2 = fp8_layer("LayerNormMLP", recipe)
-    assert not torch.equal(m2.fc1_weight._data, m.fc1_weight._data)
+    assert not torch.equal(storage(m2.fc1_weight)[0], storage(m.fc1_weight)[0])
     m2.load_state_dict(sd)
     for name in ("fc1_weight", "fc2_weight"):
         a, b = getattr(m, name), getattr(m2, name)
-        assert type(b) is Float8Tensor and torch.equal(a._data, b._data) and torch.equal(a._scale_inv, b._scale_inv)
-    assert torch.equal(m.fp8_meta["scaling_fwd"].scale, m2.fp8_meta["scaling_fwd"].scale)
+        assert type(b) is kind and all(torch.equal(u, v) for u, v in zip(storage(a), storage(b)))
+    if rname == "delayed":
+        assert torch.equal(m.fp8_meta["scaling_fwd"].scale, m2.fp8_meta["scaling_fwd"].scale)
     with torch.no_grad(), te.autocast(recipe=recipe):
         assert torch.equal(m(x), m2(x))
     plain = LAYERS["LayerNormMLP"]("cpu")  # into bf16 parameters: the dequantized values
@@ -387,8 +419,8 @@ def test_bad_recipes_raise_naming_the_argument():
     with pytest.raises(NotImplementedError, match="quantized_model_init: recipe=MXFP8BlockScaling"):
         with te.quantized_model_init(enabled=True, recipe=MXFP8BlockScaling()):
             pass
-    with pytest.raises(NotImplementedError, match="fp8_model_init: recipe=Float8BlockScaling"):
-        with te.fp8_model_init(enabled=True, recipe=Float8BlockScaling()):
+    with pytest.raises(NotImplementedError, match=r"fp8_model_init: recipe=Float8BlockScaling\(w_block_scaling_dim=1"):
+        with te.fp8_model_init(enabled=True, recipe=Float8BlockScaling(w_block_scaling_dim=1)):
             pass
     with pytest.raises(TypeError, match="recipe must be"):
         with te.quantized_model_init(enabled=True, recipe="delayed"):
@@ -401,8 +433,15 @@ def test_bad_recipes_raise_naming_the_argument():
 def test_a_per_tensor_weight_refuses_block_scaling_and_a_lost_quantizer():
     m = fp8_layer("Linear", DelayedScaling())
     with te.autocast(recipe=Float8BlockScaling()):
-        with pytest.raises(ValueError, match="Float8BlockScaling"):
+        with pytest.raises(ValueError, match="Float8Tensor weight .* Float8BlockScaling GEMM"):
             m(torch.randn(16, 64, dtype=BF16))
+    mb = fp8_layer("Linear", Float8BlockScaling())
+    with te.autocast(recipe=DelayedScaling()):
+        with pytest.raises(ValueError, match="Float8BlockwiseQTensor weight .* DelayedScaling GEMM"):
+            mb(torch.randn(16, 64, dtype=BF16))
+    with te.autocast(recipe=Float8BlockScaling(w_block_scaling_dim=1)):
+        with pytest.raises(ValueError, match="w_block_scaling_dim=1"):
+            mb(torch.randn(16, 64, dtype=BF16))
     buf = io.BytesIO()
     torch.save(m.weight.detach(), buf)
     buf.seek(0)
@@ -415,11 +454,12 @@ def test_a_per_tensor_weight_refuses_block_scaling_and_a_lost_quantizer():
 # ------------------------------------------------------------ memory
 
 
-def test_parameter_memory_is_at_most_0_6_of_bf16(dev):
+@pytest.mark.parametrize("rname", ["delayed", "block"])
+def test_parameter_memory_is_at_most_0_6_of_bf16(dev, rname):
     """A memory fact (bytes): FP8 primary weights hold <= 0.6x the bf16
     model's parameter bytes, built and after a training step; the measure
     counts a held transpose (so it is not blind to one)."""
-    recipe = DelayedScaling()
+    recipe = RECIPES[rname]()
     hp = bench.build(te, 256, False, recipe, dev)
     f8 = bench.build(te, 256, True, recipe, dev)
     ratio = bench.param_bytes(f8) / bench.param_bytes(hp)
@@ -429,8 +469,12 @@ def test_parameter_memory_is_at_most_0_6_of_bf16(dev):
     assert bench.param_bytes(f8) / bench.param_bytes(hp) <= 0.6
     w = f8[0].fc1_weight
     held = bench.param_bytes(f8)
-    w.get_transpose()
-    assert bench.param_bytes(f8) == held + w.numel()
+    if rname == "block":
+        w.update_usage(columnwise_usage=True)
+        assert bench.param_bytes(f8) == held + w.numel() + w._columnwise_scale_inv.numel() * 4
+    else:
+        w.get_transpose()
+        assert bench.param_bytes(f8) == held + w.numel()
 
 
 def test_bench_fp8_params_runs_on_cpu(tmp_path):

@@ -12,8 +12,8 @@ Linear, LayerNormLinear and LayerNormMLP compute their GEMMs in FP8 inside
 an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLinear and calibration
 (calibrating=True) raise NotImplementedError there. Inside
 quantized_model_init / fp8_model_init(enabled=True) those layers hold their
-weights in FP8 (Float8Tensor parameters, per-tensor scaling; see
-docs/fp8.md's "FP8 primary weights")."""
+weights in FP8 (Float8Tensor parameters, or Float8BlockwiseQTensor under
+Float8BlockScaling; see docs/fp8.md's "FP8 primary weights")."""
 import contextlib
 import dataclasses
 
@@ -330,7 +330,7 @@ def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=Non
 def _init_recipe(what, recipe):
     """The recipe a model-init context quantizes parameters for (the default
     when None), checked: a Recipe this package computes with and whose
-    weights it can hold as a Float8Tensor (per-tensor scaling)."""
+    weights it can hold in FP8 (per-tensor scaling, or 128x128 blocks)."""
     recipe = get_default_fp8_recipe() if recipe is None else recipe
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{what}: recipe must be a transformer_engine_c.recipe.Recipe or None, got "
@@ -338,19 +338,20 @@ def _init_recipe(what, recipe):
     reason = recipe.unsupported_reason()
     if reason:
         raise NotImplementedError(f"{what}: recipe={type(recipe).__name__}: {reason}")
-    if isinstance(recipe, Float8BlockScaling):
-        raise NotImplementedError(f"{what}: recipe=Float8BlockScaling: FP8 primary weights with block scales "
-                                  "(Float8BlockwiseQTensor parameters) are not implemented; DelayedScaling and "
-                                  "Float8CurrentScaling parameters are")
+    if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
+        raise NotImplementedError(f"{what}: recipe=Float8BlockScaling(w_block_scaling_dim="
+                                  f"{recipe.w_block_scaling_dim}): block-scaled FP8 primary weights are 128x128 "
+                                  "blocks (w_block_scaling_dim=2), whose transpose is made from the bytes")
     return recipe
 
 
 @contextlib.contextmanager
 def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False, _name=None):
     """TE's quantized_model_init: Linear, LayerNormLinear and LayerNormMLP
-    built inside it with enabled=True hold their 2-D weights as Float8Tensor
-    parameters (FP8 primary weights) quantized for `recipe` (the default
-    recipe when None; DelayedScaling and Float8CurrentScaling).
+    built inside it with enabled=True hold their 2-D weights in FP8 (FP8
+    primary weights) for `recipe` (the default recipe when None):
+    Float8Tensor parameters for DelayedScaling and Float8CurrentScaling,
+    Float8BlockwiseQTensor (128x128 blocks) for Float8BlockScaling.
     preserve_high_precision_init_val keeps each weight's initial value on the
     CPU (param.get_high_precision_init_val() / clear_high_precision_init_val(),
     as TE). enabled=False builds parameters as usual. As in TE the recipe is

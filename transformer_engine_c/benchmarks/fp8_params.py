@@ -33,7 +33,7 @@ def parse(argv):
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--hidden", type=int, default=4096, help="hidden size H (a multiple of 16)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the training step (a multiple of 16)")
-    ap.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
+    ap.add_argument("--recipe", choices=["delayed", "current", "block"], default="delayed")
     ap.add_argument("--out", default=None, help="directory for fp8_params.json / fp8_params.md")
     args = ap.parse_args(argv)
     for name in ("hidden", "tokens"):
@@ -100,7 +100,8 @@ def run(args):
     from transformer_engine_c import recipe as recipe_mod
 
     device = torch.device(args.device)
-    recipe = recipe_mod.DelayedScaling() if args.recipe == "delayed" else recipe_mod.Float8CurrentScaling()
+    recipe = {"delayed": recipe_mod.DelayedScaling, "current": recipe_mod.Float8CurrentScaling,
+              "block": recipe_mod.Float8BlockScaling}[args.recipe]()
     hp = measure(tec, args, False, recipe, device)
     fp8 = measure(tec, args, True, recipe, device)
     ratio = max(fp8[0], fp8[1]) / hp[0]

@@ -62,6 +62,7 @@ from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
 
 _U8, _F32 = torch.uint8, torch.float32
@@ -286,7 +287,7 @@ class FP8Call:
         gi, layer = self.gi, self.layer
         if self.recomputing:
             return self.weights[gi]
-        if isinstance(w, Float8Tensor):  # an FP8 primary weight: its own bytes, no cast
+        if isinstance(w, (Float8Tensor, Float8BlockwiseQTensor)):  # an FP8 primary weight: its own bytes, no cast
             q = self._primary_weight(w)
             if self.grad:
                 self.weights[gi] = q
@@ -308,21 +309,32 @@ class FP8Call:
         return q
 
     def _primary_weight(self, w):
-        """The Operand of a Float8Tensor weight (FP8 primary weights): its
-        `_data` and `_scale_inv` as they are, and, when backward runs, its
-        transpose, made from the bytes once after each change of the weight
-        and kept with it (Float8Tensor.get_transpose; an in-place update
-        drops it). Per-tensor weights only: under block scaling, or when its
-        format is not the recipe's forward one, the weight is refused."""
-        if self.blocks is not None:
-            raise ValueError(f"{type(self.layer).__name__}: a per-tensor Float8Tensor weight (built under "
-                             "quantized_model_init with a per-tensor recipe) cannot enter a Float8BlockScaling "
-                             "GEMM; build the model under the recipe it trains with")
+        """The Operand of an FP8 primary weight (a Float8Tensor, or a
+        Float8BlockwiseQTensor of 128x128 blocks): its bytes and scales as
+        they are, and, when backward runs, its transpose, made from the
+        bytes once after each change of the weight and kept with it
+        (Float8Tensor.get_transpose, Float8BlockwiseQTensor.update_usage; an
+        in-place update drops it). A weight of another scaling than the
+        recipe's, or of another format than its forward one, is refused."""
+        name = type(self.layer).__name__
+        block = isinstance(w, Float8BlockwiseQTensor)
+        if block != (self.blocks is not None) or (block and self.blocks[1] != 2):
+            made = "Float8BlockScaling" if block else "a per-tensor recipe"
+            raise ValueError(f"{name}: a {type(w).__name__} weight (built under quantized_model_init with {made}) "
+                             f"cannot enter a {type(self.recipe).__name__} GEMM"
+                             f"{' of w_block_scaling_dim=1' if block and self.blocks else ''}; build the model "
+                             "under the recipe it trains with")
         if w._fp8_dtype != self.fwd:
-            raise ValueError(f"{type(self.layer).__name__}: the Float8Tensor weight is {w._fp8_dtype}, the recipe's "
-                             f"forward format is {self.fwd}")
+            raise ValueError(f"{name}: the FP8 weight is {w._fp8_dtype}, the recipe's forward format is {self.fwd}")
+        if block:
+            if w._rowwise_data is None:
+                raise ValueError(f"{name}: the Float8BlockwiseQTensor weight holds no rowwise data")
+            if self.grad:
+                w.update_usage(columnwise_usage=True)
+            return Operand(w._rowwise_data, w._columnwise_data if self.grad else None, None, w._rowwise_scale_inv,
+                           w._fp8_dtype, scale_inv_t=w._columnwise_scale_inv if self.grad else None, block=2)
         if w._data is None:
-            raise ValueError(f"{type(self.layer).__name__}: the Float8Tensor weight holds no rowwise data")
+            raise ValueError(f"{name}: the Float8Tensor weight holds no rowwise data")
         data_t = w.get_transpose() if self.grad else None
         return Operand(w._data, data_t, None, w._scale_inv, w._fp8_dtype)
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from .. import userbuffers as _ub
 from .._fp8_meta import fp8_dtype_of, make_fp8_meta
 from ..quantization import FP8GlobalStateManager as _FP8State
-from ..recipe import DelayedScaling
+from ..recipe import DelayedScaling, Float8BlockScaling
+from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8ParamQuantizer, Float8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
 from . import _extra_state
@@ -332,7 +333,9 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         reset_parameters does: the recipe's forward format, per-tensor
         scaling (DelayedScaling: the scale of the weight's role in the
         layer's fp8_meta, made now, whose amax history records each cast;
-        Float8CurrentScaling: the weight's own amax), rowwise bytes only (the
+        Float8CurrentScaling: the weight's own amax), or under
+        Float8BlockScaling a Float8BlockwiseQTensor of 128x128 blocks (the
+        recipe's weight QParams); rowwise bytes only (the
         transpose the backward reads is made by the first FP8 call after each
         change and kept with the tensor). The parameter keeps the attributes
         set on the original; with preserve_high_precision_init_val the
@@ -352,6 +355,11 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
                 if not meta or "scaling_fwd" not in meta or meta["scaling_fwd"].scale.device != device:
                     self.fp8_meta = make_fp8_meta(recipe, type(self)._fp8_num_gemms, device)
                 quantizer = Float8ParamQuantizer(self, 3 * gi + 1, fp8_dtype)
+            elif isinstance(recipe, Float8BlockScaling):
+                qp = recipe.fp8_quant_fwd_weight
+                quantizer = Float8BlockQuantizer(fp8_dtype, rowwise=True, columnwise=False,
+                                                 amax_epsilon=qp.amax_epsilon, force_pow_2_scales=qp.power_2_scale,
+                                                 block_scaling_dim=2)
             else:
                 qp = recipe.fp8_quant_fwd_weight
                 quantizer = Float8CurrentScalingQuantizer(fp8_dtype, device, columnwise=False,
@@ -430,7 +438,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         else:
             full = w
         if isinstance(full, QuantizedTensor):
-            if fp8 and type(full) is Float8Tensor and full.dtype == dtype:
+            if fp8 and type(full) in (Float8Tensor, Float8BlockwiseQTensor) and full.dtype == dtype:
                 return full
             return full.dequantize(dtype=dtype)
         if full.dtype != dtype:

@@ -9,12 +9,13 @@ from ..distributed import reduce_scatter_rows
 from . import _steps
 from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
 from ._plan import apply, check_params, check_saved, grad_output, make_call
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _is_grad_enabled = torch.is_grad_enabled
-_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor)  # saved by autograd as they are
+_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
 def _forward(call, inp, ln_weight, ln_bias, weight, bias, keep):

@@ -12,6 +12,7 @@ from . import _steps
 from ._config import UBConfig, TPConfig, as_2d, cast, check_input, default_device, default_dtype
 from ._config import like_input
 from ._plan import MLPPlan, apply, check_params, check_saved, grad_output, make_call
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule, _init_weight, _set_tp_attributes
 
@@ -21,7 +22,7 @@ FC1_FLAGS = ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_w
 FC2_FLAGS = ("ub_overlap_rs", "ub_overlap_ag")
 UB_NAMES = ("fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad")
 _is_grad_enabled = torch.is_grad_enabled
-_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor)  # saved by autograd as they are
+_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
 def _norm_fc1_act(call, x, g, beta, w1, b1, keep, want_gathered):

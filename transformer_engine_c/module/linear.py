@@ -7,11 +7,12 @@ from .._C import prepare_for_saving, restore_from_saved
 from . import _steps
 from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
 from ._plan import apply, check_params, check_saved, grad_output, make_call
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule
 
 _is_grad_enabled = torch.is_grad_enabled
-_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor)  # saved by autograd as they are
+_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
 def _forward(call, inp, weight, bias):
