@@ -6,7 +6,8 @@
 # the sharded FP8 DistributedWeight on two ranks sharing the GPU
 # (TEC_SHARE_GPU=2, NCCL), and the memory row
 # `python -m transformer_engine_c.bench --fp8 --fp8-params` at hidden 4096
-# (parameter bytes ratio <= 0.6, training-step peaks). Logs and
+# for delayed, current and block scaling (parameter bytes ratio <= 0.6,
+# training-step peaks). Logs and
 # fp8_params.json under ${OUT:-out}/fp8_params/.
 #   bash scripts/gpu_fp8_params.sh
 set -uo pipefail

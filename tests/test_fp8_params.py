@@ -521,3 +521,9 @@ def test_distributed_weight_of_an_fp8_shard_on_one_rank():
     got = step(m, x, recipe)
     assert w.gather_count == 3 and w.grad is not None and w.grad.dtype == BF16  # forward and backward gather
     assert same(got, step(ref, x, recipe))
+
+
+def test_a_block_scaled_shard_is_refused_naming_it():
+    m = fp8_layer("Linear", Float8BlockScaling())
+    with pytest.raises(NotImplementedError, match="Float8BlockwiseQTensor shard"):
+        te.DistributedWeight.from_full(m.weight)

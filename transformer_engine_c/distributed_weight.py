@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .distributed import all_gather_rows, reduce_scatter_rows
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor
+from .tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["DistributedWeight", "Float8DistributedWeight"]
 
@@ -120,6 +121,9 @@ class DistributedWeight(torch.nn.Parameter):
     def __new__(cls, shard, full_shape=None, group=None, requires_grad=True):
         if isinstance(shard, Float8Tensor):
             return Float8DistributedWeight(shard, full_shape, group, requires_grad)
+        if isinstance(shard, QuantizedTensor):
+            raise NotImplementedError(f"DistributedWeight: a {type(shard).__name__} shard is not supported (FP8 "
+                                      "shards are Float8Tensor: per-tensor scaling)")
         world, rank, full_shape = _check_shard(shard, full_shape, group)
         self = torch.Tensor._make_subclass(cls, shard.detach(), requires_grad)
         self._dw_group = group
@@ -137,6 +141,8 @@ class DistributedWeight(torch.nn.Parameter):
             raise ValueError(f"DistributedWeight.from_full: dim 0 ({full.shape[0]}) is not divisible by the "
                              f"group size ({world})")
         n = full.shape[0] // world
+        if isinstance(full, QuantizedTensor) and not isinstance(full, Float8Tensor):
+            return cls(full, full.shape, group=group, requires_grad=requires_grad)  # refused, naming the type
         if isinstance(full, Float8Tensor):  # this rank's rows of the bytes, the one scale
             shard = Float8Tensor(shape=(n, *full.shape[1:]), dtype=full.dtype,
                                  data=full._data[rank * n:(rank + 1) * n].clone(),
