@@ -29,7 +29,9 @@ step bench python3 -m transformer_engine_c.bench --fp8 --fp8-params --device cud
     --out "$OUT"
 step bench_current python3 -m transformer_engine_c.bench --fp8 --fp8-params --device cuda --hidden 4096 \
     --tokens 8192 --recipe current
+step bench_block python3 -m transformer_engine_c.bench --fp8 --fp8-params --device cuda --hidden 4096 \
+    --tokens 8192 --recipe block
 grep -hE "passed|failed" "$OUT"/*.log | tail -6
-grep -hE "^\|.*MiB|^target" "$OUT/bench.log" "$OUT/bench_current.log"
+grep -hE "^FP8 primary|^\|.*MiB|^target" "$OUT/bench.log" "$OUT/bench_current.log" "$OUT/bench_block.log"
 if [ $fail = 0 ]; then echo "SUMMARY fp8_params: PASS"; else echo "SUMMARY fp8_params: FAIL"; fi
 exit $fail
