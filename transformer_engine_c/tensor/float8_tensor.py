@@ -12,7 +12,9 @@ Float8Quantizer (delayed scaling: the scale is given, e.g. a view of an
 fp8_meta's scale, and the amax is max-ed into a given tensor, e.g. the
 current row of an amax history) and Float8CurrentScalingQuantizer (the
 scale comes from this tensor's own amax, optionally all-reduced over a
-group) produce them. The casts are the engine's (_fp8_engine.py).
+group) produce them; Float8ParamQuantizer is delayed scaling's for an FP8
+primary weight (its scale read from the owning layer's fp8_meta). The casts
+are the engine's (_fp8_engine.py).
 
 As a parameter (FP8 primary weights, quantization.quantized_model_init) a
 Float8Tensor follows TE's rules: in-place torch operations (an optimizer's
