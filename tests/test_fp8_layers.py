@@ -482,8 +482,8 @@ def test_unsupported_fp8_uses_raise_naming_them():
     with te.autocast(enabled=False, calibrating=True):
         with pytest.raises(NotImplementedError, match="calibration"):
             linear("cpu")(torch.randn(16, 64))
-    with pytest.raises(NotImplementedError, match="FP8 parameters"):
-        with te.fp8_model_init(enabled=True):
+    with pytest.raises(NotImplementedError, match="w_block_scaling_dim=1"):
+        with te.fp8_model_init(enabled=True, recipe=te.recipe.Float8BlockScaling(w_block_scaling_dim=1)):
             pass
     lin = linear("cpu")
     with te.autocast(enabled=False):  # an autocast that is off changes nothing

@@ -5,7 +5,9 @@ Without --tp1 or --fp8 it is the comm-GEMM overlap benchmark
 same layer built from torch.nn modules on one device
 (transformer_engine_c.benchmarks.tp1); with --fp8 the FP8 training steps
 against our bf16 layers, torchao float8 and torch.nn on one device
-(transformer_engine_c.benchmarks.fp8)."""
+(transformer_engine_c.benchmarks.fp8); with --fp8 --fp8-params the memory of
+FP8 primary weights against bf16 parameters
+(transformer_engine_c.benchmarks.fp8_params)."""
 import sys
 
 
@@ -14,6 +16,9 @@ def main(argv=None):
     if "--tp1" in argv:
         from .benchmarks import tp1
         return tp1.main([a for a in argv if a != "--tp1"])
+    if "--fp8" in argv and "--fp8-params" in argv:
+        from .benchmarks import fp8_params
+        return fp8_params.main([a for a in argv if a not in ("--fp8", "--fp8-params")])
     if "--fp8" in argv:
         from .benchmarks import fp8
         return fp8.main([a for a in argv if a != "--fp8"])

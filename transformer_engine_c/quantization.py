@@ -10,8 +10,10 @@ Float8Tensor (tensor/float8_tensor.py) and the FP8 engine operations
 
 Linear, LayerNormLinear and LayerNormMLP compute their GEMMs in FP8 inside
 an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLinear and calibration
-(calibrating=True) raise NotImplementedError there, and so do
-fp8_model_init / quantized_model_init with enabled=True."""
+(calibrating=True) raise NotImplementedError there. Inside
+quantized_model_init / fp8_model_init(enabled=True) those layers hold their
+weights in FP8 (Float8Tensor parameters, or Float8BlockwiseQTensor under
+Float8BlockScaling; see docs/fp8.md's "FP8 primary weights")."""
 import contextlib
 import dataclasses
 
@@ -23,10 +25,6 @@ from .recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recip
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "get_default_fp8_recipe",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
            "is_nvfp4_available", "check_fp8_support", "get_fp8_torch_dtype"]
-
-_NOT_YET = ("FP8 parameters (quantized_model_init / fp8_model_init) are not implemented yet; the layers compute "
-            "in FP8 inside an enabled autocast with bf16/fp16/fp32 parameters")
-
 
 def check_fp8_support():
     """(available, reason). On CUDA: compute capability 8.9 or newer (Ada,
@@ -354,23 +352,55 @@ def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=Non
         yield
 
 
-def _refuse_init(what, enabled):
-    if enabled:
-        raise NotImplementedError(f"{what}(enabled=True): {_NOT_YET}")
+def _init_recipe(what, recipe):
+    """The recipe a model-init context quantizes parameters for (the default
+    when None), checked: a Recipe this package computes with and whose
+    weights it can hold in FP8 (per-tensor scaling, or 128x128 blocks)."""
+    recipe = get_default_fp8_recipe() if recipe is None else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"{what}: recipe must be a transformer_engine_c.recipe.Recipe or None, got "
+                        f"{type(recipe).__name__}")
+    reason = recipe.unsupported_reason()
+    if reason:
+        raise NotImplementedError(f"{what}: recipe={type(recipe).__name__}: {reason}")
+    if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
+        raise NotImplementedError(f"{what}: recipe=Float8BlockScaling(w_block_scaling_dim="
+                                  f"{recipe.w_block_scaling_dim}): block-scaled FP8 primary weights are 128x128 "
+                                  "blocks (w_block_scaling_dim=2), whose transpose is made from the bytes")
+    return recipe
 
 
 @contextlib.contextmanager
-def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
-    """TE's quantized_model_init: enabled=False builds parameters as usual."""
-    _refuse_init("quantized_model_init", enabled)
-    yield
+def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False, _name=None):
+    """TE's quantized_model_init: Linear, LayerNormLinear and LayerNormMLP
+    built inside it with enabled=True hold their 2-D weights in FP8 (FP8
+    primary weights) for `recipe` (the default recipe when None):
+    Float8Tensor parameters for DelayedScaling and Float8CurrentScaling,
+    Float8BlockwiseQTensor (128x128 blocks) for Float8BlockScaling.
+    preserve_high_precision_init_val keeps each weight's initial value on the
+    CPU (param.get_high_precision_init_val() / clear_high_precision_init_val(),
+    as TE). enabled=False builds parameters as usual. As in TE the recipe is
+    also the state's FP8_RECIPE inside the block."""
+    what = _name or "quantized_model_init"
+    if enabled:
+        recipe = _init_recipe(what, recipe)
+    S = FP8GlobalStateManager
+    saved = (S.FP8_PARAMETERS, S.FP8_RECIPE, S.HIGH_PRECISION_INIT_VAL)
+    S.FP8_PARAMETERS = bool(enabled)
+    if enabled:
+        S.FP8_RECIPE = recipe
+    S.HIGH_PRECISION_INIT_VAL = bool(enabled and preserve_high_precision_init_val)
+    try:
+        yield
+    finally:
+        S.FP8_PARAMETERS, S.FP8_RECIPE, S.HIGH_PRECISION_INIT_VAL = saved
 
 
 @contextlib.contextmanager
 def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
-    """TE's fp8_model_init: enabled=False builds parameters as usual."""
-    _refuse_init("fp8_model_init", enabled)
-    yield
+    """TE's older name of quantized_model_init."""
+    with quantized_model_init(enabled, recipe, preserve_high_precision_init_val, _name="fp8_model_init"):
+        yield
 
 
 def _answer(check, return_reason):

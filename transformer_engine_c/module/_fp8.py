@@ -37,6 +37,11 @@ of dY and X (128x1 blocks of the originals, quantized from the
 high-precision values); a re-cast of a forward value (a re-gathered X, a
 recompute) gives the same bytes, since nothing but the values decides them.
 
+A Float8Tensor weight (FP8 primary weights, quantized_model_init) enters
+the GEMMs as it is: its bytes and scale_inv, its transpose made once per
+change of the weight (FP8Call._primary_weight); what follows is about the
+other weights.
+
 Weights are quantized (with their transpose, when backward will run) on
 every call, or, when the caller passes is_first_microbatch, on the first
 micro-batch and reused from the layer's cache until the next first one (TE's
@@ -70,6 +75,8 @@ from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..tensor.float8_tensor import Float8Tensor
 from ..te_distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 
 _U8, _F32 = torch.uint8, torch.float32
@@ -386,8 +393,12 @@ class FP8Call:
         if self.recomputing:
             return self.weights[gi]
         skip = _State.get_skip_fp8_weight_update_tensor() if _State.fp8_graph_capturing() else None
-        if skip is not None:
+        q = None
+        if isinstance(w, (Float8Tensor, Float8BlockwiseQTensor)):  # an FP8 primary weight: its own bytes, no cast
+            q = self._primary_weight(w)
+        elif skip is not None:  # under capture with weight caching: the graph buffer's cast
             q = self.graph_weight(w, skip)
+        if q is not None:
             if self.grad:
                 self.weights[gi] = q
             return q
@@ -436,6 +447,36 @@ class FP8Call:
                            noop=skip)
         q.src = None
         return q
+
+    def _primary_weight(self, w):
+        """The Operand of an FP8 primary weight (a Float8Tensor, or a
+        Float8BlockwiseQTensor of 128x128 blocks): its bytes and scales as
+        they are, and, when backward runs, its transpose, made from the
+        bytes once after each change of the weight and kept with it
+        (Float8Tensor.get_transpose, Float8BlockwiseQTensor.update_usage; an
+        in-place update drops it). A weight of another scaling than the
+        recipe's, or of another format than its forward one, is refused."""
+        name = type(self.layer).__name__
+        block = isinstance(w, Float8BlockwiseQTensor)
+        if block != (self.blocks is not None) or (block and self.blocks[1] != 2):
+            made = "Float8BlockScaling" if block else "a per-tensor recipe"
+            raise ValueError(f"{name}: a {type(w).__name__} weight (built under quantized_model_init with {made}) "
+                             f"cannot enter a {type(self.recipe).__name__} GEMM"
+                             f"{' of w_block_scaling_dim=1' if block and self.blocks else ''}; build the model "
+                             "under the recipe it trains with")
+        if w._fp8_dtype != self.fwd:
+            raise ValueError(f"{name}: the FP8 weight is {w._fp8_dtype}, the recipe's forward format is {self.fwd}")
+        if block:
+            if w._rowwise_data is None:
+                raise ValueError(f"{name}: the Float8BlockwiseQTensor weight holds no rowwise data")
+            if self.grad:
+                w.update_usage(columnwise_usage=True)
+            return Operand(w._rowwise_data, w._columnwise_data if self.grad else None, None, w._rowwise_scale_inv,
+                           w._fp8_dtype, scale_inv_t=w._columnwise_scale_inv if self.grad else None, block=2)
+        if w._data is None:
+            raise ValueError(f"{name}: the Float8Tensor weight holds no rowwise data")
+        data_t = w.get_transpose() if self.grad else None
+        return Operand(w._data, data_t, None, w._scale_inv, w._fp8_dtype)
 
     def grad_output(self, dy):
         """GEMM gi's output gradient in FP8: rowwise for dgrad, its transpose

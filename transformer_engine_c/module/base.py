@@ -7,7 +7,8 @@ layer module shares:
   flags (a flag that does not apply is ignored, as in TE), parameters created
   as TE creates them (one contiguous weight, optionally split into named
   parameters by `parameters_split`; `init_method` under the RNG tracker's
-  fork; TE's parallel attributes on every parameter);
+  fork; TE's parallel attributes on every parameter; inside
+  quantized_model_init the weights quantized into Float8Tensor parameters);
 * the compute dtype of a call (torch.autocast's, else the parameters');
 * delayed weight gradients (`delay_wgrad_compute`, `backward_dw()`);
 * the gathered DistributedWeight kept across the micro-batches of a step
@@ -18,11 +19,18 @@ module/_steps.py; the per-configuration plan and the per-call facts in
 module/_plan.py; the weight-gradient policy in module/_wgrad.py.
 """
 import enum
+import types
 
 import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
+from .._fp8_meta import fp8_dtype_of, make_fp8_meta
+from ..quantization import FP8GlobalStateManager as _FP8State
+from ..recipe import DelayedScaling, Float8BlockScaling
+from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8ParamQuantizer, Float8Tensor
+from ..tensor.quantized_tensor import QuantizedTensor
 from . import _extra_state
 from ._config import TPConfig, UBConfig, check_same_size
 from ._plan import PLAN_ATTRS, LinearPlan
@@ -200,6 +208,17 @@ def _init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name, partit
     _set_tp_attributes(w, True, partition_dim)
 
 
+def _get_init_val(param):
+    """A primary FP8 weight's value before quantization (CPU), or None once cleared."""
+    return getattr(param, "_high_precision_init_val", None)
+
+
+def _clear_init_val(param):
+    """Drop the kept initial value (after the master weights are made from it)."""
+    if hasattr(param, "_high_precision_init_val"):
+        del param._high_precision_init_val
+
+
 class ExtraStateMixin:
     """TransformerEngine's `_extra_state` entry of a module's state_dict, in
     TE's format (the FP8 recipe and delayed scaling's fp8_meta, pickled into
@@ -312,11 +331,61 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
                 setattr(self, self.bias_names[i], torch.empty(0, dtype=dtype, device=device))
             row += n
         self.use_bias = bool(bias)
+        self._quantize_weights([(name, 0) for name in self.weight_names])
         for role, c in self.ub.comms.items():
             if c.device != torch.device(device):
                 raise ValueError(f"{type(self).__name__}: communicator '{c.name}' ({role}) is on {c.device} but the "
                                  f"layer's parameters are on {device} (pass device= to initialize_ub / CommOverlap)")
         self._setup_wgrads([(self.weight_names, self.bias_names)], bias)
+
+    def _quantize_weights(self, weights):
+        """FP8 primary weights: inside quantized_model_init(enabled=True),
+        each (parameter name, GEMM index) of `weights` is replaced by a
+        Float8Tensor parameter of its initialised values, as TE's
+        reset_parameters does: the recipe's forward format, per-tensor
+        scaling (DelayedScaling: the scale of the weight's role in the
+        layer's fp8_meta, made now, whose amax history records each cast;
+        Float8CurrentScaling: the weight's own amax), or under
+        Float8BlockScaling a Float8BlockwiseQTensor of 128x128 blocks (the
+        recipe's weight QParams); rowwise bytes only (the
+        transpose the backward reads is made by the first FP8 call after each
+        change and kept with the tensor). The parameter keeps the attributes
+        set on the original; with preserve_high_precision_init_val the
+        original values stay on the CPU (get_high_precision_init_val /
+        clear_high_precision_init_val, TE's methods)."""
+        self.primary_weights_in_fp8 = _FP8State.with_fp8_parameters()
+        self.preserve_high_precision_init_val = _FP8State.with_high_precision_init_val()
+        if not self.primary_weights_in_fp8:
+            return
+        recipe = _FP8State.get_fp8_recipe()
+        fp8_dtype = fp8_dtype_of(recipe.fp8_format, True)
+        for name, gi in weights:
+            old = self._parameters[name]
+            device = old.device
+            if isinstance(recipe, DelayedScaling):
+                meta = getattr(self, "fp8_meta", None)
+                if not meta or "scaling_fwd" not in meta or meta["scaling_fwd"].scale.device != device:
+                    self.fp8_meta = make_fp8_meta(recipe, type(self)._fp8_num_gemms, device)
+                quantizer = Float8ParamQuantizer(self, 3 * gi + 1, fp8_dtype)
+            elif isinstance(recipe, Float8BlockScaling):
+                qp = recipe.fp8_quant_fwd_weight
+                quantizer = Float8BlockQuantizer(fp8_dtype, rowwise=True, columnwise=False,
+                                                 amax_epsilon=qp.amax_epsilon, force_pow_2_scales=qp.power_2_scale,
+                                                 block_scaling_dim=2)
+            else:
+                qp = recipe.fp8_quant_fwd_weight
+                quantizer = Float8CurrentScalingQuantizer(fp8_dtype, device, columnwise=False,
+                                                          force_pow_2_scales=qp.power_2_scale,
+                                                          amax_epsilon=qp.amax_epsilon)
+            init_val = old.detach().to("cpu", copy=True) if self.preserve_high_precision_init_val else None
+            param = torch.nn.Parameter(quantizer.quantize(old.detach()), requires_grad=old.requires_grad)
+            for k, v in old.__dict__.items():  # TE's / Megatron's parallel attributes
+                setattr(param, k, v)
+            if init_val is not None:
+                param._high_precision_init_val = init_val
+                param.get_high_precision_init_val = types.MethodType(_get_init_val, param)
+                param.clear_high_precision_init_val = types.MethodType(_clear_init_val, param)
+            self.register_parameter(name, param)
 
     def _setup_wgrads(self, gemms, bias):
         """One WeightGrads per GEMM from its (weight names, bias names), in
@@ -362,11 +431,13 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
             return self._parameters[self.bias_names[0]]
         return torch.cat([self._parameters[n] for n in self.bias_names])
 
-    def _full_weight(self, w, is_first_microbatch, dtype):
+    def _full_weight(self, w, is_first_microbatch, dtype, fp8=False):
         """The full weight for a GEMM, in the compute dtype: a DistributedWeight
         is gathered on every call, or, when the caller says which micro-batch
         this is (is_first_microbatch not None), once on the first and reused
-        until the next first micro-batch."""
+        until the next first micro-batch. A quantized weight (FP8 primary
+        weights) passes as it is to FP8 GEMMs (`fp8`: the call computes in
+        FP8, which reads its bytes) and is dequantized for the others."""
         if is_distributed_weight(w):
             refuse_capture(self, "a DistributedWeight (its gather is a collective outside the graph)")
             if is_first_microbatch is None:
@@ -378,6 +449,10 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
                 full = kept[1]
         else:
             full = w
+        if isinstance(full, QuantizedTensor):
+            if fp8 and type(full) in (Float8Tensor, Float8BlockwiseQTensor) and full.dtype == dtype:
+                return full
+            return full.dequantize(dtype=dtype)
         if full.dtype != dtype:
             return full.to(dtype, memory_format=torch.contiguous_format)
         return full if full.is_contiguous() else full.contiguous()  # torch accepts any layout; so do we

@@ -9,11 +9,13 @@ from ..distributed import reduce_scatter_rows
 from . import _steps
 from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
 from ._plan import apply, check_params, check_saved, grad_output, make_call
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _is_grad_enabled = torch.is_grad_enabled
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
 def _forward(call, inp, ln_weight, ln_bias, weight, bias, keep):
@@ -28,7 +30,7 @@ def _forward(call, inp, ln_weight, ln_bias, weight, bias, keep):
     else:  # validated and converted (the named errors), 2-D
         dtype = call.dtype
         x = check_input(inp, layer.in_local, dtype, weight.device, tp, call.cast)
-        w = layer._full_weight(weight, call.first_mb, dtype)
+        w = layer._full_weight(weight, call.first_mb, dtype, call.fp8 is not None)
         g, beta, bias = cast(ln_weight, dtype), cast(ln_bias, dtype), cast(bias, dtype)
         check_params((("weight", w), ("bias", bias), ("layer_norm_weight", g), ("layer_norm_bias", beta)), dtype,
                      x.device, plan.shapes)
@@ -86,7 +88,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             check_saved(w, dtype, (plan.n, plan.k), "weight")
             check_saved(g, dtype, (plan.k,), "layer_norm_weight")
         else:
-            w = layer._full_weight(weight, None if call.first_mb is None else False, dtype)
+            w = layer._full_weight(weight, None if call.first_mb is None else False, dtype, call.fp8 is not None)
             g = cast(ln_weight, dtype)
         dy = grad_output(dout, dtype)
         extra = None

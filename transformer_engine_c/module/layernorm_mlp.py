@@ -12,6 +12,8 @@ from . import _steps
 from ._config import UBConfig, TPConfig, as_2d, cast, check_input, default_device, default_dtype
 from ._config import like_input
 from ._plan import MLPPlan, apply, check_params, check_saved, grad_output, make_call
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule, _init_weight, _set_tp_attributes
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -20,7 +22,7 @@ FC1_FLAGS = ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_w
 FC2_FLAGS = ("ub_overlap_rs", "ub_overlap_ag")
 UB_NAMES = ("fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad")
 _is_grad_enabled = torch.is_grad_enabled
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
 def _norm_fc1_act(call, x, g, beta, w1, b1, keep, want_gathered):
@@ -41,8 +43,8 @@ def _prepare(call, inp, g, beta, w1, b1, w2, b2):
         return inp, g, beta, w1, b1, w2, b2
     layer, dtype = call.layer, call.dtype
     x = check_input(inp, layer.hidden_size, dtype, w1.device, layer.tp, call.cast)
-    w1 = layer._full_weight(w1, call.first_mb, dtype)
-    w2 = layer._full_weight(w2, call.first_mb, dtype)
+    w1 = layer._full_weight(w1, call.first_mb, dtype, call.fp8 is not None)
+    w2 = layer._full_weight(w2, call.first_mb, dtype, call.fp8 is not None)
     g, beta, b1, b2 = (cast(t, dtype) for t in (g, beta, b1, b2))
     check_params((("fc1_weight", w1), ("layer_norm_weight", g), ("layer_norm_bias", beta), ("fc2_weight", w2),
                   ("fc1_bias", b1), ("fc2_bias", b2)), dtype, x.device, call.plan.shapes)
@@ -115,8 +117,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             check_saved(w2, dtype, (plan.hidden, plan.ffn), "fc2_weight")
             check_saved(g, dtype, (plan.hidden,), "layer_norm_weight")
         else:
-            w1 = layer._full_weight(fc1_weight, first_mb, dtype)
-            w2 = layer._full_weight(fc2_weight, first_mb, dtype)
+            w1 = layer._full_weight(fc1_weight, first_mb, dtype, call.fp8 is not None)
+            w2 = layer._full_weight(fc2_weight, first_mb, dtype, call.fp8 is not None)
             g = cast(ln_weight, dtype)
         if layer.checkpoint:
             if call.fp8 is not None:  # recomputed with the forward's scales and FP8 weight
@@ -262,6 +264,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         else:  # as TE: empty tensors, not parameters
             self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
             self.fc2_bias = torch.empty(0, dtype=dtype, device=device)
+        self._quantize_weights([("fc1_weight", 0), ("fc2_weight", 1)])  # inside quantized_model_init
         # backward_dw's order: fc2, then fc1 (fc1's bias gradient comes from the activation's backward)
         self._setup_wgrads([(["fc2_weight"], ["fc2_bias"]), (["fc1_weight"], ["fc1_bias"])], bias)
 

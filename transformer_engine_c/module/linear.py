@@ -7,10 +7,12 @@ from .._C import prepare_for_saving, restore_from_saved
 from . import _steps
 from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
 from ._plan import apply, check_params, check_saved, grad_output, make_call
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule
 
 _is_grad_enabled = torch.is_grad_enabled
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
 def _forward(call, inp, weight, bias):
@@ -22,7 +24,7 @@ def _forward(call, inp, weight, bias):
         x, w = inp, weight
     else:  # validated and converted (the named errors), 2-D
         x = check_input(inp, layer.in_local, call.dtype, weight.device, layer.tp, call.cast)
-        w = layer._full_weight(weight, call.first_mb, call.dtype)
+        w = layer._full_weight(weight, call.first_mb, call.dtype, call.fp8 is not None)
         bias = cast(bias, call.dtype)
         check_params((("weight", w), ("bias", bias)), call.dtype, x.device, call.plan.shapes)
     return _steps.fprop(call, layer.tp, layer.ub, x, w, bias), x, w
@@ -70,7 +72,7 @@ class _LinearFn(torch.autograd.Function):
             if layer.save_original_input:
                 x = as_2d(cast(x, dtype))
             # a weight gathered for this step is reused (no second gather)
-            w = layer._full_weight(weight, None if call.first_mb is None else False, dtype)
+            w = layer._full_weight(weight, None if call.first_mb is None else False, dtype, call.fp8 is not None)
         dy = grad_output(dout, dtype)
         need = ctx.needs_input_grad
         tp = layer.tp

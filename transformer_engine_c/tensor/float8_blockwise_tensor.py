@@ -11,14 +11,19 @@ GEMM-ready layout of _fp8_engine.block_scale_shape (dequantized = fp8 value
 1x128 (the columnwise data has 128x1 blocks of the original, quantized from
 the high-precision values with their own amaxes). `_fp8_dtype` and the
 `_quantizer` that made it complete it. Any torch operation other than those
-below runs on the dequantized values.
+below runs on the dequantized values; one that writes the tensor (an
+optimizer's in-place update of an FP8 primary weight) casts the result back
+into its storage with its quantizer (quantized_tensor.on_values), dropping
+a 128x128 tensor's columnwise copy where the quantizer makes none.
 
 Float8BlockQuantizer makes them with the engine's block quantize
 (_fp8_engine.block_quantize)."""
+import copy
+
 import torch
 
 from .. import _fp8_engine
-from .quantized_tensor import QuantizedTensor
+from .quantized_tensor import QuantizedTensor, on_values
 
 __all__ = ["Float8BlockwiseQTensor", "Float8BlockQuantizer"]
 
@@ -86,6 +91,38 @@ class Float8BlockwiseQTensor(QuantizedTensor):
     def _get_quantizer(self):
         return self._quantizer
 
+    def quantize_(self, tensor, *, noop_flag=None):
+        """Cast `tensor` into this tensor's storage with its quantizer (TE's name)."""
+        if self._quantizer is None:
+            raise RuntimeError("Float8BlockwiseQTensor.quantize_: the tensor has no quantizer to cast with")
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        self._quantizer.update_quantized(tensor, self, noop_flag=noop_flag)
+        return self
+
+    def storage_bytes(self):
+        """Bytes this tensor holds: its FP8 copies and their scales."""
+        return sum(t.numel() * t.element_size() for t in (self._rowwise_data, self._rowwise_scale_inv,
+                                                          self._columnwise_data, self._columnwise_scale_inv)
+                   if t is not None)
+
+    def __reduce_ex__(self, protocol):
+        return _make_in_reduce_ex, (self.shape, self.dtype, self._rowwise_data, self._rowwise_scale_inv,
+                                    self._columnwise_data, self._columnwise_scale_inv, self._fp8_dtype,
+                                    self._is_2D_scaled)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        new = self._with(torch.clone)
+        new._quantizer = copy.deepcopy(self._quantizer, memo)
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in new.__dict__:
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
     def update_usage(self, rowwise_usage=None, columnwise_usage=None):
         """Drop the copies a later use does not need (TE's usage flags). A
         missing 128x128 columnwise copy is made from the rowwise bytes; a
@@ -139,17 +176,38 @@ class Float8BlockwiseQTensor(QuantizedTensor):
             return args[0]._with(torch.clone)
         if func is _aten.copy_.default and isinstance(args[0], Float8BlockwiseQTensor):
             dst, src = args[0], args[1]
+            if (isinstance(src, Float8BlockwiseQTensor) and src._fp8_dtype == dst._fp8_dtype
+                    and src._is_2D_scaled == dst._is_2D_scaled and src.shape == dst.shape
+                    and src._rowwise_data is not None and dst._rowwise_data is not None):  # bytes and scales
+                dst._rowwise_data.copy_(src._rowwise_data)
+                dst._rowwise_scale_inv.copy_(src._rowwise_scale_inv)
+                if dst._columnwise_data is not None:
+                    if src._columnwise_data is None:
+                        dst._columnwise_data = dst._columnwise_scale_inv = None
+                    else:
+                        dst._columnwise_data.copy_(src._columnwise_data)
+                        dst._columnwise_scale_inv.copy_(src._columnwise_scale_inv)
+                return dst
             if dst._quantizer is None:
                 raise RuntimeError("Float8BlockwiseQTensor.copy_: the destination has no quantizer to cast with")
-            dst._quantizer.update_quantized(src.dequantize() if isinstance(src, QuantizedTensor) else src, dst)
+            dst._quantizer.update_quantized(src.dequantize() if isinstance(src, QuantizedTensor)
+                                            else src.expand(dst.shape), dst)
             return dst
+        if func is _aten._to_copy.default and isinstance(args[0], Float8BlockwiseQTensor):  # .float(): values
+            t = args[0]
+            vals = t.dequantize(dtype=kwargs.get("dtype") or t.dtype)
+            rest = {k: v for k, v in kwargs.items() if k in ("device", "layout", "pin_memory", "memory_format")}
+            return _aten._to_copy.default(vals, **rest) if rest else vals
+        return on_values(func, args, kwargs)
 
-        def plain(a):
-            return a.dequantize() if isinstance(a, QuantizedTensor) else a
 
-        args = torch.utils._pytree.tree_map(plain, args)
-        kwargs = torch.utils._pytree.tree_map(plain, kwargs)
-        return func(*args, **kwargs)
+def _make_in_reduce_ex(shape, dtype, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
+                       fp8_dtype, is_2D_scaled):
+    """Unpickle a Float8BlockwiseQTensor (without its quantizer)."""
+    return Float8BlockwiseQTensor(shape=shape, dtype=dtype, rowwise_data=rowwise_data,
+                                  rowwise_scale_inv=rowwise_scale_inv, columnwise_data=columnwise_data,
+                                  columnwise_scale_inv=columnwise_scale_inv, fp8_dtype=fp8_dtype,
+                                  is_2D_scaled=is_2D_scaled)
 
 
 def _transposed_grid(scale_inv, shape):

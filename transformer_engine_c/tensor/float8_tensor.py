@@ -12,12 +12,27 @@ Float8Quantizer (delayed scaling: the scale is given, e.g. a view of an
 fp8_meta's scale, and the amax is max-ed into a given tensor, e.g. the
 current row of an amax history) and Float8CurrentScalingQuantizer (the
 scale comes from this tensor's own amax, optionally all-reduced over a
-group) produce them. The casts are the engine's (_fp8_engine.py)."""
+group) produce them; Float8ParamQuantizer is delayed scaling's for an FP8
+primary weight (its scale read from the owning layer's fp8_meta). The casts
+are the engine's (_fp8_engine.py).
+
+As a parameter (FP8 primary weights, quantization.quantized_model_init) a
+Float8Tensor follows TE's rules: in-place torch operations (an optimizer's
+add_, addcdiv_, copy_, mul_...) dequantize, compute and quantize back into
+the same `_data` and `_scale_inv` with the tensor's quantizer (its scale
+policy decides the new scale) and drop the cached transpose; detach / alias
+and view / reshape share the bytes, clone copies them, copy_ from another
+Float8Tensor of the same format copies bytes and scale; everything else
+(`.float()`, `.to(dtype)`, arithmetic) returns plain dequantized tensors."""
+import copy
+import weakref
+
 import torch
 
 from .. import _fp8_engine
+from .quantized_tensor import QuantizedTensor, on_values
 
-__all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer"]
+__all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8ParamQuantizer"]
 
 _aten = torch.ops.aten
 
@@ -27,7 +42,14 @@ def _fp8_dtype(fp8_dtype):
     return fp8_dtype
 
 
-class Float8Tensor(torch.Tensor):
+def _make_in_reduce_ex(data, fp8_scale_inv, fp8_dtype, dtype, shape, data_transpose):
+    """Unpickle a Float8Tensor (its quantizer is not saved: a loaded tensor
+    casts into a parameter with load_state_dict, which copies the bytes)."""
+    return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=fp8_scale_inv, fp8_dtype=fp8_dtype,
+                        data_transpose=data_transpose)
+
+
+class Float8Tensor(QuantizedTensor):
     """An FP8 tensor with one scale (TE's constructor keywords)."""
 
     @staticmethod
@@ -70,6 +92,50 @@ class Float8Tensor(torch.Tensor):
 
     def _get_quantizer(self):
         return self._quantizer
+
+    def quantize_(self, tensor, *, noop_flag=None):
+        """Cast `tensor` into this tensor's storage with its quantizer (TE's
+        name): the new bytes and scale_inv, the transpose dropped or remade
+        as the quantizer's usage says."""
+        if self._quantizer is None:
+            raise RuntimeError("Float8Tensor.quantize_: the tensor has no quantizer to cast with")
+        if isinstance(tensor, Float8Tensor):
+            tensor = tensor.dequantize()
+        self._quantizer.update_quantized(tensor, self, noop_flag=noop_flag)
+        return self
+
+    def _reset_caches(self):
+        """Drop the cached transpose (TE's name; Megatron calls it after
+        writing the bytes directly)."""
+        self._transpose, self._transpose_invalid = None, True
+
+    def storage_bytes(self):
+        """Bytes this tensor holds: the FP8 data, its transpose when kept,
+        and the scale_inv."""
+        return sum(t.numel() * t.element_size() for t in (self._data, self._transpose, self._scale_inv)
+                   if t is not None)
+
+    def __deepcopy__(self, memo):
+        """A copy of the bytes, the scale and the attributes (a deep-copied
+        module's weights quantize with the copy's fp8_meta)."""
+        if id(self) in memo:
+            return memo[id(self)]
+
+        def dup(t):
+            return None if t is None else t.clone()
+        new = Float8Tensor(shape=self.shape, dtype=self.dtype, data=dup(self._data), fp8_scale_inv=dup(self._scale_inv),
+                           fp8_dtype=self._fp8_dtype, data_transpose=None if self._transpose_invalid else dup(
+                               self._transpose), quantizer=copy.deepcopy(self._quantizer, memo),
+                           requires_grad=self.requires_grad, device=self.device)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in new.__dict__:
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    def __reduce_ex__(self, protocol):
+        return _make_in_reduce_ex, (self._data, self._scale_inv, self._fp8_dtype, self.dtype, tuple(self.shape),
+                                    None if self._transpose_invalid else self._transpose)
 
     def get_transpose(self):
         """The [last dim, rows] FP8 bits, made from the rowwise data if
@@ -124,18 +190,30 @@ class Float8Tensor(torch.Tensor):
                                 quantizer=t._quantizer, device=t.device)
         if func is _aten.copy_.default and isinstance(args[0], Float8Tensor):
             dst, src = args[0], args[1]
-            q = dst._quantizer
-            if q is None:
+            if (isinstance(src, Float8Tensor) and src._fp8_dtype == dst._fp8_dtype and src._data is not None
+                    and dst._data is not None and src.shape == dst.shape):  # the bytes and the scale, as TE
+                dst._data.copy_(src._data)
+                dst._scale_inv.copy_(src._scale_inv)
+                dst._transpose, dst._transpose_invalid = None, True
+                return dst
+            if dst._quantizer is None:
                 raise RuntimeError("Float8Tensor.copy_: the destination has no quantizer to cast with")
-            q.update_quantized(src.dequantize() if isinstance(src, Float8Tensor) else src, dst)
+            dst.quantize_(src if isinstance(src, Float8Tensor) else src.expand(dst.shape))
             return dst
+        if func is _aten._to_copy.default and isinstance(args[0], Float8Tensor):  # .to(dtype), .float(): values
+            t = args[0]
+            vals = t.dequantize(dtype=kwargs.get("dtype") or t.dtype)
+            rest = {k: v for k, v in kwargs.items() if k in ("device", "layout", "pin_memory", "memory_format")}
+            return _aten._to_copy.default(vals, **rest) if rest else vals
+        if func in (_aten.view.default, _aten._unsafe_view.default) and args[0]._data is not None:
+            t = args[0]
+            data = t._data.view(args[1])
+            keep_t = tuple(data.shape[-1:]) == tuple(t.shape[-1:]) and not t._transpose_invalid
+            return Float8Tensor(shape=data.shape, dtype=t.dtype, data=data, fp8_scale_inv=t._scale_inv,
+                                fp8_dtype=t._fp8_dtype, data_transpose=t._transpose if keep_t else None,
+                                quantizer=t._quantizer, device=t.device)
 
-        def plain(a):
-            return a.dequantize() if isinstance(a, Float8Tensor) else a
-
-        args = torch.utils._pytree.tree_map(plain, args)
-        kwargs = torch.utils._pytree.tree_map(plain, kwargs)
-        return func(*args, **kwargs)
+        return on_values(func, args, kwargs)
 
 
 class _Quantizer:
@@ -278,3 +356,56 @@ class Float8CurrentScalingQuantizer(_Quantizer):
         _fp8_engine.scale_from_amax(self.amax, self.dtype, power_2_scale=self.force_pow_2_scales,
                                     amax_epsilon=self.amax_epsilon, scale=self.scale)
         return self._quantize_with(x, self.scale, None, data, data_t, scale_inv)
+
+
+class Float8ParamQuantizer(Float8Quantizer):
+    """Delayed scaling's quantizer of an FP8 primary weight: a
+    Float8Quantizer whose `scale` and `amax` are role `role` of `owner`'s
+    fp8_meta (the forward scaling's scale and amax-history row 0), looked up
+    at each cast, so a module that remakes its fp8_meta (a loaded
+    checkpoint, a changed history length) keeps quantizing its weight with
+    the scale its autocast updates. The owner is held weakly; without it the
+    last fp8_meta seen is used. Rowwise only by default: the transpose is
+    made from the bytes (Float8Tensor.get_transpose) when a GEMM needs it."""
+
+    def __init__(self, owner, role, fp8_dtype, *, rowwise=True, columnwise=False):
+        _Quantizer.__init__(self, fp8_dtype, rowwise, columnwise)
+        meta = getattr(owner, "fp8_meta", None)
+        if not meta or "scaling_fwd" not in meta:
+            raise ValueError(f"Float8ParamQuantizer: {type(owner).__name__} has no delayed-scaling fp8_meta")
+        if not 0 <= role < meta["scaling_fwd"].scale.numel():
+            raise ValueError(f"Float8ParamQuantizer: role {role} is outside the fp8_meta's "
+                             f"{meta['scaling_fwd'].scale.numel()} forward roles")
+        self._owner = weakref.ref(owner)
+        self._meta = meta
+        self.role = role
+
+    def _scaling(self):
+        owner = self._owner()
+        meta = getattr(owner, "fp8_meta", None) if owner is not None else None
+        if meta and "scaling_fwd" in meta:
+            self._meta = meta
+        return self._meta["scaling_fwd"]
+
+    @property
+    def scale(self):
+        return self._scaling().scale[self.role:self.role + 1]
+
+    @property
+    def amax(self):
+        return self._scaling().amax_history[0][self.role:self.role + 1]
+
+    def copy(self):
+        q = Float8ParamQuantizer.__new__(Float8ParamQuantizer)
+        q.__dict__.update(self.__dict__)
+        return q
+
+    def __deepcopy__(self, memo):
+        """Within a deep copy of the owner: the copy's fp8_meta and owner."""
+        q = Float8ParamQuantizer.__new__(Float8ParamQuantizer)
+        memo[id(self)] = q
+        q.__dict__.update(self.__dict__)
+        owner = self._owner()
+        q._owner = weakref.ref(memo.get(id(owner), owner)) if owner is not None else self._owner
+        q._meta = copy.deepcopy(self._meta, memo)
+        return q
