@@ -295,3 +295,21 @@ def test_fp8_on_the_cpu_is_emulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     ok, reason = G.is_fp8_available()
     assert ok is True and "emulated on the CPU" in reason
+
+
+def test_autocast_key_follows_a_changed_recipe():
+    """The key is remembered per recipe object, and made again when one of
+    its fields changed (a nested QParams too): equal recipes share a key,
+    a changed one does not keep its old one."""
+    from transformer_engine_c.quantization import FP8GlobalStateManager as G
+    from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling
+    d = DelayedScaling()
+    first = G.get_unique_autocast_key(d)
+    assert G.get_unique_autocast_key(d) == first == G.get_unique_autocast_key(DelayedScaling())
+    d.margin = 2
+    assert G.get_unique_autocast_key(d) != first
+    assert G.get_unique_autocast_key(d) == G.get_unique_autocast_key(DelayedScaling(margin=2))
+    c = Float8CurrentScaling()
+    before = G.get_unique_autocast_key(c)
+    c.fp8_quant_fwd_inp.power_2_scale = not c.fp8_quant_fwd_inp.power_2_scale
+    assert G.get_unique_autocast_key(c) != before

@@ -15,6 +15,7 @@ quantized_model_init / fp8_model_init(enabled=True) those layers hold their
 weights in FP8 (Float8Tensor parameters, or Float8BlockwiseQTensor under
 Float8BlockScaling; see docs/fp8.md's "FP8 primary weights")."""
 import contextlib
+import copy
 import dataclasses
 
 import torch
@@ -84,6 +85,9 @@ def get_default_fp8_recipe():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
         return MXFP8BlockScaling()
     return DelayedScaling()
+
+
+_key_memo = {}  # (id(recipe), id(group)) -> (recipe, group, its field values then, the key)
 
 
 def _group_key(group):
@@ -220,10 +224,22 @@ class FP8GlobalStateManager:
     @classmethod
     def get_unique_autocast_key(cls, recipe=None, group=None):
         """Recipes equal in every field, and groups of the same ranks, share
-        one key (and so one buffer and one reduction)."""
+        one key (and so one buffer and one reduction). Remembered per recipe
+        and group object while the recipe's fields stay as they were (every
+        autocast asks; making the key costs more than the rest of an
+        autocast's entry)."""
+        memo = _key_memo.get((id(recipe), id(group)))
+        now = tuple(vars(recipe).values()) if hasattr(recipe, "__dict__") else None
+        if memo is not None and memo[0] is recipe and memo[1] is group and now is not None and memo[2] == now:
+            return memo[3]
         fields = [(f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe)] \
             if dataclasses.is_dataclass(recipe) else recipe
-        return f"{type(recipe).__name__}{fields!r}:{_group_key(group)}"
+        key = f"{type(recipe).__name__}{fields!r}:{_group_key(group)}"
+        if now is not None:
+            if len(_key_memo) >= 64:
+                _key_memo.clear()
+            _key_memo[(id(recipe), id(group))] = (recipe, group, copy.deepcopy(now), key)
+        return key
 
     # ---- autocast state
 
