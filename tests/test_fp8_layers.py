@@ -517,3 +517,19 @@ def test_a_changed_history_length_keeps_the_scales():
     with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
         lin(x2).sum().backward()
     assert scales(lin)[0].item() == (torch.tensor([448.0]) / x2.abs().max()).item()
+
+
+@pytest.mark.parametrize("kind", ["Linear", "MLP:gelu"])
+def test_first_call_under_inference_mode_then_training(kind):
+    """A layer whose first FP8 call runs under inference_mode (its fp8_meta
+    made there) trains afterwards: the autocast's exit updates the meta in
+    place outside inference_mode, which inference tensors would refuse."""
+    layer = make(kind, "cpu")
+    x = torch.randn(32, 64)
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        with torch.inference_mode():
+            layer(x)
+    assert not layer.fp8_meta["scaling_fwd"].scale.is_inference()
+    y, dx, grads = run(layer, x.clone().requires_grad_(), torch.randn(32, 96 if kind == "Linear" else 64),
+                       DelayedScaling(), steps=2)
+    assert torch.isfinite(dx).all() and all(g is not None for g in grads.values())
