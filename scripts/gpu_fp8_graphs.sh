@@ -10,14 +10,8 @@
 #   bash scripts/gpu_fp8_graphs.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}/fp8_graphs; mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-fail=0
-step() {  # step NAME CMD...: run, log, record PASS/FAIL
-    local name=$1; shift
-    if "$@" > "$OUT/$name.log" 2>&1; then echo "PASS $name"; else echo "FAIL $name (see $OUT/$name.log)"; tail -40 "$OUT/$name.log"; fail=1; fi
-}
+OUT=${OUT:-out}/fp8_graphs
+. scripts/gpu_common.sh
 step build env TEC_CUDA=1 TEC_CUDA_ARCHS=90 python3 setup.py -q build_ext --inplace
 step cuda_graphs python3 -m pytest -q -rf tests/test_cuda_graphs.py
 step fp8_engine_cuda python3 -m pytest -q -rf tests/test_fp8_engine.py -k cuda

@@ -9,14 +9,8 @@
 #   bash scripts/gpu_fp8_layers.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}/fp8_layers; mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-fail=0
-step() {  # step NAME CMD...: run, log, record PASS/FAIL
-    local name=$1; shift
-    if "$@" > "$OUT/$name.log" 2>&1; then echo "PASS $name"; else echo "FAIL $name (see $OUT/$name.log)"; tail -40 "$OUT/$name.log"; fail=1; fi
-}
+OUT=${OUT:-out}/fp8_layers
+. scripts/gpu_common.sh
 step fp8_layers python3 -m pytest -q -rf tests/test_fp8_layers.py -k cuda
 step layers_cuda python3 -m pytest -q -rf -k cuda tests/test_layers.py tests/test_one_path.py tests/test_layernorm_mlp.py
 step fp8_tp2_shared env TEC_SHARE_GPU=2 python3 -m pytest -q -rf tests/distributed/test_fp8_layers_tp.py -k cuda

@@ -12,14 +12,8 @@
 #   bash scripts/gpu_fp8_params.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}/fp8_params; mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-fail=0
-step() {  # step NAME CMD...: run, log, record PASS/FAIL
-    local name=$1; shift
-    if "$@" > "$OUT/$name.log" 2>&1; then echo "PASS $name"; else echo "FAIL $name (see $OUT/$name.log)"; tail -40 "$OUT/$name.log"; fail=1; fi
-}
+OUT=${OUT:-out}/fp8_params
+. scripts/gpu_common.sh
 step build env TEC_CUDA=1 TEC_CUDA_ARCHS=90 python3 setup.py -q build_ext --inplace
 step fp8_params python3 -m pytest -q -rf tests/test_fp8_params.py
 step fp8_dw_shared env TEC_SHARE_GPU=2 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_node=2 \

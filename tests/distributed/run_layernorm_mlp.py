@@ -285,23 +285,28 @@ def main():
     cases += [("swiglu", "LayerNorm", f, "train", torch.float32, o) for f in (UB_COMBOS[0], UB_COMBOS[-2])
               for o in ln_opts]
     cases += [("gelu", "LayerNorm", f, "train", torch.bfloat16) for f in (UB_COMBOS[0], UB_COMBOS[-1])]
+    run_all([lambda c=c: check_case(*c[:4], tp, rank, dev, *c[4:]) for c in cases]
+            + [lambda: list(check_distributed_weight(dev, tp, rank))], rank, f"cases, {tp} ranks, {dev.type}")
+
+
+def run_all(cases, rank, what):
+    """Run each case (returning its label, or a list of them) under the
+    saved-tensor checker, print "ok" lines, then the checker's verdict and
+    the pass line; tear down the registry and the group."""
     n = 0
     with tec.debug.check_saved_tensors() as chk:
         for case in cases:
-            label = check_case(*case[:4], tp, rank, dev, *case[4:])
-            n += 1
-            if rank == 0:
-                print(f"ok {label}", flush=True)
-        for label in check_distributed_weight(dev, tp, rank):
-            n += 1
-            if rank == 0:
-                print(f"ok {label}", flush=True)
+            labels = case()
+            for label in labels if isinstance(labels, list) else [labels]:
+                n += 1
+                if rank == 0:
+                    print(f"ok {label}", flush=True)
     assert chk.checked > 0 and not chk.violations, (chk.checked, chk.violations)
     tec.destroy_ub()
     dist.barrier()
     if rank == 0:
         print(f"ok saved-tensor check: {chk.checked} saved tensors, no alias of a buffer", flush=True)
-        print(f"PASS run_layernorm_mlp ({n} cases, {tp} ranks, {dev.type})", flush=True)
+        print(f"PASS run_layernorm_mlp ({n} {what})", flush=True)
     dist.destroy_process_group()
 
 
@@ -310,20 +315,8 @@ def main_fp8(args, rank, tp, dev):
     init_ub((SEQ * B * tp, H), tp, dtype=torch.float32, quantization_modes=[mode.NONE, mode.FP8])
     cases = [("swiglu", "LayerNorm", f, gm) for f in UB_COMBOS for gm in GRAD_MODES]
     cases += [(a, "RMSNorm", UB_COMBOS[-1], "train") for a in ("gelu", "relu")]
-    n = 0
-    with tec.debug.check_saved_tensors() as chk:
-        for case in cases:
-            label = check_case_fp8(*case, tp, rank, dev, args.fp8)
-            n += 1
-            if rank == 0:
-                print(f"ok {label}", flush=True)
-    assert chk.checked > 0 and not chk.violations, (chk.checked, chk.violations)
-    tec.destroy_ub()
-    dist.barrier()
-    if rank == 0:
-        print(f"ok saved-tensor check: {chk.checked} saved tensors, no alias of a buffer", flush=True)
-        print(f"PASS run_layernorm_mlp ({n} FP8 cases, {tp} ranks, {dev.type})", flush=True)
-    dist.destroy_process_group()
+    run_all([lambda c=c: check_case_fp8(*c, tp, rank, dev, args.fp8) for c in cases], rank,
+            f"FP8 cases, {tp} ranks, {dev.type}")
 
 
 if __name__ == "__main__":
