@@ -69,15 +69,15 @@ def expect(fn, pattern):
         assert re.search(pattern, str(e)), str(e)
     else:
         raise AssertionError("accepted")
-expect(lambda: c._ag_gemm(None, 2**62, 4, 4, 0, 0, w.data_ptr(), 4, 1, out.data_ptr(), 4, None, None, None),
+expect(lambda: c._ag_gemm(None, 2**62, 4, 4, 0, 0, w.data_ptr(), 4, 1, out.data_ptr(), 4, None, None, None, -1, -1, 0, 0, 0),
        "buffer too small")
-expect(lambda: c._ag_gemm(None, 4, 4, 4, 0, 0, w.data_ptr(), 4, 1, out.data_ptr(), 2**62, None, None, None),
+expect(lambda: c._ag_gemm(None, 4, 4, 4, 0, 0, w.data_ptr(), 4, 1, out.data_ptr(), 2**62, None, None, None, -1, -1, 0, 0, 0),
        "too large")
-expect(lambda: c._gemm_rs(w.data_ptr(), 2**62, 4, 4, 4, 0, w.data_ptr(), 4, 1, out.data_ptr(), None, None),
+expect(lambda: c._gemm_rs(w.data_ptr(), 2**62, 4, 4, 4, 0, w.data_ptr(), 4, 1, out.data_ptr(), None, None, -1, -1, 0, 0, 0),
        "too large")
 expect(lambda: c._bulk_ag_start(None, 2**63 - 1, None), "buffer too small")
 expect(lambda: c._bulk_rs_start(w.data_ptr(), 2**62, 2**62, 0, out.data_ptr(), None), "buffer too small")
-expect(lambda: c._ag_gemm(None, 4, 4, 4, 0, 2**32, w.data_ptr(), 4, 1, out.data_ptr(), 4, None, None, None),
+expect(lambda: c._ag_gemm(None, 4, 4, 4, 0, 2**32, w.data_ptr(), 4, 1, out.data_ptr(), 4, None, None, None, -1, -1, 0, 0, 0),
        r"\\(out_dtype\\) must be in")
 expect(lambda: c._set_gemm(None, -1, 0), r"\\(nbytes\\) must be in")
 # the communicator still works afterwards

@@ -206,7 +206,7 @@ def check_small(rank, tp):
     # the engine checks too (bypassing the Python checks)
     try:
         x, w, out = torch.randn(16, 8), torch.randn(8, 8), torch.empty(16 * tp, 8)
-        comm._ag_gemm(x.data_ptr(), 16, 8, 8, 0, 0, w.data_ptr(), 8, 1, out.data_ptr(), 8, 0, 0, 0)
+        comm._ag_gemm(x.data_ptr(), 16, 8, 8, 0, 0, w.data_ptr(), 8, 1, out.data_ptr(), 8, 0, 0, 0, -1, -1, 0, 0, 0)
         raise AssertionError("the engine accepted an input larger than the buffer")
     except ValueError as e:
         assert "buffer too small for the input" in str(e), e

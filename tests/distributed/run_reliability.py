@@ -65,7 +65,7 @@ def main():
     check_usable(comm, tp, 2)
     # The raw entry point refuses the dtype mismatch before the epoch, too.
     out = torch.empty(ROWS * tp, N, dtype=torch.float16)
-    refused(lambda: comm._ag_gemm(a.data_ptr(), ROWS, K, N, 0, 2, w.data_ptr(), K, 1, out.data_ptr(), N, 0, 0, 0),
+    refused(lambda: comm._ag_gemm(a.data_ptr(), ROWS, K, N, 0, 2, w.data_ptr(), K, 1, out.data_ptr(), N, 0, 0, 0, -1, -1, 0, 0, 0),
             "out_dtype must be the input's dtype or float32")
     check_usable(comm, tp, 3)
 
