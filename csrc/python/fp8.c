@@ -16,7 +16,7 @@
 #define FMT(i, v, what) do { int f_; INT(i, f_, 0, 1, what); (v) = (tec_fp8_format)f_; } while (0)
 #define BOOL(i, v, what) INT(i, v, 0, 1, what)
 #define SIZE(i, v, what) if (!tec_arg_size(args, i, what, &(v))) return NULL
-#define CALL(expr) do { Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS } while (0)
+#define CALL(expr) TEC_ENGINE_CALL(dev, st, expr)
 
 static PyObject *run(PyObject *module, tec_status st)
 {

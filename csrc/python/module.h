@@ -76,4 +76,19 @@ int tec_saving_exec(PyObject *module);
 int tec_saving_traverse(tec_module_state *st, visitproc visit, void *arg);
 void tec_saving_clear(tec_module_state *st);
 
+/* An engine operation's call from a binding, its status into st. On the CPU
+ * (dev < 0) the work runs on the calling thread, so the GIL is released
+ * while it runs (other Python threads go on). On CUDA the call only enqueues
+ * work, and it keeps the GIL: releasing it for a few microseconds hands it to
+ * any thread waiting for it (after a backward, autograd's device thread) and
+ * the caller then waits to get it back, which cost more than the launch. */
+#define TEC_ENGINE_CALL(dev, st, expr)                                          \
+    do {                                                                       \
+        if ((dev) < 0) {                                                       \
+            Py_BEGIN_ALLOW_THREADS (st) = (expr); Py_END_ALLOW_THREADS         \
+        } else {                                                               \
+            (st) = (expr);                                                     \
+        }                                                                      \
+    } while (0)
+
 #endif

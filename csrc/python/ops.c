@@ -26,7 +26,7 @@ static PyObject *run(PyObject *module, tec_status st)
 
 /* Release the GIL around engine calls: CPU kernels take real time and the
  * comm thread of a shared-memory communicator may need the interpreter. */
-#define CALL(expr) do { Py_BEGIN_ALLOW_THREADS st = (expr); Py_END_ALLOW_THREADS } while (0)
+#define CALL(expr) TEC_ENGINE_CALL(dev, st, expr)
 
 /* norm_fwd(device, dtype, rows, cols, x, gamma, beta, y, mu, rsigma, eps,
  *          zero_centered_gamma, stream) */
