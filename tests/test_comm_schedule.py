@@ -23,7 +23,7 @@ def test_schedules_against_a_mock_transport(tmp_path):
     exe = str(tmp_path / "comm_schedule_test")
     subprocess.run([cc, "-std=c11", "-Wall", "-Werror", "-O1", "-I", core,
                     os.path.join(ROOT, "tests", "c", "comm_schedule_test.c"), os.path.join(core, "comm.c"),
-                    os.path.join(core, "comm_lifetime.c"),
+                    os.path.join(core, "comm_lifetime.c"), os.path.join(core, "fp8.c"),  # the FP8 chunk GEMMs
                     os.path.join(core, "tec.c"), os.path.join(core, "error.c"), "-o", exe,
                     "-ldl", "-lpthread", "-lm"], check=True)
     proc = subprocess.run([exe], capture_output=True, text=True, timeout=120)
