@@ -257,7 +257,7 @@ class FP8Call:
 
     # ----------------------------------------------------------- quantizing
 
-    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None, dbias=False, out=None,
+    def _quantize(self, t, fp8_dtype, role, forward, qp, rowwise, columnwise, scale=None, dbias=False,
                   group=None, into=None, noop=None):
         """t's FP8 Operand: with `scale` given (a re-cast of a forward value),
         that scale and no amax; under delayed scaling the role's scale and
@@ -265,10 +265,10 @@ class FP8Call:
         `group` (a tensor about to be all-gathered in FP8) the maximum over
         the group's ranks, so that they share the scale. dbias: the same pass
         also sums t's columns (the Operand's dbias; not under block scaling,
-        whose callers sum dY themselves). out: where the rowwise bytes go (a
-        communicator's slot); into: an Operand whose data, data_t and
-        scale_inv receive the cast (a persistent buffer); noop: the engine's
-        device flag that switches the cast off (tec.h)."""
+        whose callers sum dY themselves). into: an Operand whose data,
+        data_t and scale_inv receive the cast (a graph's persistent buffer, a
+        communicator's slot: slot_operand); noop: the engine's device flag
+        that switches the cast off (tec.h)."""
         if self.blocks is not None:  # each block's own amax: a re-cast gives the same bytes
             return self._quantize_blocks(t, fp8_dtype, 2 if not forward else role % 3, rowwise, columnwise)
         c = self.call
@@ -294,7 +294,7 @@ class FP8Call:
         if into is not None:
             data, data_t, scale_inv = into.data, into.data_t, into.scale_inv
         else:
-            data = (torch.empty(t.shape, dtype=_U8, device=t.device) if out is None else out) if rowwise else None
+            data = torch.empty(t.shape, dtype=_U8, device=t.device) if rowwise else None
             data_t = torch.empty((cols, rows), dtype=_U8, device=t.device) if columnwise else None
             scale_inv = torch.empty(1, dtype=_F32, device=t.device)
         db = ws = None
@@ -351,9 +351,10 @@ class FP8Call:
         scale, and keep_input's copy of the bytes, which it gathers again."""
         gi = self.gi
         if self.recomputing:
-            return self._quantize(x, self.fwd, 0, True, None, True, False, scale=self.inputs[gi].scale, out=out)
-        q = self._quantize(x, self.fwd, 3 * gi, True, self.qparams and self.qparams[0], True, False, out=out,
-                           group=group)
+            return self._quantize(x, self.fwd, 0, True, None, True, False, scale=self.inputs[gi].scale,
+                                  into=slot_operand(out, self.fwd))
+        q = self._quantize(x, self.fwd, 3 * gi, True, self.qparams and self.qparams[0], True, False,
+                           into=slot_operand(out, self.fwd), group=group)
         if self.grad:
             self.inputs[gi] = Operand(None, None, q.scale.clone() if self.delayed else q.scale, q.scale_inv, q.dtype)
         return q
@@ -376,7 +377,7 @@ class FP8Call:
         dgrad overlap): this rank's rows dy cast rowwise into out (its slot)
         with a scale the ranks of group share."""
         return self._quantize(dy, self.bwd, 2 * self.gi, False, self.qparams and self.qparams[2], True, False,
-                              out=out, group=group)
+                              into=slot_operand(out, self.bwd), group=group)
 
     def gathered_grad_output(self, q, gathered, like):
         """GEMM gi's cached output gradient from the gathered FP8 bytes of
@@ -520,7 +521,7 @@ class FP8Call:
         q = self.inputs.get(gi) if self.grad else None
         if q is None or q.data_t is None or self.recomputing or not self.keep_t:
             return t
-        return t.new_empty(1).expand(t.shape)
+        return stand_in(t, t.shape)
 
     def finish_backward(self):
         """End of a layer's backward: the first FP8 module of the autocast
@@ -529,6 +530,19 @@ class FP8Call:
         if self.reduce_bwd:
             self.reduce_bwd = False
             _State.reduce_and_update_fp8_tensors(forward=False)
+
+
+def slot_operand(out, fp8_dtype):
+    """The destination of a cast straight into a communicator's slot: its
+    rowwise bytes into `out`, a fresh scale_inv, no transpose."""
+    return Operand(out, None, None, torch.empty(1, dtype=_F32, device=out.device), fp8_dtype)
+
+
+def stand_in(t, shape):
+    """A tensor of `shape` with t's dtype and device over one element: what
+    is saved or passed where the FP8 operands hold the values (only its
+    shape is read)."""
+    return t.new_empty(1).expand(shape)
 
 
 # --------------------------------------------------------------- the GEMMs

@@ -612,7 +612,7 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
         xt = bulk_gather.bulk_ag_finish()
         if kept is not None:  # wgrad reads the transpose of the gathered bytes, a copy outside the buffer
             call.fp8.gathered_input(xt)
-            xt = _stand_in(x, xt.shape)
+            xt = _fp8.stand_in(x, xt.shape)
     if partial is not None:
         ub.comms["wgrad"].bulk_rs_start(partial)
     dw = db = None
@@ -633,13 +633,6 @@ def _fp8_kept_input(call, x):
         return None
     q = call.fp8.inputs.get(call.fp8.gi)
     return q.data if q is not None and q.data is not None and q.data_t is None else None
-
-
-def _stand_in(t, shape):
-    """A tensor of `shape` with t's dtype and device over one element: what
-    the steps pass where the FP8 operands hold the values (only its shape is
-    read)."""
-    return t.new_empty(1).expand(shape)
 
 
 def _dgrad_gemm(call, rows, n, k, dy, w, out):
@@ -675,7 +668,7 @@ def _row_backward(call, tp, ub, dy_local, x, w, need_dx, wg, dx_out):
                 dx = c.ag_gemm(slot, qw.data_t, fp8=_fp8.chunk_gemm(f, qdy, qw, 1, dy2.dtype)).view(x.shape)
                 # one rank: the gathered dY is dy2 (a bias gradient may sum it); under sequence
                 # parallelism the bias gradient is the local rows' (bias_from_local)
-                dy = dy2 if c.tp_size == 1 else _stand_in(dy2, gathered)
+                dy = dy2 if c.tp_size == 1 else _fp8.stand_in(dy2, gathered)
                 if wg is not None and wg.need_w:
                     f.gathered_grad_output(qdy, c.get_buffer(shape=gathered, dtype=_U8), dy)
             dw = db = None
