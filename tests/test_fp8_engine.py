@@ -382,11 +382,23 @@ def test_engine_checks_reach_python():
     one = torch.ones(1)
     with pytest.raises(ValueError, match="missing scale"):
         _C.fp8_quantize(-1, 0, 0, 1, 1, torch.ones(1).data_ptr(), 0, torch.empty(1, dtype=torch.uint8).data_ptr(),
-                        0, 0, 0, 0, 0, 0, 0, 0)
+                        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="format"):
-        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0, 0, 0, 0, 0)
+        _C.fp8_quantize(-1, 0, 2, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, one.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
+                        0)
     with pytest.raises(ValueError, match="dbias needs a workspace of 4 bytes, got 0"):
-        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, 0, 0, one.data_ptr(), 0, 0, 0, 0)
+        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, 0, 0, one.data_ptr(), 0, 0, 0, 0, 0, 0,
+                        0)
+    amax = torch.zeros(1)
+    with pytest.raises(ValueError, match="act_mode"):
+        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, amax.data_ptr(), 0, 0, 0, 0, 0, 3, 0,
+                        0, 0)
+    with pytest.raises(ValueError, match="element-wise ones .* got 20"):
+        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, amax.data_ptr(), 0, 0, 0, 0, 0, 1, 20,
+                        0, 0)
+    with pytest.raises(ValueError, match="backward needs act_input"):
+        _C.fp8_quantize(-1, 0, 0, 1, 1, one.data_ptr(), one.data_ptr(), 0, 0, amax.data_ptr(), 0, 0, 0, 0, 0, 2, 0,
+                        0, 0)
     with pytest.raises(ValueError, match="fp8_max must be finite"):
         _C.fp8_scale_from_amax(-1, 1, one.data_ptr(), one.data_ptr(), 0, 0.0, 0, 0.0, 0)
     with pytest.raises(ValueError, match="leading dimension too small"):
@@ -485,3 +497,98 @@ def test_delayed_update_bad_input():
         F.delayed_update(torch.zeros(F.HISTORY_MAX + 1, 2), torch.ones(2), torch.ones(2), 448.0)
     with pytest.raises(ValueError, match="scale must be"):
         F.delayed_update(torch.zeros(4, 2), torch.ones(3), torch.ones(2), 448.0)
+
+
+# ------------------------------------------------- activation fused with the cast
+
+ELEMENTWISE = ["gelu", "relu", "qgelu", "srelu", "silu"]
+
+
+@pytest.mark.parametrize("activation", ELEMENTWISE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("shape", [(256, 512), (136, 264), (37, 70)])
+def test_quantize_fused_activation_is_act_then_cast(device, activation, dtype, backward, shape):
+    """quantize(activation=...) gives the bytes, transpose, amax and
+    scale_inv of the activation (or its backward) into a tensor followed by
+    the plain cast, bit for bit, on the vector, tiled and rowwise kernels
+    (shapes: multiples of 8, not, odd); its bias gradient is the float64
+    column sum of the unrounded values."""
+    from transformer_engine_c import _engine
+    gen = torch.Generator().manual_seed(11)
+    h = (torch.randn(shape, generator=gen) * 3).to(dtype).to(device)
+    g = torch.randn(shape, generator=gen).to(dtype).to(device)
+    fp8 = E5M2 if backward else E4M3
+    scale = torch.tensor([0.75], device=device)
+    x, act_input = (g, h) if backward else (h, None)
+    want_v = _engine.act_bwd(g, h, activation) if backward else _engine.act_fwd(h, activation)
+    amax_w, amax_g = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    dbias = torch.empty(shape[1], dtype=dtype, device=device)
+    for columnwise in (False, True):
+        want = F.quantize(want_v, fp8, scale, amax=amax_w, columnwise=columnwise)
+        got = F.quantize(x, fp8, scale, amax=amax_g, columnwise=columnwise, activation=activation,
+                         activation_input=act_input, dbias=dbias if columnwise else None)
+        assert_same_fp8(got[0], want[0], fp8)
+        if columnwise:
+            assert_same_fp8(got[1], want[1], fp8)
+        assert torch.equal(got[2], want[2])
+        assert torch.equal(amax_g, amax_w), (amax_g, amax_w)
+    # amax alone (current scaling's first pass)
+    amax_only = torch.zeros(1, device=device)
+    F.quantize(x, fp8, scale, amax=amax_only, rowwise=False, activation=activation, activation_input=act_input)
+    assert torch.equal(amax_only, amax_w)
+    # the bias gradient: float32 sums of the unrounded values against float64
+    hd = h.double().cpu()
+    ref = torch.nn.functional.gelu(hd, approximate="tanh") if activation == "gelu" else None
+    if backward:
+        exact = _act_grad64(activation, hd) * g.double().cpu()
+    else:
+        exact = ref if ref is not None else _act64(activation, hd)
+    want_db = exact.sum(0)
+    tol = 1e-2 if dtype is not torch.float32 else 1e-4
+    assert torch.allclose(dbias.double().cpu(), want_db, rtol=tol, atol=tol * shape[0] ** 0.5), \
+        (dbias.double().cpu() - want_db).abs().max()
+
+
+def _act64(name, x):
+    if name == "gelu":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    if name == "relu":
+        return x.clamp(min=0)
+    if name == "qgelu":
+        return x * torch.sigmoid(1.702 * x)
+    if name == "srelu":
+        return x.clamp(min=0) ** 2
+    return x * torch.sigmoid(x)
+
+
+def _act_grad64(name, x):
+    x = x.clone().requires_grad_(True)
+    _act64(name, x).sum().backward()
+    return x.grad
+
+
+def test_quantize_fused_activation_differs_from_the_plain_cast(device):
+    """The negative case: the fused cast is not the cast of x itself (a
+    kernel that ignored the activation would pass the equality above only
+    if the activation were the identity)."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(64, 64, generator=gen).to(torch.bfloat16).to(device)
+    scale = torch.tensor([1.0], device=device)
+    plain = F.quantize(h, E4M3, scale, columnwise=True)
+    fused = F.quantize(h, E4M3, scale, columnwise=True, activation="gelu")
+    assert_fp8_differs(fused[0], plain[0])
+    assert_fp8_differs(fused[1], plain[1])
+
+
+def test_quantize_fused_activation_bad_input():
+    x = torch.ones(4, 4)
+    s = torch.ones(1)
+    with pytest.raises(ValueError, match="element-wise .* gated 'swiglu'"):
+        F.quantize(x, E4M3, s, activation="swiglu")
+    with pytest.raises(ValueError, match="activation_input is given without an activation"):
+        F.quantize(x, E4M3, s, activation_input=x)
+    with pytest.raises(ValueError, match="activation_input must match x"):
+        F.quantize(x, E4M3, s, activation="gelu", activation_input=torch.ones(4, 5))
+    with pytest.raises(ValueError, match="not supported"):
+        F.quantize(x, E4M3, s, activation="tanh")

@@ -7,7 +7,7 @@ on the data's device, read and written by the device (no host sync)."""
 import torch
 
 from . import _C
-from ._engine import DTYPE_CODES, check_tensor, device_code, engine_device, stream_of
+from ._engine import DTYPE_CODES, activation_code, check_tensor, device_code, engine_device, stream_of
 
 # torch's float8 dtypes and the engine's format codes (tec_fp8_format).
 FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -52,7 +52,7 @@ def check_fp8_gemm_shape(shape, name):
 
 
 def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, out=None, out_t=None,
-             scale_inv=None, dbias=None, noop=None):
+             scale_inv=None, dbias=None, noop=None, activation=None, activation_input=None):
     """Cast x (float32/bf16/fp16, contiguous, viewed as [rows, last dim])
     to FP8 with `scale`: data = fp8(x * scale), saturating. Returns
     (data [x's shape] or None, data_t [last dim, rows] or None, scale_inv).
@@ -63,8 +63,17 @@ def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, 
     one element on x's device), is read by the device when the cast runs:
     nonzero, nothing is written (out, out_t, amax, scale_inv and dbias keep
     their contents), which lets a cast captured in a CUDA graph be switched
-    off per replay (TE's noop flag)."""
+    off per replay (TE's noop flag).
+    activation (an element-wise activation's name: gelu, relu, qgelu,
+    srelu, silu) fuses it ahead of the cast: the values cast are
+    activation(x), or with activation_input (x's shape and dtype: the
+    activation's input) activation'(activation_input) * x, x being the
+    gradient of its output; each computed in float32 and rounded to x's
+    dtype, so the bytes, amax and scale_inv are those of the activation (or
+    its backward) followed by the cast, without the intermediate tensor;
+    dbias then sums the values before the rounding."""
     check_tensor(x, "input")
+    act_mode, act, act_ptr = _fused_activation(x, activation, activation_input)
     code = fp8_code(fp8_dtype)
     _scalar(scale, "scale", x.device)
     if amax is not None:
@@ -105,8 +114,29 @@ def quantize(x, fp8_dtype, scale, *, amax=None, rowwise=True, columnwise=False, 
                     out.data_ptr() if out is not None else 0, out_t.data_ptr() if out_t is not None else 0,
                     amax.data_ptr() if amax is not None else 0, scale_inv.data_ptr(),
                     0 if dbias is None else dbias.data_ptr(), 0 if ws is None else ws.data_ptr(), nbytes,
-                    0 if noop is None else noop.data_ptr(), stream_of(x.device))
+                    0 if noop is None else noop.data_ptr(), act_mode, act, act_ptr, stream_of(x.device))
     return out, out_t, scale_inv
+
+
+def _fused_activation(x, activation, activation_input):
+    """quantize's (act_mode, activation code, input pointer) for the engine."""
+    if activation is None:
+        if activation_input is not None:
+            raise ValueError("quantize: activation_input is given without an activation")
+        return 0, 0, 0
+    code = activation_code(activation)
+    if code >= 16:
+        raise ValueError(f"quantize: a fused activation must be element-wise (gelu, relu, qgelu, srelu, silu), "
+                         f"got the gated {activation!r}")
+    if activation_input is None:
+        return 1, code, 0
+    check_tensor(activation_input, "activation_input")
+    if (activation_input.shape != x.shape or activation_input.dtype != x.dtype
+            or activation_input.device != x.device):
+        raise ValueError(f"quantize: activation_input must match x ({x.dtype}, shape {tuple(x.shape)}, on "
+                         f"{x.device}), got {activation_input.dtype} of shape {tuple(activation_input.shape)} on "
+                         f"{activation_input.device}")
+    return 2, code, activation_input.data_ptr()
 
 
 def amax(x, out=None):

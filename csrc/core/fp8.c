@@ -49,6 +49,16 @@ tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *st
     }
     if (a->rows * a->cols > 0 && !a->x)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: missing input");
+    if (a->act_mode != TEC_FP8_ACT_NONE) {
+        if (a->act_mode != TEC_FP8_ACT_FWD && a->act_mode != TEC_FP8_ACT_BWD)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: unknown act_mode %d (0 none, 1 forward, "
+                                 "2 backward)", a->act_mode);
+        if ((int)a->act < TEC_ACT_GELU || (int)a->act > TEC_ACT_SILU)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: a fused activation must be one of the "
+                                 "element-wise ones (gelu, relu, qgelu, srelu, silu: 0-4), got %d", (int)a->act);
+        if (a->act_mode == TEC_FP8_ACT_BWD && a->rows * a->cols > 0 && !a->act_input)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 quantize: the activation's backward needs act_input");
+    }
     /* a noop flag is read by the device when the call runs: the arguments
      * above are the same call's whether it is set or not */
     return ops->quantize(device, a, stream);

@@ -528,7 +528,21 @@ typedef struct {
     void *workspace;
     size_t workspace_bytes;
     const float *noop;
+    /* An activation fused ahead of the cast (TEC_FP8_ACT_NONE: none). With
+     * TEC_FP8_ACT_FWD the values cast are act(x) and with TEC_FP8_ACT_BWD
+     * act'(act_input) * x (x the gradient of the activation's output,
+     * act_input its input, [rows, cols] of `dtype`), each computed in
+     * float32 as tec_act_fwd / tec_act_bwd do and rounded to `dtype`: out,
+     * out_t, amax and scale_inv are bit for bit those of tec_act_fwd /
+     * tec_act_bwd (no bias) into a `dtype` tensor followed by this cast of
+     * it, without that tensor. dbias then sums the float32 values before
+     * the rounding (tec_act_bwd's bias gradient). act: an activation that is
+     * not gated. */
+    int act_mode;
+    tec_activation act;
+    const void *act_input;
 } tec_fp8_quantize_args;
+enum { TEC_FP8_ACT_NONE = 0, TEC_FP8_ACT_FWD = 1, TEC_FP8_ACT_BWD = 2 };
 tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *stream);
 
 /* The workspace tec_fp8_quantize needs with dbias: ceil(rows / 128) * cols

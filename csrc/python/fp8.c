@@ -26,17 +26,20 @@ static PyObject *run(PyObject *module, tec_status st)
 }
 
 /* fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax,
- *              scale_inv, dbias, workspace, workspace_bytes, noop, stream) */
+ *              scale_inv, dbias, workspace, workspace_bytes, noop, act_mode,
+ *              act, act_input, stream) */
 static PyObject *py_fp8_quantize(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("fp8_quantize", 16);
-    int dev;
+    ARGC("fp8_quantize", 19);
+    int dev, act;
     tec_fp8_quantize_args a = {0};
     void *stream;
     DEV(0, dev); DTYPE(1, a.dtype, "dtype"); FMT(2, a.format, "format"); I64(3, a.rows); I64(4, a.cols);
     PTR(5, a.x); PTR(6, a.scale); PTR(7, a.out); PTR(8, a.out_t); PTR(9, a.amax); PTR(10, a.scale_inv);
     PTR(11, a.dbias); PTR(12, a.workspace); SIZE(13, a.workspace_bytes, "workspace_bytes"); PTR(14, a.noop);
-    PTR(15, stream);
+    INT(15, a.act_mode, TEC_FP8_ACT_NONE, TEC_FP8_ACT_BWD, "act_mode"); INT(16, act, 0, 31, "act");
+    a.act = (tec_activation)act;
+    PTR(17, a.act_input); PTR(18, stream);
     tec_status st;
     CALL(tec_fp8_quantize(dev, &a, stream));
     return run(m, st);
@@ -155,7 +158,7 @@ static PyObject *py_fp8_block_gemm(PyObject *m, PyObject *const *args, Py_ssize_
 PyMethodDef tec_fp8_methods[] = {
     {"fp8_quantize", (PyCFunction)(void (*)(void))py_fp8_quantize, METH_FASTCALL,
      "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, dbias, workspace, "
-     "workspace_bytes, noop, stream)"},
+     "workspace_bytes, noop, act_mode, act, act_input, stream)"},
     {"fp8_quantize_workspace_bytes", (PyCFunction)(void (*)(void))py_fp8_quantize_workspace_bytes, METH_FASTCALL,
      "fp8_quantize_workspace_bytes(rows, cols)"},
     {"fp8_amax", (PyCFunction)(void (*)(void))py_fp8_amax, METH_FASTCALL, "fp8_amax(device, dtype, n, x, amax, stream)"},

@@ -306,7 +306,7 @@ class FP8Call:
         _C.fp8_quantize(c.dev, code, _CODES[fp8_dtype], rows, cols, t.data_ptr(), scale.data_ptr(),
                         0 if data is None else data.data_ptr(), 0 if data_t is None else data_t.data_ptr(), amax,
                         scale_inv.data_ptr(), 0 if db is None else db.data_ptr(), 0 if ws is None else ws.data_ptr(),
-                        nbytes, 0 if noop is None else noop.data_ptr(), c.stream)
+                        nbytes, 0 if noop is None else noop.data_ptr(), 0, 0, 0, c.stream)
         return Operand(data, data_t, scale, scale_inv, fp8_dtype, t, db)
 
     def _quantize_blocks(self, t, fp8_dtype, kind, rowwise, columnwise):

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "../backend.h"
+#include "../act_math.h"
 #include "../error.h"
 #include "cpu_dtype.h"
 #include "cpu_fp8.h"
@@ -21,20 +22,37 @@ static tec_status cpu_quantize(int device, const tec_fp8_quantize_args *a, void 
     const float s = *a->scale;
     float amax = 0.0f;
     const size_t ncols = (size_t)(a->cols > 0 ? a->cols : 1);
+    const int act = a->act_mode != TEC_FP8_ACT_NONE;
+    const int64_t row_bytes = a->cols * (int64_t)tec_dtype_size(a->dtype);
     float *row = malloc(ncols * sizeof(float));
     float *sum = a->dbias ? calloc(ncols, sizeof(float)) : NULL; /* column sums, rows in order */
-    if (!row || (a->dbias && !sum)) {
+    /* a fused activation: its input row (float32), its float32 values and the row in dtype */
+    float *in = act ? malloc(2 * ncols * sizeof(float)) : NULL;
+    char *rounded = act ? malloc((size_t)(row_bytes > 0 ? row_bytes : 1)) : NULL;
+    if (!row || (a->dbias && !sum) || (act && (!in || !rounded))) {
         free(row);
         free(sum);
+        free(in);
+        free(rounded);
         return tec_set_error(TEC_ERR_NO_MEMORY, "fp8 quantize: no memory for a row of %lld", (long long)a->cols);
     }
     for (int64_t r = 0; r < a->rows; r++) {
-        tec_load_row(row, (const char *)a->x + r * a->cols * (int64_t)tec_dtype_size(a->dtype), a->cols, a->dtype);
+        tec_load_row(row, (const char *)a->x + r * row_bytes, a->cols, a->dtype);
+        if (act) { /* row <- the activation's values rounded to dtype; in + cols: the unrounded ones */
+            float *exact = in + ncols;
+            if (a->act_mode == TEC_FP8_ACT_BWD)
+                tec_load_row(in, (const char *)a->act_input + r * row_bytes, a->cols, a->dtype);
+            for (int64_t c = 0; c < a->cols; c++)
+                exact[c] = a->act_mode == TEC_FP8_ACT_FWD ? tec_act_f((int)a->act, row[c], 0.0f, 0.0f)
+                                                          : tec_act_df((int)a->act, in[c], 0.0f, 0.0f) * row[c];
+            tec_store_row(rounded, exact, a->cols, a->dtype);
+            tec_load_row(row, rounded, a->cols, a->dtype);
+        }
         for (int64_t c = 0; c < a->cols; c++) {
             const float v = row[c];
             amax = fmaxf(amax, fabsf(v));
             if (sum)
-                sum[c] += v;
+                sum[c] += act ? in[ncols + c] : v;
             if (a->out || a->out_t) {
                 const uint8_t q = fp8_encode(v * s, f);
                 if (a->out)
@@ -45,6 +63,8 @@ static tec_status cpu_quantize(int device, const tec_fp8_quantize_args *a, void 
         }
     }
     free(row);
+    free(in);
+    free(rounded);
     if (sum) {
         tec_store_row(a->dbias, sum, a->cols, a->dtype);
         free(sum);

@@ -9,6 +9,7 @@
 #include <float.h>
 #include <string.h>
 
+#include "act_math.h"
 #include "gemm_plan.h"
 
 namespace {
@@ -56,25 +57,50 @@ __device__ __forceinline__ bool switched_off(const float *noop)
     return noop != NULL && *noop != 0.0f;
 }
 
+/* A fused activation ahead of a cast (tec.h's act_mode; MODE a template
+ * argument, the function f at run time): the value cast for one element of
+ * x (and of the activation's input `in`, read for the backward only),
+ * computed in float32 and rounded to T as the activation kernels write it;
+ * `exact` receives it before the rounding (what the bias gradient sums). */
+struct act_in {
+    const void *x; /* the activation's input (TEC_FP8_ACT_BWD), or NULL */
+    int f;         /* its function (act_math.h) */
+};
+
+template <typename T, int MODE> __device__ __forceinline__ float produce(float x, float in, int f, float &exact)
+{
+    if (MODE == TEC_FP8_ACT_NONE) {
+        exact = x;
+        return x;
+    }
+    exact = MODE == TEC_FP8_ACT_FWD ? tec_act_f(f, x, 0.0f, 0.0f) : tec_act_df(f, in, 0.0f, 0.0f) * x;
+    return tec_to_f32(tec_from_f32<T>(exact));
+}
+
 /* Rowwise cast of n elements, VEC per thread per step (VEC == 1: any
  * alignment), with amax (NULL: none) and scale_inv (NULL: none). out may be
  * NULL (amax only). */
-template <typename T, int VEC>
+template <typename T, int VEC, int MODE>
 __global__ void __launch_bounds__(256)
 quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale, int fmt, uint8_t *out,
-                float *amax, float *scale_inv, const float *noop)
+                float *amax, float *scale_inv, const float *noop, act_in act)
 {
     if (switched_off(noop))
         return;
     const float s = *scale;
-    float m = 0.0f;
+    const T *__restrict__ ax = (const T *)act.x;
+    float m = 0.0f, exact;
     const int64_t nv = n / VEC;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
         const tec_vec<T, VEC> v = reinterpret_cast<const tec_vec<T, VEC> *>(x)[i];
+        tec_vec<T, VEC> w;
+        if (MODE == TEC_FP8_ACT_BWD)
+            w = reinterpret_cast<const tec_vec<T, VEC> *>(ax)[i];
         uint8_t q[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; e++) {
-            const float f = tec_vget(v, e);
+            const float f = produce<T, MODE>(tec_vget(v, e), MODE == TEC_FP8_ACT_BWD ? tec_vget(w, e) : 0.0f,
+                                             act.f, exact);
             m = fmaxf(m, fabsf(f));
             q[e] = fp8_cvt(f * s, fmt);
         }
@@ -96,7 +122,8 @@ quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ sc
     }
     if (blockIdx.x == 0) /* the tail the vectors do not cover */
         for (int64_t i = nv * VEC + threadIdx.x; i < n; i += blockDim.x) {
-            const float f = tec_to_f32(x[i]);
+            const float f = produce<T, MODE>(tec_to_f32(x[i]), MODE == TEC_FP8_ACT_BWD ? tec_to_f32(ax[i]) : 0.0f,
+                                             act.f, exact);
             m = fmaxf(m, fabsf(f));
             if (out)
                 out[i] = fp8_cvt(f * s, fmt);
@@ -113,11 +140,11 @@ quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ sc
 /* Cast + transpose: a 64x64 tile per block of (64, 4) threads; out (may be
  * NULL) [rows, cols], out_t [cols, rows]. */
 constexpr int kTile = 64;
-template <typename T>
+template <typename T, int MODE>
 __global__ void __launch_bounds__(256)
 cast_transpose_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale, int fmt,
                       uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
-                      const float *noop)
+                      const float *noop, act_in act)
 {
     if (switched_off(noop))
         return;
@@ -130,7 +157,10 @@ cast_transpose_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const
         const int64_t gr = r0 + r, gc = c0 + tx;
         uint8_t q = 0;
         if (gr < rows && gc < cols) {
-            const float f = tec_to_f32(x[gr * cols + gc]);
+            float exact;
+            const float f = produce<T, MODE>(
+                tec_to_f32(x[gr * cols + gc]),
+                MODE == TEC_FP8_ACT_BWD ? tec_to_f32(((const T *)act.x)[gr * cols + gc]) : 0.0f, act.f, exact);
             m = fmaxf(m, fabsf(f));
             q = fp8_cvt(f * s, fmt);
             if (out)
@@ -186,11 +216,11 @@ constexpr int kVSlots = kVRows / 8;     /* 8-byte slots per staged row */
 constexpr int kDbiasRows = 128;         /* rows per partial sum (tec.h's workspace) */
 static_assert(kVRows == kDbiasRows, "one partial row per tile row");
 
-template <typename T, bool E5M2, bool DBIAS>
+template <typename T, bool E5M2, bool DBIAS, int MODE>
 __global__ void __launch_bounds__(256)
 cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale,
                           uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
-                          float *__restrict__ partial, const float *noop)
+                          float *__restrict__ partial, const float *noop, act_in act)
 {
     if (switched_off(noop))
         return;
@@ -208,11 +238,15 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
         const int b = g * 8 + warp; /* the tile's 8-row block */
         const int64_t rb = r0 + 8 * b;
         uint32_t lo[8], hi[8]; /* row i's codes of columns c..c+3 and c+4..c+7 */
-        tec_vec<T, 8> v[8];
+        tec_vec<T, 8> v[8], w[MODE == TEC_FP8_ACT_BWD ? 8 : 1];
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            if (col_in && rb + i < rows)
+            if (col_in && rb + i < rows) {
                 v[i] = *reinterpret_cast<const tec_vec<T, 8> *>(x + (rb + i) * cols + c);
+                if (MODE == TEC_FP8_ACT_BWD)
+                    w[MODE == TEC_FP8_ACT_BWD ? i : 0] =
+                        *reinterpret_cast<const tec_vec<T, 8> *>((const T *)act.x + (rb + i) * cols + c);
+            }
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             lo[i] = hi[i] = 0u;
@@ -221,10 +255,14 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
             float f[8];
 #pragma unroll
             for (int e = 0; e < 8; e++) {
-                f[e] = tec_vget(v[i], e);
+                float exact;
+                f[e] = produce<T, MODE>(tec_vget(v[i], e),
+                                        MODE == TEC_FP8_ACT_BWD ? tec_vget(w[MODE == TEC_FP8_ACT_BWD ? i : 0], e)
+                                                                : 0.0f,
+                                        act.f, exact);
                 m = fmaxf(m, fabsf(f[e]));
                 if (DBIAS)
-                    acc[e] += f[e];
+                    acc[e] += exact;
             }
             lo[i] = fp8x2<E5M2>(f[0] * s, f[1] * s) | (fp8x2<E5M2>(f[2] * s, f[3] * s) << 16);
             hi[i] = fp8x2<E5M2>(f[4] * s, f[5] * s) | (fp8x2<E5M2>(f[6] * s, f[7] * s) << 16);
@@ -284,10 +322,10 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
 /* partial[b, c] = the sum of x[r, c] over the rows r of block b (kDbiasRows
  * each): the column sums of a path without the vector kernel, one column per
  * thread. */
-template <typename T>
+template <typename T, int MODE>
 __global__ void __launch_bounds__(256)
 column_partial_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, float *__restrict__ partial,
-                      const float *noop)
+                      const float *noop, act_in act)
 {
     if (switched_off(noop))
         return;
@@ -296,9 +334,12 @@ column_partial_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, float
         return;
     const int64_t r0 = (int64_t)blockIdx.y * kDbiasRows;
     const int64_t r1 = r0 + kDbiasRows < rows ? r0 + kDbiasRows : rows;
-    float t = 0.0f;
-    for (int64_t r = r0; r < r1; r++)
-        t += tec_to_f32(x[r * cols + c]);
+    float t = 0.0f, exact;
+    for (int64_t r = r0; r < r1; r++) {
+        produce<T, MODE>(tec_to_f32(x[r * cols + c]),
+                         MODE == TEC_FP8_ACT_BWD ? tec_to_f32(((const T *)act.x)[r * cols + c]) : 0.0f, act.f, exact);
+        t += exact;
+    }
     partial[(int64_t)blockIdx.y * cols + c] = t;
 }
 
@@ -372,21 +413,24 @@ unsigned grid_for(int64_t work, int threads, int sms)
     return (unsigned)(g > 0 ? g : 1);
 }
 
-template <typename T, bool E5M2>
-void launch_vec(const tec_fp8_quantize_args *a, dim3 grid, cudaStream_t st)
+template <typename T, bool E5M2, int MODE>
+void launch_vec(const tec_fp8_quantize_args *a, dim3 grid, act_in act, cudaStream_t st)
 {
     if (a->dbias)
-        cast_transpose_vec_kernel<T, E5M2, true><<<grid, 256, 0, st>>>(
+        cast_transpose_vec_kernel<T, E5M2, true, MODE><<<grid, 256, 0, st>>>(
             (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv,
-            (float *)a->workspace, a->noop);
+            (float *)a->workspace, a->noop, act);
     else
-        cast_transpose_vec_kernel<T, E5M2, false><<<grid, 256, 0, st>>>(
-            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL, a->noop);
+        cast_transpose_vec_kernel<T, E5M2, false, MODE><<<grid, 256, 0, st>>>(
+            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL, a->noop,
+            act);
 }
 
-template <typename T>
+template <typename T, int MODE>
 tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStream_t st)
 {
+    const act_in act = {MODE == TEC_FP8_ACT_BWD ? a->act_input : NULL, (int)a->act};
+    const bool act_aligned = MODE != TEC_FP8_ACT_BWD || tec_cuda_aligned16(a->act_input);
     const int64_t n = a->rows * a->cols;
     int sms;
     tec_status s = tec_cuda_sm_count(device, &sms);
@@ -396,13 +440,13 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
     const dim3 vgrid((unsigned)((a->cols + kVCols - 1) / kVCols), (unsigned)nb);
     bool partial_done = false;
     if (a->out_t && n > 0) {
-        const bool vec = a->rows % 8 == 0 && a->cols % 8 == 0 && tec_cuda_aligned16(a->x) &&
+        const bool vec = a->rows % 8 == 0 && a->cols % 8 == 0 && tec_cuda_aligned16(a->x) && act_aligned &&
                          ((uintptr_t)a->out & 7u) == 0 && ((uintptr_t)a->out_t & 7u) == 0 && nb <= 65535;
         if (vec) {
             if (a->format == TEC_FP8_E5M2)
-                launch_vec<T, true>(a, vgrid, st);
+                launch_vec<T, true, MODE>(a, vgrid, act, st);
             else
-                launch_vec<T, false>(a, vgrid, st);
+                launch_vec<T, false, MODE>(a, vgrid, act, st);
             TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
             partial_done = true;
         } else {
@@ -410,21 +454,20 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
             if (grid.y > 65535)
                 return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 cast+transpose: %lld rows is too many",
                                      (long long)a->rows);
-            cast_transpose_kernel<T><<<grid, dim3(kTile, 4), 0, st>>>((const T *)a->x, a->rows, a->cols, a->scale,
-                                                                     a->format, a->out, a->out_t, a->amax,
-                                                                     a->scale_inv, a->noop);
+            cast_transpose_kernel<T, MODE><<<grid, dim3(kTile, 4), 0, st>>>((const T *)a->x, a->rows, a->cols,
+                                                                           a->scale, a->format, a->out, a->out_t,
+                                                                           a->amax, a->scale_inv, a->noop, act);
             TEC_CUDA_LAUNCH_CHECK("fp8 cast+transpose kernel");
         }
     } else if (a->out || a->amax || a->scale_inv) {
         constexpr int kVec = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T);
-        const bool vec = tec_cuda_aligned16(a->x) && ((uintptr_t)a->out & (kVec - 1)) == 0;
+        const bool vec = tec_cuda_aligned16(a->x) && act_aligned && ((uintptr_t)a->out & (kVec - 1)) == 0;
         if (vec)
-            quantize_kernel<T, kVec><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
-                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop);
+            quantize_kernel<T, kVec, MODE><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
+                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop, act);
         else
-            quantize_kernel<T, 1><<<grid_for(n, 256, sms), 256, 0, st>>>((const T *)a->x, n, a->scale, a->format,
-                                                                          a->out, a->amax, a->scale_inv,
-                                                                          a->noop);
+            quantize_kernel<T, 1, MODE><<<grid_for(n, 256, sms), 256, 0, st>>>(
+                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop, act);
         TEC_CUDA_LAUNCH_CHECK("fp8 quantize kernel");
     }
     if (a->dbias && a->cols > 0) {
@@ -432,8 +475,8 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
             return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 quantize: the bias gradient of %lld rows is too many",
                                  (long long)a->rows);
         if (!partial_done && nb > 0) {
-            column_partial_kernel<T><<<vgrid, 256, 0, st>>>((const T *)a->x, a->rows, a->cols,
-                                                            (float *)a->workspace, a->noop);
+            column_partial_kernel<T, MODE><<<vgrid, 256, 0, st>>>((const T *)a->x, a->rows, a->cols,
+                                                                  (float *)a->workspace, a->noop, act);
             TEC_CUDA_LAUNCH_CHECK("fp8 quantize column-sum kernel");
         }
         dbias_sum_kernel<T><<<(unsigned)((a->cols + 255) / 256), 256, 0, st>>>((const float *)a->workspace, nb,
@@ -441,6 +484,15 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
         TEC_CUDA_LAUNCH_CHECK("fp8 quantize bias-gradient kernel");
     }
     return TEC_OK;
+}
+
+template <int MODE> tec_status quantize_dtype(int device, const tec_fp8_quantize_args *a, cudaStream_t st)
+{
+    switch (a->dtype) {
+    case TEC_F32: return launch_quantize<float, MODE>(device, a, st);
+    case TEC_BF16: return launch_quantize<__nv_bfloat16, MODE>(device, a, st);
+    default: return launch_quantize<__half, MODE>(device, a, st);
+    }
 }
 
 } /* namespace */
@@ -452,10 +504,10 @@ static tec_status cuda_quantize(int device, const tec_fp8_quantize_args *a, void
 {
     TEC_CUDA_ENTER(device);
     cudaStream_t st = (cudaStream_t)stream;
-    switch (a->dtype) {
-    case TEC_F32: return launch_quantize<float>(device, a, st);
-    case TEC_BF16: return launch_quantize<__nv_bfloat16>(device, a, st);
-    default: return launch_quantize<__half>(device, a, st);
+    switch (a->act_mode) {
+    case TEC_FP8_ACT_FWD: return quantize_dtype<TEC_FP8_ACT_FWD>(device, a, st);
+    case TEC_FP8_ACT_BWD: return quantize_dtype<TEC_FP8_ACT_BWD>(device, a, st);
+    default: return quantize_dtype<TEC_FP8_ACT_NONE>(device, a, st);
     }
 }
 
@@ -475,11 +527,7 @@ static tec_status cuda_amax(int device, const void *x, int64_t n, tec_dtype dtyp
     q.x = x;
     q.scale = amax;
     q.amax = amax;
-    switch (dtype) {
-    case TEC_F32: return launch_quantize<float>(device, &q, st);
-    case TEC_BF16: return launch_quantize<__nv_bfloat16>(device, &q, st);
-    default: return launch_quantize<__half>(device, &q, st);
-    }
+    return quantize_dtype<TEC_FP8_ACT_NONE>(device, &q, st);
 }
 
 static tec_status cuda_scale_from_amax(int device, const float *amax, float *scale, float *scale_inv, int64_t n,
