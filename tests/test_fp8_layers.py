@@ -533,3 +533,51 @@ def test_first_call_under_inference_mode_then_training(kind):
     y, dx, grads = run(layer, x.clone().requires_grad_(), torch.randn(32, 96 if kind == "Linear" else 64),
                        DelayedScaling(), steps=2)
     assert torch.isfinite(dx).all() and all(g is not None for g in grads.values())
+
+
+@pytest.mark.parametrize("activation", ["gelu", "srelu", "silu"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_mlp_activation_fused_with_the_casts_changes_nothing(device, monkeypatch, activation, recipe, checkpoint):
+    """LayerNormMLP in FP8 computes an element-wise activation inside fc2's
+    input cast, and its backward inside dh's cast (module/_fp8.FP8Call.produce):
+    over 3 bf16 steps the output, the input gradient, every parameter
+    gradient (fc1's bias gradient: bit for bit on the CPU, within rounding on
+    CUDA, where the two kernels sum in another order) and the scales equal the
+    unfused path's (the activation written in bf16, then cast)."""
+    from transformer_engine_c.module import _fp8
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(_fp8.FP8Call, "fuses_activation", lambda self, act: False)
+        G.reset()
+        layer = make(f"MLP:{activation}", device, torch.bfloat16, checkpoint=checkpoint)
+        torch.manual_seed(5)
+        x = torch.randn(48, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(48, 64, device=device, dtype=torch.bfloat16)
+        out = run(layer, x, dy, RECIPES[recipe](), steps=3)
+        meta = layer.fp8_meta.get("scaling_fwd")
+        results.append((out, None if meta is None else meta.amax_history.clone()))
+    (ya, dxa, ga), ha = results[0]
+    (yb, dxb, gb), hb = results[1]
+    assert torch.equal(ya, yb) and torch.equal(dxa, dxb)
+    for name in ga:
+        if name == "fc1_bias" and device != "cpu":
+            assert torch.allclose(ga[name].float(), gb[name].float(), rtol=2e-2, atol=1e-2), name
+        else:
+            assert torch.equal(ga[name], gb[name]), name
+    assert (ha is None) == (hb is None) and (ha is None or torch.equal(ha, hb))
+
+
+def test_mlp_fused_activation_is_not_the_identity(monkeypatch):
+    """The negative case of the test above: fused casts that skipped the
+    activation (cast h itself) would change the output."""
+    from transformer_engine_c.module import _fp8
+    layer = make("MLP:gelu", "cpu", torch.bfloat16)
+    x = torch.randn(48, 64, dtype=torch.bfloat16)
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        want = layer(x)
+    monkeypatch.setattr(_fp8.FP8Call, "produce", lambda self, t, act, act_input=None: t)  # h cast as it is
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        got = layer(x)
+    assert not torch.equal(got, want)

@@ -3,12 +3,15 @@
 (`bench --fp8 --graphs`) taken apart. For each variant: wall and host ms per
 step over --steps steps back to back, then torch.profiler's kernels per
 step, grouped (GEMMs, casts, norm, activation, scale updates, the rest) and
-listed.
+listed; then the host's functions by own time (cProfile, 50 steps).
 
     python3 scripts/experiments/fp8_graph_profile.py [--shape 2048x2048x6144] [--steps 100]
 """
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -73,6 +76,16 @@ def main():
         print("   " + ", ".join(f"{g} {us / 1e3:.3f}" for g, us in groups.most_common()))
         for k, us in per.most_common(30):
             print(f"   {us:8.1f} us  x{count[k]:4.1f}  [{group(k)}] {k[:110]}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print("   host, 50 steps, by own time:")
+        print("\n".join("   " + line for line in text.getvalue().splitlines()[6:] if line.strip()))
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ class FP8Call:
 
     __slots__ = ("call", "layer", "recipe", "delayed", "meta", "fwd", "bwd", "split", "qparams", "grad", "first_mb",
                  "reduce_bwd", "gi", "inputs", "weights", "grads", "need_wgrad", "want_dbias", "recomputing",
-                 "keep_t", "blocks")
+                 "keep_t", "blocks", "produced")
 
     def __init__(self, call, layer, recipe, grad, first_mb):
         self.call = call
@@ -227,6 +227,7 @@ class FP8Call:
         # only the scales, and backward's recompute uses them (recomputing)
         self.recomputing = False
         self.keep_t = not getattr(layer, "checkpoint", False)
+        self.produced = {}  # a stand-in's address -> (it, x, activation, its input): produce()
 
     def _checkpointed(self, layer, grad):
         """Whether this call owns the backward amax reduction (the first FP8
@@ -274,6 +275,11 @@ class FP8Call:
         c = self.call
         amax = 0
         code = DTYPE_CODES[t.dtype]
+        x, act = t, (0, 0, 0)  # the tensor read, and the activation fused ahead of the cast (produce())
+        made = self.produced.get(t.data_ptr()) if self.produced else None
+        if made is not None and made[0].numel() == t.numel():
+            x = made[1]
+            act = (1, made[2], 0) if made[3] is None else (2, made[2], made[3].data_ptr())
         if scale is None:
             if self.delayed:
                 m = self.meta["scaling_fwd" if forward else "scaling_bwd"]
@@ -282,7 +288,12 @@ class FP8Call:
             else:  # the tensor's amax, then its scale (tec.h's current-scaling rule), on the device
                 buf = torch.empty(2, dtype=_F32, device=t.device)
                 p = buf.data_ptr()
-                _C.fp8_amax(c.dev, code, t.numel(), t.data_ptr(), p, c.stream)
+                if act[0]:  # the activation's values' amax: the fused cast writing nothing else
+                    buf.zero_()
+                    _C.fp8_quantize(c.dev, code, 0, 1, t.numel(), x.data_ptr(), p, 0, 0, p, 0, 0, 0, 0, 0, *act,
+                                    c.stream)
+                else:
+                    _C.fp8_amax(c.dev, code, t.numel(), t.data_ptr(), p, c.stream)
                 if group is not None and self.layer.tp.size > 1:
                     torch.distributed.all_reduce(buf[:1], op=torch.distributed.ReduceOp.MAX, group=group)
                 _C.fp8_scale_from_amax(c.dev, 1, p, p + 4, 0, _MAX[fp8_dtype], int(qp.power_2_scale),
@@ -303,10 +314,10 @@ class FP8Call:
             db = t.new_empty(cols)
             nbytes = _C.fp8_quantize_workspace_bytes(rows, cols)
             ws = torch.empty(nbytes, dtype=_U8, device=t.device)  # held until the call returns
-        _C.fp8_quantize(c.dev, code, _CODES[fp8_dtype], rows, cols, t.data_ptr(), scale.data_ptr(),
+        _C.fp8_quantize(c.dev, code, _CODES[fp8_dtype], rows, cols, x.data_ptr(), scale.data_ptr(),
                         0 if data is None else data.data_ptr(), 0 if data_t is None else data_t.data_ptr(), amax,
                         scale_inv.data_ptr(), 0 if db is None else db.data_ptr(), 0 if ws is None else ws.data_ptr(),
-                        nbytes, 0 if noop is None else noop.data_ptr(), 0, 0, 0, c.stream)
+                        nbytes, 0 if noop is None else noop.data_ptr(), *act, c.stream)
         return Operand(data, data_t, scale, scale_inv, fp8_dtype, t, db)
 
     def _quantize_blocks(self, t, fp8_dtype, kind, rowwise, columnwise):
@@ -485,7 +496,7 @@ class FP8Call:
         want_dbias the cast also sums the bias gradient (bias_grad)."""
         gi = self.gi
         q = self.grads.get(gi)
-        if q is None or q.src is not dy:
+        if q is None or not same_tensor(q.src, dy) or (self.need_wgrad and dy.dim() >= 2 and q.data_t is None):
             q = self._quantize(dy, self.bwd, 2 * gi, False, self.qparams and self.qparams[2], True,
                                self.need_wgrad and dy.dim() >= 2, dbias=self.want_dbias and dy.dim() >= 2)
             self.grads[gi] = q
@@ -512,6 +523,34 @@ class FP8Call:
         self.weights.pop(gi, None)
         self.grads.pop(gi, None)
 
+    def fuses_activation(self, act):
+        """Whether this call's casts can compute activation `act` (an
+        engine code) themselves (produce): per-tensor scaling, and an
+        element-wise activation (a gated one changes the width)."""
+        return self.blocks is None and act < 16
+
+    def produce(self, x, act, act_input=None):
+        """A stand-in for act(x) (with act_input: act'(act_input) * x, x
+        the gradient of the activation's output) of x's shape, whose values
+        this call's FP8 casts compute from x as they cast (the engine's
+        fused activation: the compute-dtype tensor is never written). Only
+        this call's casts may read it (by its address, views included)."""
+        s = stand_in(x, x.shape)
+        self.produced[s.data_ptr()] = (s, x, act, act_input)
+        return s
+
+    def activation_grad_output(self, dact, h, act, need_wgrad, want_dbias):
+        """The activation's backward fused with the cast of GEMM 0's output
+        gradient (LayerNormMLP's fc1): (dh, a stand-in whose FP8 cast, with
+        its transpose when need_wgrad, is made now and found by
+        grad_output, and the bias gradient of fc1 from the same pass, or
+        None)."""
+        dh = self.produce(dact, act, h)
+        q = self._quantize(dh, self.bwd, 0, False, self.qparams and self.qparams[2], True,
+                           need_wgrad and dh.dim() >= 2, dbias=want_dbias and dh.dim() >= 2)
+        self.grads[0] = q
+        return dh, q.dbias
+
     def saved_input(self, t, gi):
         """What a layer saves for the backward of GEMM gi's input t: where
         the forward kept t's FP8 transpose (all that wgrad reads), a stand-in
@@ -527,6 +566,7 @@ class FP8Call:
         """End of a layer's backward: the first FP8 module of the autocast
         reduces and updates the backward amaxes (delayed scaling)."""
         self.inputs, self.weights, self.grads = {}, {}, {}
+        self.produced = {}
         if self.reduce_bwd:
             self.reduce_bwd = False
             _State.reduce_and_update_fp8_tensors(forward=False)
@@ -613,7 +653,8 @@ def bias_grad(f, dy):
 
 def same_tensor(a, b):
     """a and b are the same elements (b perhaps a 2-D view of a)."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype is b.dtype)
+    return a is b or (a is not None and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+                      and a.dtype is b.dtype)
 
 
 def wgrad_operands(f, dy, xt):

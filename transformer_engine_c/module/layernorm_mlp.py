@@ -32,7 +32,10 @@ def _norm_fc1_act(call, x, g, beta, w1, b1, keep, want_gathered):
     layer, plan = call.layer, call.plan
     h, ln_out, stats, ln_total = _steps.norm_fprop(call, layer.tp, layer.ub, x, g, beta, plan.eps, plan.zcg, w1,
                                                    b1, keep or layer.return_layernorm_output, want_gathered)
-    a = _steps.act_fwd(call, plan.act, h, keep, plan.act_params)
+    if call.fp8 is not None and call.fp8.fuses_activation(plan.act):
+        a = call.fp8.produce(h, plan.act)  # computed by fc2's input cast: no compute-dtype copy
+    else:
+        a = _steps.act_fwd(call, plan.act, h, keep, plan.act_params)
     return ln_out, stats, h, a, ln_total
 
 
@@ -140,9 +143,15 @@ class _LayerNormMLPFn(torch.autograd.Function):
         dact, dw2, db2 = _steps.linear_backward(call, tp2, layer.ub2, dy, a, w2, True, wg2, dact, gi=1)
         del a
 
-        # the activation's backward, fc1's bias gradient fused (column sums)
-        dh, db1 = _steps.act_bwd(call, plan.act, dact, h, ctx.has_b1 and need[4], plan.act_params,
-                                 layer.delay_wgrad_compute)
+        # the activation's backward, fc1's bias gradient fused (column sums); in FP8 fused
+        # with dh's cast too (dh is then a stand-in that only fc1's FP8 GEMMs read)
+        wg1 = wg_fc1.step(fc1_weight, False, call.first_mb) if need[3] else None
+        if call.fp8 is not None and call.fp8.fuses_activation(plan.act) and not layer.delay_wgrad_compute:
+            dh, db1 = call.fp8.activation_grad_output(dact, h, plan.act, wg1 is not None and wg1.need_w,
+                                                      ctx.has_b1 and need[4])
+        else:
+            dh, db1 = _steps.act_bwd(call, plan.act, dact, h, ctx.has_b1 and need[4], plan.act_params,
+                                     layer.delay_wgrad_compute)
         del dact, h
         if db1 is not None and layer.delay_wgrad_compute:
             wg_fc1.bias_queue.append(db1)  # with fc1's weight gradient, in backward_dw()
@@ -150,7 +159,6 @@ class _LayerNormMLPFn(torch.autograd.Function):
 
         # fc1 (column): dgrad (+ its reduction) and wgrad on the gathered
         # ln_out, then the norm's backward on this rank's rows
-        wg1 = wg_fc1.step(fc1_weight, False, call.first_mb) if need[3] else None
         extra = None
         if dln_ret is not None:
             extra = grad_output(dln_ret, dtype)
