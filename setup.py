@@ -19,6 +19,7 @@ Headers and libraries are also looked up in the nvidia-* Python packages
 (nvidia/cu13, nvidia/cublas, nvidia/cuda_runtime) on sys.path. No PyTorch is
 needed to build.
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -116,11 +117,20 @@ class BuildExt(build_ext):
         archs = os.environ.get("TEC_CUDA_ARCHS", "90").replace(",", ";").split(";")
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        cmd = [cuda["nvcc"], "-shared", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden,-pthread",
-               "-std=c++17", "--expt-relaxed-constexpr", *gencode,
-               *[f"-I{d}" for d in cuda["includes"]], "-I" + os.path.join(ROOT, "csrc", "core"),
-               *srcs, "-o", out, *[f"-L{d}" for d in cuda["libdirs"]], *cuda["libs"],
-               *[f"-Xlinker=-rpath,{d}" for d in cuda["libdirs"]],
+        # each source compiled on its own (in parallel, one per CPU core), then one link
+        obj_dir = os.path.join(self.build_temp, "tec_cuda")
+        os.makedirs(obj_dir, exist_ok=True)
+        flags = ["-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden,-pthread", "-std=c++17", "--expt-relaxed-constexpr",
+                 *gencode, *[f"-I{d}" for d in cuda["includes"]], "-I" + os.path.join(ROOT, "csrc", "core")]
+        objs = [os.path.join(obj_dir, os.path.basename(src) + ".o") for src in srcs]
+        jobs = [[cuda["nvcc"], "-c", *flags, src, "-o", obj] for src, obj in zip(srcs, objs)]
+        print(f"transformer_engine_c: {jobs[0][0]} -c {' '.join(flags)} <source> ({len(jobs)} sources)")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            for done in pool.map(subprocess.run, jobs):
+                if done.returncode:
+                    raise subprocess.CalledProcessError(done.returncode, done.args)
+        cmd = [cuda["nvcc"], "-shared", *gencode, *objs, "-o", out, *[f"-L{d}" for d in cuda["libdirs"]],
+               *cuda["libs"], *[f"-Xlinker=-rpath,{d}" for d in cuda["libdirs"]],
                "-Xlinker=--no-undefined"]  # the core's functions are reached through its hooks only
         print("transformer_engine_c: " + " ".join(cmd))
         subprocess.check_call(cmd)

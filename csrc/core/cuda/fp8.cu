@@ -9,6 +9,8 @@
 #include <float.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "act_math.h"
 #include "gemm_plan.h"
 
@@ -67,20 +69,22 @@ struct act_in {
     int f;         /* its function (act_math.h) */
 };
 
-template <typename T, int MODE> __device__ __forceinline__ float produce(float x, float in, int f, float &exact)
+template <typename T, int MODE, int F = -1>
+__device__ __forceinline__ float produce(float x, float in, int f, float &exact)
 {
     if (MODE == TEC_FP8_ACT_NONE) {
         exact = x;
         return x;
     }
-    exact = MODE == TEC_FP8_ACT_FWD ? tec_act_f(f, x, 0.0f, 0.0f) : tec_act_df(f, in, 0.0f, 0.0f) * x;
+    const int fn = F >= 0 ? F : f; /* F: the function known when compiled (fast_act); -1: read at run time */
+    exact = MODE == TEC_FP8_ACT_FWD ? tec_act_f(fn, x, 0.0f, 0.0f) : tec_act_df(fn, in, 0.0f, 0.0f) * x;
     return tec_to_f32(tec_from_f32<T>(exact));
 }
 
 /* Rowwise cast of n elements, VEC per thread per step (VEC == 1: any
  * alignment), with amax (NULL: none) and scale_inv (NULL: none). out may be
  * NULL (amax only). */
-template <typename T, int VEC, int MODE>
+template <typename T, int VEC, int MODE, int F = -1>
 __global__ void __launch_bounds__(256)
 quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ scale, int fmt, uint8_t *out,
                 float *amax, float *scale_inv, const float *noop, act_in act)
@@ -99,7 +103,7 @@ quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ sc
         uint8_t q[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; e++) {
-            const float f = produce<T, MODE>(tec_vget(v, e), MODE == TEC_FP8_ACT_BWD ? tec_vget(w, e) : 0.0f,
+            const float f = produce<T, MODE, F>(tec_vget(v, e), MODE == TEC_FP8_ACT_BWD ? tec_vget(w, e) : 0.0f,
                                              act.f, exact);
             m = fmaxf(m, fabsf(f));
             q[e] = fp8_cvt(f * s, fmt);
@@ -122,7 +126,7 @@ quantize_kernel(const T *__restrict__ x, int64_t n, const float *__restrict__ sc
     }
     if (blockIdx.x == 0) /* the tail the vectors do not cover */
         for (int64_t i = nv * VEC + threadIdx.x; i < n; i += blockDim.x) {
-            const float f = produce<T, MODE>(tec_to_f32(x[i]), MODE == TEC_FP8_ACT_BWD ? tec_to_f32(ax[i]) : 0.0f,
+            const float f = produce<T, MODE, F>(tec_to_f32(x[i]), MODE == TEC_FP8_ACT_BWD ? tec_to_f32(ax[i]) : 0.0f,
                                              act.f, exact);
             m = fmaxf(m, fabsf(f));
             if (out)
@@ -216,7 +220,7 @@ constexpr int kVSlots = kVRows / 8;     /* 8-byte slots per staged row */
 constexpr int kDbiasRows = 128;         /* rows per partial sum (tec.h's workspace) */
 static_assert(kVRows == kDbiasRows, "one partial row per tile row");
 
-template <typename T, bool E5M2, bool DBIAS, int MODE>
+template <typename T, bool E5M2, bool DBIAS, int MODE, int F = -1>
 __global__ void __launch_bounds__(256)
 cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale,
                           uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
@@ -256,7 +260,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 float exact;
-                f[e] = produce<T, MODE>(tec_vget(v[i], e),
+                f[e] = produce<T, MODE, F>(tec_vget(v[i], e),
                                         MODE == TEC_FP8_ACT_BWD ? tec_vget(w[MODE == TEC_FP8_ACT_BWD ? i : 0], e)
                                                                 : 0.0f,
                                         act.f, exact);
@@ -413,17 +417,43 @@ unsigned grid_for(int64_t work, int threads, int sms)
     return (unsigned)(g > 0 ? g : 1);
 }
 
+/* Calls fn(std::integral_constant<int, F>) with a fused activation's
+ * function as a compile-time F where the kernels have it so (bf16, the
+ * dtype of FP8 training: the activation's forward without a bias gradient,
+ * and its backward), else with F = -1 (the function read at run time, much
+ * slower: per element, a switch the compiler cannot hoist). */
+template <typename T, int MODE, typename Fn> void with_act_fn(int f, bool fwd_dbias, Fn fn)
+{
+    if constexpr (MODE != TEC_FP8_ACT_NONE && std::is_same<T, __nv_bfloat16>::value) {
+        if (!(MODE == TEC_FP8_ACT_FWD && fwd_dbias)) {
+            switch (f) {
+            case TEC_F_GELU: fn(std::integral_constant<int, TEC_F_GELU>()); return;
+            case TEC_F_RELU: fn(std::integral_constant<int, TEC_F_RELU>()); return;
+            case TEC_F_QGELU: fn(std::integral_constant<int, TEC_F_QGELU>()); return;
+            case TEC_F_SRELU: fn(std::integral_constant<int, TEC_F_SRELU>()); return;
+            case TEC_F_SILU: fn(std::integral_constant<int, TEC_F_SILU>()); return;
+            default: break;
+            }
+        }
+    }
+    fn(std::integral_constant<int, -1>());
+}
+
 template <typename T, bool E5M2, int MODE>
 void launch_vec(const tec_fp8_quantize_args *a, dim3 grid, act_in act, cudaStream_t st)
 {
-    if (a->dbias)
-        cast_transpose_vec_kernel<T, E5M2, true, MODE><<<grid, 256, 0, st>>>(
-            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv,
-            (float *)a->workspace, a->noop, act);
-    else
-        cast_transpose_vec_kernel<T, E5M2, false, MODE><<<grid, 256, 0, st>>>(
-            (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL, a->noop,
-            act);
+    /* the forward's fast kernels: E4M3 only (the forward format of every recipe but E5M2) */
+    with_act_fn<T, MODE>(act.f, a->dbias != NULL || (MODE == TEC_FP8_ACT_FWD && E5M2), [&](auto fc) {
+        constexpr int F = decltype(fc)::value;
+        if (a->dbias)
+            cast_transpose_vec_kernel<T, E5M2, true, MODE, F><<<grid, 256, 0, st>>>(
+                (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv,
+                (float *)a->workspace, a->noop, act);
+        else
+            cast_transpose_vec_kernel<T, E5M2, false, MODE, F><<<grid, 256, 0, st>>>(
+                (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL,
+                a->noop, act);
+    });
 }
 
 template <typename T, int MODE>
@@ -463,8 +493,10 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
         constexpr int kVec = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T);
         const bool vec = tec_cuda_aligned16(a->x) && act_aligned && ((uintptr_t)a->out & (kVec - 1)) == 0;
         if (vec)
-            quantize_kernel<T, kVec, MODE><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
-                (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop, act);
+            with_act_fn<T, MODE>(act.f, false, [&](auto fc) {
+                quantize_kernel<T, kVec, MODE, decltype(fc)::value><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
+                    (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop, act);
+            });
         else
             quantize_kernel<T, 1, MODE><<<grid_for(n, 256, sms), 256, 0, st>>>(
                 (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop, act);
