@@ -81,6 +81,28 @@ __device__ __forceinline__ float produce(float x, float in, int f, float &exact)
     return tec_to_f32(tec_from_f32<T>(exact));
 }
 
+/* produce() over a row of 8 elements of the vector kernel (w: the
+ * activation's input, read for the backward only): the rounded values and,
+ * before the rounding, `exact`. Not inlined: that kernel runs it for 16 rows
+ * per lane, and 16 inlined copies of an activation (a backward's tanh and
+ * exp) make a kernel too large to run from the instruction cache. */
+template <typename T> struct produced8 {
+    tec_vec<T, 8> v;
+    float exact[8];
+};
+
+template <typename T, int MODE, int F>
+__device__ __noinline__ produced8<T> produce8(tec_vec<T, 8> v, tec_vec<T, 8> w, int f)
+{
+    produced8<T> p;
+    float r[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        r[e] = produce<T, MODE, F>(tec_vget(v, e), MODE == TEC_FP8_ACT_BWD ? tec_vget(w, e) : 0.0f, f, p.exact[e]);
+    p.v = tec_vpack<T, 8>(r);
+    return p;
+}
+
 /* Rowwise cast of n elements, VEC per thread per step (VEC == 1: any
  * alignment), with amax (NULL: none) and scale_inv (NULL: none). out may be
  * NULL (amax only). */
@@ -221,7 +243,7 @@ constexpr int kDbiasRows = 128;         /* rows per partial sum (tec.h's workspa
 static_assert(kVRows == kDbiasRows, "one partial row per tile row");
 
 template <typename T, bool E5M2, bool DBIAS, int MODE, int F = -1>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, MODE == TEC_FP8_ACT_NONE ? 1 : 2) /* a fused activation: 2 blocks per SM */
 cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale,
                           uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
                           float *__restrict__ partial, const float *noop, act_in act)
@@ -242,7 +264,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
         const int b = g * 8 + warp; /* the tile's 8-row block */
         const int64_t rb = r0 + 8 * b;
         uint32_t lo[8], hi[8]; /* row i's codes of columns c..c+3 and c+4..c+7 */
-        tec_vec<T, 8> v[8], w[MODE == TEC_FP8_ACT_BWD ? 8 : 1];
+        tec_vec<T, 8> v[8], w[MODE == TEC_FP8_ACT_BWD ? 8 : 1] = {};
 #pragma unroll
         for (int i = 0; i < 8; i++)
             if (col_in && rb + i < rows) {
@@ -257,16 +279,15 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
             if (!(col_in && rb + i < rows))
                 continue;
             float f[8];
+            produced8<T> p;
+            if (MODE != TEC_FP8_ACT_NONE) /* the activation's row: v[i] becomes its rounded values */
+                v[i] = (p = produce8<T, MODE, F>(v[i], w[MODE == TEC_FP8_ACT_BWD ? i : 0], act.f)).v;
 #pragma unroll
             for (int e = 0; e < 8; e++) {
-                float exact;
-                f[e] = produce<T, MODE, F>(tec_vget(v[i], e),
-                                        MODE == TEC_FP8_ACT_BWD ? tec_vget(w[MODE == TEC_FP8_ACT_BWD ? i : 0], e)
-                                                                : 0.0f,
-                                        act.f, exact);
+                f[e] = tec_vget(v[i], e);
                 m = fmaxf(m, fabsf(f[e]));
                 if (DBIAS)
-                    acc[e] += exact;
+                    acc[e] += MODE != TEC_FP8_ACT_NONE ? p.exact[e] : f[e];
             }
             lo[i] = fp8x2<E5M2>(f[0] * s, f[1] * s) | (fp8x2<E5M2>(f[2] * s, f[3] * s) << 16);
             hi[i] = fp8x2<E5M2>(f[4] * s, f[5] * s) | (fp8x2<E5M2>(f[6] * s, f[7] * s) << 16);
@@ -422,18 +443,16 @@ unsigned grid_for(int64_t work, int threads, int sms)
  * dtype of FP8 training: the activation's forward without a bias gradient,
  * and its backward), else with F = -1 (the function read at run time, much
  * slower: per element, a switch the compiler cannot hoist). */
-template <typename T, int MODE, typename Fn> void with_act_fn(int f, bool fwd_dbias, Fn fn)
+template <typename T, int MODE, bool FAST, typename Fn> void with_act_fn(int f, Fn fn)
 {
-    if constexpr (MODE != TEC_FP8_ACT_NONE && std::is_same<T, __nv_bfloat16>::value) {
-        if (!(MODE == TEC_FP8_ACT_FWD && fwd_dbias)) {
-            switch (f) {
-            case TEC_F_GELU: fn(std::integral_constant<int, TEC_F_GELU>()); return;
-            case TEC_F_RELU: fn(std::integral_constant<int, TEC_F_RELU>()); return;
-            case TEC_F_QGELU: fn(std::integral_constant<int, TEC_F_QGELU>()); return;
-            case TEC_F_SRELU: fn(std::integral_constant<int, TEC_F_SRELU>()); return;
-            case TEC_F_SILU: fn(std::integral_constant<int, TEC_F_SILU>()); return;
-            default: break;
-            }
+    if constexpr (FAST && MODE != TEC_FP8_ACT_NONE && std::is_same<T, __nv_bfloat16>::value) {
+        switch (f) {
+        case TEC_F_GELU: fn(std::integral_constant<int, TEC_F_GELU>()); return;
+        case TEC_F_RELU: fn(std::integral_constant<int, TEC_F_RELU>()); return;
+        case TEC_F_QGELU: fn(std::integral_constant<int, TEC_F_QGELU>()); return;
+        case TEC_F_SRELU: fn(std::integral_constant<int, TEC_F_SRELU>()); return;
+        case TEC_F_SILU: fn(std::integral_constant<int, TEC_F_SILU>()); return;
+        default: break;
         }
     }
     fn(std::integral_constant<int, -1>());
@@ -442,18 +461,20 @@ template <typename T, int MODE, typename Fn> void with_act_fn(int f, bool fwd_db
 template <typename T, bool E5M2, int MODE>
 void launch_vec(const tec_fp8_quantize_args *a, dim3 grid, act_in act, cudaStream_t st)
 {
-    /* the forward's fast kernels: E4M3 only (the forward format of every recipe but E5M2) */
-    with_act_fn<T, MODE>(act.f, a->dbias != NULL || (MODE == TEC_FP8_ACT_FWD && E5M2), [&](auto fc) {
-        constexpr int F = decltype(fc)::value;
-        if (a->dbias)
-            cast_transpose_vec_kernel<T, E5M2, true, MODE, F><<<grid, 256, 0, st>>>(
+    /* the forward's fast kernels: E4M3 (the forward format of every recipe but E5M2), no bias gradient */
+    constexpr bool fast_fwd = MODE != TEC_FP8_ACT_FWD || !E5M2;
+    if (a->dbias)
+        with_act_fn<T, MODE, MODE != TEC_FP8_ACT_FWD>(act.f, [&](auto fc) {
+            cast_transpose_vec_kernel<T, E5M2, true, MODE, decltype(fc)::value><<<grid, 256, 0, st>>>(
                 (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv,
                 (float *)a->workspace, a->noop, act);
-        else
-            cast_transpose_vec_kernel<T, E5M2, false, MODE, F><<<grid, 256, 0, st>>>(
+        });
+    else
+        with_act_fn<T, MODE, fast_fwd>(act.f, [&](auto fc) {
+            cast_transpose_vec_kernel<T, E5M2, false, MODE, decltype(fc)::value><<<grid, 256, 0, st>>>(
                 (const T *)a->x, a->rows, a->cols, a->scale, a->out, a->out_t, a->amax, a->scale_inv, NULL,
                 a->noop, act);
-    });
+        });
 }
 
 template <typename T, int MODE>
@@ -493,7 +514,7 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
         constexpr int kVec = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T);
         const bool vec = tec_cuda_aligned16(a->x) && act_aligned && ((uintptr_t)a->out & (kVec - 1)) == 0;
         if (vec)
-            with_act_fn<T, MODE>(act.f, false, [&](auto fc) {
+            with_act_fn<T, MODE, true>(act.f, [&](auto fc) {
                 quantize_kernel<T, kVec, MODE, decltype(fc)::value><<<grid_for(n / kVec, 256, sms), 256, 0, st>>>(
                     (const T *)a->x, n, a->scale, a->format, a->out, a->amax, a->scale_inv, a->noop, act);
             });
