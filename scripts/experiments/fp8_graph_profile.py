@@ -1,6 +1,7 @@
 """Where a graphed LayerNormMLP step's time goes, bf16 against FP8
-(DelayedScaling, Float8CurrentScaling): the benchmark's graphs row
-(`bench --fp8 --graphs`) taken apart. For each variant: wall and host ms per
+(DelayedScaling, Float8CurrentScaling; each also with the activation
+computed apart from the casts, as before they were fused): the benchmark's
+graphs row (`bench --fp8 --graphs`) taken apart. For each variant: wall and host ms per
 step over --steps steps back to back, then torch.profiler's kernels per
 step, grouped (GEMMs, casts, norm, activation, scale updates, the rest) and
 listed; then the host's functions by own time (cProfile, 50 steps).
@@ -19,6 +20,7 @@ import torch
 import transformer_engine_c as te
 from transformer_engine_c import recipe as recipe_mod
 from transformer_engine_c.benchmarks import fp8 as bench_fp8, tp1
+from transformer_engine_c.module import _fp8
 
 GROUPS = (("gemm", ("gemm", "sm90", "cutlass", "xmma", "nvjet")), ("cast", ("cast", "quantize", "transpose")),
           ("norm", ("norm",)), ("act", ("gelu", "act", "swiglu", "relu")), ("scale", ("amax", "scale", "delayed",
@@ -43,10 +45,15 @@ def main():
     ours = tp1.ours_layer(te, "LayerNormMLP", H, N, dt, dev)
     x = torch.randn(T, H, dtype=dt, device=dev, requires_grad=True)
     dy = torch.randn(T, H, dtype=dt, device=dev)
-    for name, recipe in (("bf16", None), ("delayed", recipe_mod.DelayedScaling()),
-                         ("current", recipe_mod.Float8CurrentScaling())):
+    variants = [("bf16", None, True)]
+    for rname, recipe in (("delayed", recipe_mod.DelayedScaling()), ("current", recipe_mod.Float8CurrentScaling())):
+        variants += [(rname, recipe, True), (rname + ", activation not fused with the casts", recipe, False)]
+    fuses = _fp8.FP8Call.fuses_activation
+    for name, recipe, fused in variants:
         layer = ours if recipe is None else bench_fp8.fp8_twin(te, "LayerNormMLP", H, N, dt, dev, ours)
+        _fp8.FP8Call.fuses_activation = fuses if fused else (lambda self, act: False)
         g = te.make_graphed_callables(layer, (x,), fp8_enabled=recipe is not None, fp8_recipe=recipe)
+        _fp8.FP8Call.fuses_activation = fuses
         step = tp1.steps(g, x, dy)["fwd+bwd"] if recipe is None else bench_fp8.fp8_step(te, g, x, dy, recipe)
         for _ in range(10):
             step()

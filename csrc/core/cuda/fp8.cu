@@ -243,7 +243,8 @@ constexpr int kDbiasRows = 128;         /* rows per partial sum (tec.h's workspa
 static_assert(kVRows == kDbiasRows, "one partial row per tile row");
 
 template <typename T, bool E5M2, bool DBIAS, int MODE, int F = -1>
-__global__ void __launch_bounds__(256, MODE == TEC_FP8_ACT_NONE ? 1 : 2) /* a fused activation: 2 blocks per SM */
+/* blocks per SM: the plain cast 4 (3 with dbias), with a fused activation 3 (forward) or 2 (backward) */
+__global__ void __launch_bounds__(256, MODE == TEC_FP8_ACT_NONE ? (DBIAS ? 3 : 4) : MODE == TEC_FP8_ACT_FWD ? 3 : 2)
 cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, const float *__restrict__ scale,
                           uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
                           float *__restrict__ partial, const float *noop, act_in act)
@@ -264,7 +265,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
         const int b = g * 8 + warp; /* the tile's 8-row block */
         const int64_t rb = r0 + 8 * b;
         uint32_t lo[8], hi[8]; /* row i's codes of columns c..c+3 and c+4..c+7 */
-        tec_vec<T, 8> v[8], w[MODE == TEC_FP8_ACT_BWD ? 8 : 1] = {};
+        tec_vec<T, 8> v[8], w[MODE == TEC_FP8_ACT_BWD ? 8 : 1];
 #pragma unroll
         for (int i = 0; i < 8; i++)
             if (col_in && rb + i < rows) {
@@ -278,16 +279,22 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
             lo[i] = hi[i] = 0u;
             if (!(col_in && rb + i < rows))
                 continue;
-            float f[8];
-            produced8<T> p;
-            if (MODE != TEC_FP8_ACT_NONE) /* the activation's row: v[i] becomes its rounded values */
-                v[i] = (p = produce8<T, MODE, F>(v[i], w[MODE == TEC_FP8_ACT_BWD ? i : 0], act.f)).v;
+            float f[8], exact[8];
+            if constexpr (MODE != TEC_FP8_ACT_NONE) { /* the activation's row: v[i] becomes its rounded values */
+                const produced8<T> p =
+                    produce8<T, MODE, F>(v[i], MODE == TEC_FP8_ACT_BWD ? w[MODE == TEC_FP8_ACT_BWD ? i : 0] : v[i],
+                                         act.f);
+                v[i] = p.v;
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    exact[e] = p.exact[e];
+            }
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 f[e] = tec_vget(v[i], e);
                 m = fmaxf(m, fabsf(f[e]));
                 if (DBIAS)
-                    acc[e] += MODE != TEC_FP8_ACT_NONE ? p.exact[e] : f[e];
+                    acc[e] += MODE != TEC_FP8_ACT_NONE ? exact[e] : f[e];
             }
             lo[i] = fp8x2<E5M2>(f[0] * s, f[1] * s) | (fp8x2<E5M2>(f[2] * s, f[3] * s) << 16);
             hi[i] = fp8x2<E5M2>(f[4] * s, f[5] * s) | (fp8x2<E5M2>(f[6] * s, f[7] * s) << 16);
