@@ -525,12 +525,14 @@ class FP8Call:
 
     def fuses_activation(self, act):
         """Whether this call's casts compute activation `act` (an engine
-        code) themselves (produce): per-tensor scaling, an element-wise
-        activation (a gated one changes the width), and bf16, whose fused
-        CUDA kernels know the function when compiled (other dtypes' fused
-        casts read it per element, slower than the activation kernel and the
-        cast apart) or the CPU."""
-        return self.blocks is None and act < 16 and (self.call.dtype is torch.bfloat16 or self.call.dev < 0)
+        code) themselves (produce): delayed scaling (current scaling would
+        compute the activation twice, once for its amax: slower than the
+        activation kernel and a cast of its output, measured on an H200), an
+        element-wise activation (a gated one changes the width), and bf16,
+        whose fused CUDA kernels know the function when compiled (other
+        dtypes' read it per element), or the CPU."""
+        return (self.delayed and self.blocks is None and act < 16
+                and (self.call.dtype is torch.bfloat16 or self.call.dev < 0))
 
     def produce(self, x, act, act_input=None):
         """A stand-in for act(x) (with act_input: act'(act_input) * x, x
