@@ -255,6 +255,37 @@ def test_module_called_twice_maxes_into_one_row():
     assert len(G.global_amax_buffer["forward_" + G.get_unique_autocast_key(recipe, None)]) == 1
 
 
+def _observe(meta, v):
+    fwd = meta["scaling_fwd"]
+    Float8Quantizer(fwd.scale[0:1], fwd.amax_history[0][0:1], torch.float8_e4m3fn)(torch.full((4, 16), v))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent", lambda h: h.max(dim=0).values])
+def test_a_meta_registered_in_a_later_step_is_updated_too(algo):
+    """The step's update is prepared once per buffer (checked arguments,
+    engine pointers) and made again when a registration appends to it: a
+    module that joins in a later step has its scale updated from then on,
+    and the update equals the rule applied meta by meta."""
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo)
+    first, later, ref = (M.make_fp8_meta(recipe) for _ in range(3))
+    with te.autocast(enabled=True, recipe=recipe):
+        G.add_fp8_tensors_to_global_buffer(first)
+        _observe(first, 3.0)
+    assert first["scaling_fwd"].scale[0].item() == torch.tensor(448.0 / 3.0).item()
+    for v in (5.0, 2.0):
+        with te.autocast(enabled=True, recipe=recipe):
+            G.add_fp8_tensors_to_global_buffer(first)
+            G.add_fp8_tensors_to_global_buffer(later)
+            _observe(first, v)
+            _observe(later, v)
+        _observe(ref, v)
+        M.amax_and_scale_update(ref["scaling_fwd"], recipe.fp8_format.value.max_fwd, recipe)
+        for name in ("scale", "scale_inv", "amax_history"):
+            assert torch.equal(getattr(later["scaling_fwd"], name), getattr(ref["scaling_fwd"], name)), name
+    newest_or_max = 2.0 if algo == "most_recent" else 5.0  # the history holds [2, 5, 0]
+    assert later["scaling_fwd"].scale[0].item() == torch.tensor(448.0 / newest_or_max).item()
+
+
 @pytest.mark.parametrize("how", ["no_grad", "graph", "disabled"])
 def test_no_update_without_grad_in_graphs_or_disabled(how):
     recipe = DelayedScaling(amax_history_len=2)

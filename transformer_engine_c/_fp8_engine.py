@@ -177,15 +177,29 @@ def delayed_update(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=
     tec_fp8_delayed_update; _fp8_meta's rule with "max" or "most_recent"
     and the default scale rule): history [len, n], scale and scale_inv [n],
     contiguous float32 tensors on one device, updated in place."""
+    delayed_update_call(history, scale, scale_inv, fp8_max, divisor, most_recent)()
+
+
+def delayed_update_call(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=False):
+    """delayed_update's arguments checked now: a function of no arguments
+    that runs the update on the current stream when called (the per-step
+    updates of registered fp8_meta tensors, whose storage never changes)."""
     length, n = history.shape
     for t, name, shape in ((history, "history", (length, n)), (scale, "scale", (n,)), (scale_inv, "scale_inv", (n,))):
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device != history.device:
             raise ValueError(f"delayed_update: {name} must be a contiguous float32 {shape} tensor on {history.device}")
     if not 1 <= length <= HISTORY_MAX:
         raise ValueError(f"delayed_update: history length {length} is not in 1..{HISTORY_MAX}")
-    _C.fp8_delayed_update(device_code(history.device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(),
-                          length, n, float(fp8_max), float(divisor), int(bool(most_recent)),
-                          stream_of(history.device))
+    device = history.device
+    args = (device_code(device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n,
+            float(fp8_max), float(divisor), int(bool(most_recent)))
+    keep = (history, scale, scale_inv)  # the storage the pointers name lives as long as the call
+    run = _C.fp8_delayed_update
+
+    def call():
+        run(*args, stream_of(device))
+    call.tensors = keep
+    return call
 
 
 def _gemm_operands(name, a, a_dtype, b, b_dtype):

@@ -143,14 +143,38 @@ def default_scale_from_amax(amax, scale, fp8_max, recipe):
     return torch.where(keep, scale, sf)
 
 
+def _engine_rule(history, recipe):
+    return (recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+            and history.shape[0] <= _fp8_engine.HISTORY_MAX and history.is_contiguous())
+
+
+def updater(metas, fp8_max, recipe):
+    """A function of no arguments that runs amax_and_scale_update over
+    `metas` (FP8TensorMeta over tensors whose storage stays), the engine's
+    arguments checked once here: the step's update of the registered
+    fp8_meta tensors, without the per-call checks."""
+    if all(_engine_rule(m.amax_history, recipe) for m in metas):
+        calls = [_fp8_engine.delayed_update_call(m.amax_history, m.scale, m.scale_inv, fp8_max, 2.0 ** recipe.margin,
+                                                 recipe.amax_compute_algo == "most_recent") for m in metas]
+
+        def run():
+            for call in calls:
+                call()
+        return run
+
+    def run_each():
+        for m in metas:
+            amax_and_scale_update(m, fp8_max, recipe)
+    return run_each
+
+
 def amax_and_scale_update(meta, fp8_max, recipe):
     """Update one FP8TensorMeta in place for the step that just ended (the
     rule in this module's docstring). In-place copies keep every tensor's
     storage, so quantizers holding views of scale / amax_history stay valid."""
     history = meta.amax_history
     algo = recipe.amax_compute_algo
-    if (recipe.scaling_factor_compute_algo is None and algo in ("max", "most_recent")
-            and history.shape[0] <= _fp8_engine.HISTORY_MAX and history.is_contiguous()):
+    if _engine_rule(history, recipe):
         # the same rule in one engine call (no op per step of the rule)
         _fp8_engine.delayed_update(history, meta.scale, meta.scale_inv, fp8_max, 2.0 ** recipe.margin,
                                    algo == "most_recent")

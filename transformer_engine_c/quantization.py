@@ -122,6 +122,7 @@ class FP8GlobalStateManager:
     global_amax_history_buffer = {}
     global_scale_buffer = {}
     global_scale_inv_buffer = {}
+    _updaters = {}  # buffer key -> (its history list, its length then, _fp8_meta.updater over them)
 
     @classmethod
     def reset(cls):
@@ -136,6 +137,7 @@ class FP8GlobalStateManager:
         cls.global_amax_history_buffer = {}
         cls.global_scale_buffer = {}
         cls.global_scale_inv_buffer = {}
+        cls._updaters = {}
 
     # ---- availability
 
@@ -340,11 +342,14 @@ class FP8GlobalStateManager:
                 torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
                 for row, part in zip(amaxes, flat.split([a.numel() for a in amaxes])):
                     row.copy_(part)
-            fp8_max = recipe.fp8_format.value.max_fwd if forward else recipe.fp8_format.value.max_bwd
-            for hist, scale, scale_inv in zip(cls.global_amax_history_buffer[key], cls.global_scale_buffer[key],
-                                              cls.global_scale_inv_buffer[key]):
-                _fp8_meta.amax_and_scale_update(_fp8_meta.FP8TensorMeta.of(scale, scale_inv, hist), fp8_max,
-                                                recipe)
+            hists = cls.global_amax_history_buffer[key]
+            prepared = cls._updaters.get(key)
+            if prepared is None or prepared[0] is not hists or prepared[1] != len(hists):  # registering appends
+                fp8_max = recipe.fp8_format.value.max_fwd if forward else recipe.fp8_format.value.max_bwd
+                metas = [_fp8_meta.FP8TensorMeta.of(scale, scale_inv, hist) for hist, scale, scale_inv in
+                         zip(hists, cls.global_scale_buffer[key], cls.global_scale_inv_buffer[key])]
+                prepared = cls._updaters[key] = (hists, len(hists), _fp8_meta.updater(metas, fp8_max, recipe))
+            prepared[2]()
 
 
 @contextlib.contextmanager
