@@ -550,6 +550,26 @@ def test_quantize_fused_activation_is_act_then_cast(device, activation, dtype, b
         (dbias.double().cpu() - want_db).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(256, 512), (136, 264), (264, 520), (72, 64)])
+def test_fused_backward_bias_gradient_sums_in_the_plain_casts_order(device, dtype, shape):
+    """relu's backward is exact (g or 0), so the fused backward cast's bias
+    gradient must equal, bit for bit, the plain cast's over relu's backward
+    written out: on CUDA the two run different tiles (64 and 128 rows) and
+    must still sum every 64-row partial in the same order."""
+    from transformer_engine_c import _engine
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(shape, generator=gen).to(dtype).to(device)
+    g = (torch.randn(shape, generator=gen) * 3).to(dtype).to(device)
+    scale = torch.tensor([0.5], device=device)
+    fused, plain = (torch.empty(shape[1], dtype=dtype, device=device) for _ in range(2))
+    F.quantize(g, E5M2, scale, columnwise=True, activation="relu", activation_input=h, dbias=fused)
+    F.quantize(_engine.act_bwd(g, h, "relu"), E5M2, scale, columnwise=True, dbias=plain)
+    assert torch.equal(fused, plain), (fused.double() - plain.double()).abs().max()
+    want = (g.double() * (h.double() > 0)).sum(0)
+    torch.testing.assert_close(fused.double(), want, rtol=1e-2, atol=1e-2 * shape[0] ** 0.5)
+
+
 def _act64(name, x):
     if name == "gelu":
         return torch.nn.functional.gelu(x, approximate="tanh")

@@ -67,7 +67,7 @@ tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *st
 size_t tec_fp8_quantize_workspace_bytes(int64_t rows, int64_t cols)
 {
     size_t bytes;
-    if (rows <= 0 || cols <= 0 || !tec_mul3((rows + 127) / 128, cols, 4, &bytes))
+    if (rows <= 0 || cols <= 0 || !tec_mul3((rows + 63) / 64, cols, 4, &bytes))
         return 0;
     return bytes;
 }

@@ -545,7 +545,7 @@ typedef struct {
 enum { TEC_FP8_ACT_NONE = 0, TEC_FP8_ACT_FWD = 1, TEC_FP8_ACT_BWD = 2 };
 tec_status tec_fp8_quantize(int device, const tec_fp8_quantize_args *a, void *stream);
 
-/* The workspace tec_fp8_quantize needs with dbias: ceil(rows / 128) * cols
+/* The workspace tec_fp8_quantize needs with dbias: ceil(rows / 64) * cols
  * float32 partial sums (0 when rows or cols is not positive). */
 size_t tec_fp8_quantize_workspace_bytes(int64_t rows, int64_t cols);
 
