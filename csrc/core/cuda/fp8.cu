@@ -233,8 +233,8 @@ template <bool E5M2> __device__ __forceinline__ uint32_t fp8x2(float a, float b)
  * out_t's rows from the stage, 8 bytes per lane, kVRows bytes per row. The
  * stage's 8-byte slots are XOR-swizzled by the writing lane, so that neither
  * the writes nor the reads conflict on banks. With partial (dbias), the
- * block's column sums of x (fp32, a fixed order) go to
- * partial[blockIdx.y, c]. */
+ * column sums of x (fp32, a fixed order) over each 64-row group g of the
+ * tile go to partial[blockIdx.y * kVGroups + g, c]. */
 constexpr int kVCols = 256;
 constexpr int kDbiasRows = 64;          /* rows per partial sum (tec.h's workspace) */
 /* 8-row blocks per warp: 2 (tiles of 128 rows), or 1 (64 rows) for the
