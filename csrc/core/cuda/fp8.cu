@@ -232,18 +232,17 @@ template <bool E5M2> __device__ __forceinline__ uint32_t fp8x2(float a, float b)
  * stages each column's 8 codes in shared memory. The block then writes
  * out_t's rows from the stage, 8 bytes per lane, kVRows bytes per row. The
  * stage's 8-byte slots are XOR-swizzled by the writing lane, so that neither
- * the writes nor the reads conflict on banks. With partial (dbias), the
- * column sums of x (fp32, a fixed order) over each 64-row group g of the
- * tile go to partial[blockIdx.y * kVGroups + g, c]. */
+ * the writes nor the reads conflict on banks. With partial (dbias; 64-row
+ * tiles), the block's column sums of x (fp32, a fixed order) go to
+ * partial[blockIdx.y, c]. */
 constexpr int kVCols = 256;
 constexpr int kDbiasRows = 64;          /* rows per partial sum (tec.h's workspace) */
-/* 8-row blocks per warp: 2 (tiles of 128 rows), or 1 (64 rows) for the
- * activation's backward with a bias gradient, the kernel with the most
- * registers (2 blocks per SM): smaller tiles fill its last wave better. A
- * tile's 64-row groups are its partial rows, summed in the same order
- * either way, so the bias gradient's bits do not depend on the tile. */
-__host__ __device__ constexpr int vgroups(bool dbias, int mode) { return dbias && mode == TEC_FP8_ACT_BWD ? 1 : 2; }
-static_assert(kDbiasRows == 64, "a partial row per 64-row group");
+/* 8-row blocks per warp: 2 (tiles of 128 rows) for a cast alone, 1 (64
+ * rows) with a bias gradient: those kernels hold more registers and run
+ * 2-3 blocks per SM, and smaller tiles fill their last wave better (the
+ * fused activation backward's most); a tile is one partial row. */
+template <bool DBIAS> __host__ __device__ constexpr int vgroups() { return DBIAS ? 1 : 2; }
+static_assert(64 * vgroups<true>() == kDbiasRows, "one partial row per tile with dbias");
 
 template <typename T, bool E5M2, bool DBIAS, int MODE, int F = -1>
 /* blocks per SM: the plain cast 4 (3 with dbias), with a fused activation 3 (forward) or 2 (backward) */
@@ -252,7 +251,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
                           uint8_t *out, uint8_t *__restrict__ out_t, float *amax, float *scale_inv,
                           float *__restrict__ partial, const float *noop, act_in act)
 {
-    constexpr int kVGroups = vgroups(DBIAS, MODE);
+    constexpr int kVGroups = vgroups<DBIAS>();
     constexpr int kVRows = 64 * kVGroups;
     constexpr int kVSlots = kVRows / 8; /* 8-byte slots per staged row */
     if (switched_off(noop))
@@ -265,7 +264,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
     const int64_t c = c0 + 8 * lane;
     const bool col_in = c < cols;
     float m = 0.0f;
-    float acc[DBIAS ? kVGroups : 1][8] = {}; /* per 64-row group: its partial row */
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int g = 0; g < kVGroups; g++) {
         const int b = g * 8 + warp; /* the tile's 8-row block */
@@ -300,7 +299,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
                 f[e] = tec_vget(v[i], e);
                 m = fmaxf(m, fabsf(f[e]));
                 if (DBIAS)
-                    acc[DBIAS ? g : 0][e] += MODE != TEC_FP8_ACT_NONE ? exact[e] : f[e];
+                    acc[e] += MODE != TEC_FP8_ACT_NONE ? exact[e] : f[e];
             }
             lo[i] = fp8x2<E5M2>(f[0] * s, f[1] * s) | (fp8x2<E5M2>(f[2] * s, f[3] * s) << 16);
             hi[i] = fp8x2<E5M2>(f[4] * s, f[5] * s) | (fp8x2<E5M2>(f[6] * s, f[7] * s) << 16);
@@ -322,7 +321,7 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
     if (DBIAS) {
 #pragma unroll
         for (int e = 0; e < 8; e++)
-            red[warp][8 * lane + e] = acc[0][e];
+            red[warp][8 * lane + e] = acc[e];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
@@ -338,24 +337,12 @@ cast_transpose_vec_kernel(const T *__restrict__ x, int64_t rows, int64_t cols, c
         if (gc < cols && gr < rows)
             *reinterpret_cast<uint2 *>(out_t + gc * rows + gr) = stage[cr][slot];
     }
-    if (DBIAS) { /* group g's column sums (warps in order) are partial row blockIdx.y * kVGroups + g */
+    if (DBIAS && c0 + threadIdx.x < cols) {
+        float t = 0.0f;
 #pragma unroll
-        for (int g = 0; g < kVGroups; g++) {
-            if (g > 0) {
-                __syncthreads(); /* the last group's sums are read */
-#pragma unroll
-                for (int e = 0; e < 8; e++)
-                    red[warp][8 * lane + e] = acc[DBIAS ? g : 0][e];
-                __syncthreads();
-            }
-            if (c0 + threadIdx.x < cols && r0 + 64 * g < rows) {
-                float t = 0.0f;
-#pragma unroll
-                for (int w = 0; w < 8; w++)
-                    t += red[w][threadIdx.x];
-                partial[((int64_t)blockIdx.y * kVGroups + g) * cols + c0 + threadIdx.x] = t;
-            }
-        }
+        for (int w = 0; w < 8; w++)
+            t += red[w][threadIdx.x];
+        partial[(int64_t)blockIdx.y * cols + c0 + threadIdx.x] = t;
     }
     if (threadIdx.x == 0) {
         float bm = warp_max[0];
@@ -513,7 +500,7 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
     if (s != TEC_OK)
         return s;
     const int64_t nb = (a->rows + kDbiasRows - 1) / kDbiasRows; /* the dbias partial rows */
-    const int64_t vrows = 64 * vgroups(a->dbias != NULL, MODE);
+    const int64_t vrows = 64 * (a->dbias ? vgroups<true>() : vgroups<false>());
     const dim3 vgrid((unsigned)((a->cols + kVCols - 1) / kVCols), (unsigned)((a->rows + vrows - 1) / vrows));
     bool partial_done = false;
     if (a->out_t && n > 0) {
@@ -554,7 +541,7 @@ tec_status launch_quantize(int device, const tec_fp8_quantize_args *a, cudaStrea
             return TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 quantize: the bias gradient of %lld rows is too many",
                                  (long long)a->rows);
         if (!partial_done && nb > 0) {
-            column_partial_kernel<T, MODE><<<dim3(vgrid.x, (unsigned)nb), 256, 0, st>>>((const T *)a->x, a->rows, a->cols,
+            column_partial_kernel<T, MODE><<<vgrid, 256, 0, st>>>((const T *)a->x, a->rows, a->cols,
                                                                   (float *)a->workspace, a->noop, act);
             TEC_CUDA_LAUNCH_CHECK("fp8 quantize column-sum kernel");
         }
