@@ -190,15 +190,12 @@ def delayed_update_call(history, scale, scale_inv, fp8_max, divisor=1.0, most_re
             raise ValueError(f"delayed_update: {name} must be a contiguous float32 {shape} tensor on {history.device}")
     if not 1 <= length <= HISTORY_MAX:
         raise ValueError(f"delayed_update: history length {length} is not in 1..{HISTORY_MAX}")
-    device = history.device
-    args = (device_code(device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n,
+    args = (device_code(history.device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n,
             float(fp8_max), float(divisor), int(bool(most_recent)))
-    keep = (history, scale, scale_inv)  # the storage the pointers name lives as long as the call
-    run = _C.fp8_delayed_update
+    tensors = (history, scale, scale_inv)  # held by the call: the storage its pointers name
 
     def call():
-        run(*args, stream_of(device))
-    call.tensors = keep
+        _C.fp8_delayed_update(*args, stream_of(tensors[0].device))
     return call
 
 

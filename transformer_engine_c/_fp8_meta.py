@@ -148,14 +148,20 @@ def _engine_rule(history, recipe):
             and history.shape[0] <= _fp8_engine.HISTORY_MAX and history.is_contiguous())
 
 
+def _engine_update(meta, fp8_max, recipe):
+    """The rule as one engine call over meta's tensors (checked now, run
+    when called)."""
+    return _fp8_engine.delayed_update_call(meta.amax_history, meta.scale, meta.scale_inv, fp8_max,
+                                           2.0 ** recipe.margin, recipe.amax_compute_algo == "most_recent")
+
+
 def updater(metas, fp8_max, recipe):
     """A function of no arguments that runs amax_and_scale_update over
     `metas` (FP8TensorMeta over tensors whose storage stays), the engine's
     arguments checked once here: the step's update of the registered
     fp8_meta tensors, without the per-call checks."""
     if all(_engine_rule(m.amax_history, recipe) for m in metas):
-        calls = [_fp8_engine.delayed_update_call(m.amax_history, m.scale, m.scale_inv, fp8_max, 2.0 ** recipe.margin,
-                                                 recipe.amax_compute_algo == "most_recent") for m in metas]
+        calls = [_engine_update(m, fp8_max, recipe) for m in metas]
 
         def run():
             for call in calls:
@@ -174,10 +180,8 @@ def amax_and_scale_update(meta, fp8_max, recipe):
     storage, so quantizers holding views of scale / amax_history stay valid."""
     history = meta.amax_history
     algo = recipe.amax_compute_algo
-    if _engine_rule(history, recipe):
-        # the same rule in one engine call (no op per step of the rule)
-        _fp8_engine.delayed_update(history, meta.scale, meta.scale_inv, fp8_max, 2.0 ** recipe.margin,
-                                   algo == "most_recent")
+    if _engine_rule(history, recipe):  # the same rule in one engine call (no op per step of the rule)
+        _engine_update(meta, fp8_max, recipe)()
         return
     amax = _amax_from_history(history, algo)
     if recipe.scaling_factor_compute_algo is None:
