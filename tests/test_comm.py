@@ -11,6 +11,7 @@ import torch
 
 import transformer_engine_c as tec
 from transformer_engine_c import _C
+from transformer_engine_c.userbuffers import LAYER_NAMES
 
 # These are tests of the shared-memory transport: keep them on the CPU also
 # where a GPU would be the default device.
@@ -226,6 +227,22 @@ def test_ub_cfgs_keys():
             initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": cfg})
     with pytest.raises(TypeError, match=r"ub_cfgs\['fc1_fprop'\] must be a dict"):
         initialize_ub_cpu((16, 8), 1, ub_cfgs={"fc1_fprop": ["method"]})
+
+
+def test_ub_cfgs_fp8_buf_marks_the_row_layers_fp8_communicators():
+    """fp8_buf, as TE honours it: the FP8 communicators of proj_fprop and
+    fc2_fprop with the pipeline method send FP8 partials; the compute-dtype
+    ones, other names and other methods do not."""
+    cfgs = {"proj_fprop": {"method": "pipeline", "fp8_buf": True},
+            "fc2_fprop": {"method": "ring_exchange", "fp8_buf": True},
+            "fc1_dgrad": {"method": "pipeline", "fp8_buf": True}}
+    mode = tec.module.base.UserBufferQuantizationMode
+    initialize_ub_cpu((16, 8), 1, dtype=torch.float32, ub_cfgs=cfgs, quantization_modes=[mode.NONE, mode.FP8])
+    try:
+        marked = [c.name for fp8 in (False, True) for c in (tec.get_ub(n, fp8) for n in LAYER_NAMES) if c.fp8_buf]
+        assert marked == ["proj_fprop_fp8"], marked
+    finally:
+        tec.destroy_ub()
 
 
 def test_row_linear_ag_dgrad_with_one_rank():

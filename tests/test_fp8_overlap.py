@@ -11,7 +11,7 @@ import torch
 
 import transformer_engine_c as tec
 from transformer_engine_c import _fp8_engine as E
-from transformer_engine_c._comm_overlap import FP8Gemm
+from transformer_engine_c._comm_overlap import FP8Gemm, FP8Partials
 
 CommCPU = functools.partial(tec.CommOverlap, device="cpu")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -62,6 +62,36 @@ def test_gemm_rs_fp8_equals_the_fp8_gemm(comm):
         else:  # an FP8 GEMM takes no float32 bias: added afterwards
             want = E.fp8_gemm(qdy, sdy, E5M2, wt, sw, E4M3, out_dtype=dtype) + bias
         assert y.dtype is dtype and torch.equal(y, want)
+
+
+def test_gemm_rs_fp8_partials_on_one_rank_write_the_output_directly(comm):
+    """One rank has no partials to send: the GEMM writes the output in its
+    dtype, exactly the plain FP8 GEMM's, and records no partial amax; the
+    arguments are checked all the same (two ranks: tests/distributed,
+    check_fp8_partials)."""
+    torch.manual_seed(2)
+    x, w = torch.randn(32, 48), torch.randn(16, 48)
+    qx, sx = _q(x, E4M3, 4.0)
+    qw, sw = _q(w, E4M3, 2.0)
+    bias = torch.randn(16).bfloat16()
+    amax = torch.zeros(1)
+    one = torch.ones(1)
+    f = FP8Gemm(E4M3, sx, E4M3, sw, torch.bfloat16)
+    y = comm.gemm_rs(qx, qw, bias=bias, fp8=f, fp8_partials=FP8Partials(E4M3, one * 2, one / 2, amax))
+    assert torch.equal(y, E.fp8_gemm(qx, sx, E4M3, qw, sw, E4M3, out_dtype=torch.bfloat16, bias=bias))
+    assert amax.item() == 0.0
+    with pytest.raises(TypeError, match="dtype must be torch.float8"):
+        FP8Partials(torch.bfloat16, one, one)
+    with pytest.raises(TypeError, match="scale_inv must be a float32 tensor of one element"):
+        FP8Partials(E4M3, one, torch.ones(2))
+    with pytest.raises(TypeError, match="amax must be a float32"):
+        FP8Partials(E4M3, one, one, amax=torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs FP8 chunk GEMMs"):
+        comm.gemm_rs(x.bfloat16(), w.bfloat16(), fp8_partials=FP8Partials(E4M3, one, one))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        comm.gemm_rs(qx, qw, fp8=FP8Gemm(E4M3, sx, E4M3, sw, torch.float32), fp8_partials=FP8Partials(E4M3, one, one))
+    with pytest.raises(TypeError, match="must be an FP8Partials"):
+        comm.gemm_rs(qx, qw, fp8=f, fp8_partials=(E4M3, one, one))
 
 
 def test_fp8_overlap_arguments_are_checked(comm):

@@ -73,7 +73,8 @@ expect(lambda: c._ag_gemm(None, 2**62, 4, 4, 0, 0, w.data_ptr(), 4, 1, out.data_
        "buffer too small")
 expect(lambda: c._ag_gemm(None, 4, 4, 4, 0, 0, w.data_ptr(), 4, 1, out.data_ptr(), 2**62, None, None, None, -1, -1, 0, 0, 0),
        "too large")
-expect(lambda: c._gemm_rs(w.data_ptr(), 2**62, 4, 4, 4, 0, w.data_ptr(), 4, 1, out.data_ptr(), None, None, -1, -1, 0, 0, 0),
+expect(lambda: c._gemm_rs(w.data_ptr(), 2**62, 4, 4, 4, 0, w.data_ptr(), 4, 1, out.data_ptr(), None, None, -1, -1, 0, 0, 0,
+                          -1, 0, 0, 0),
        "too large")
 expect(lambda: c._bulk_ag_start(None, 2**63 - 1, None), "buffer too small")
 expect(lambda: c._bulk_rs_start(w.data_ptr(), 2**62, 2**62, 0, out.data_ptr(), None), "buffer too small")

@@ -93,6 +93,43 @@ class FP8Gemm:
 _NO_FP8 = (-1, -1, 0, 0, 0)
 
 
+class FP8Partials:
+    """FP8 partials of gemm_rs (TE's fp8_buf): each chunk GEMM writes its
+    partial as bytes of dtype (torch.float8_e4m3fn or torch.float8_e5m2),
+    fp8(partial * scale), with this rank's scale_inv beside them; the owner
+    of each chunk decodes every rank's bytes with that rank's scale_inv and
+    sums them in float32 with the bias. amax (optional, a float32 tensor of
+    one element, e.g. a row of an amax history) becomes the max of itself and
+    of |partial| over every partial this rank computed. Half the bytes of a
+    bf16 partial travel, at the cost of one FP8 rounding per partial. One
+    rank has no partials: its GEMM writes the output directly."""
+
+    __slots__ = ("dtype", "scale", "scale_inv", "amax")
+
+    def __init__(self, dtype, scale, scale_inv, amax=None):
+        if dtype not in FP8_DTYPES:
+            raise TypeError(f"FP8Partials: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
+        for name, t in (("scale", scale), ("scale_inv", scale_inv), ("amax", amax)):
+            if t is None and name == "amax":
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"FP8Partials: {name} must be a float32 tensor of one element")
+        self.dtype, self.scale, self.scale_inv, self.amax = dtype, scale, scale_inv, amax
+
+    def args(self, device):
+        """The engine's four trailing arguments of gemm_rs (format, scale,
+        scale_inv and amax addresses), the tensors checked to be on device."""
+        for name in ("scale", "scale_inv", "amax"):
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                raise ValueError(f"FP8Partials: {name} is on {t.device}; expected {device}")
+        return (FP8_DTYPES[self.dtype], self.scale.data_ptr(), self.scale_inv.data_ptr(),
+                self.amax.data_ptr() if self.amax is not None else 0)
+
+
+_NO_PARTIALS = (-1, 0, 0, 0)
+
+
 # ------------------------------------------------- one thread at a time
 
 
@@ -219,12 +256,15 @@ class CommOverlap(_C.CommOverlap):
     gemm_sm_margin: SMs the overlapped operations' chunk GEMMs leave free for
     the comm stream's kernels (default $TEC_UB_GEMM_SM_MARGIN, else 2 on CUDA;
     the CPU ignores it).
+    fp8_buf: a layer's FP8 forward reduce-scatter through this communicator
+    (a row layer under DelayedScaling) sends FP8 partials (gemm_rs's
+    fp8_partials; TE's fp8_buf).
     Creating one is collective over tp_group.
     """
 
     def __init__(self, shape, dtype=torch.bfloat16, *, tp_group=None, tp_size=None, name=None, timeout=None,
                  transport="auto", device=None, method="pipeline", num_splits=None, min_chunk_flops=None,
-                 gemm_sm_margin=None, _exchange=True):
+                 gemm_sm_margin=None, fp8_buf=False, _exchange=True):
         self._lock = _OneThread()  # _serialised; exclusive()
         shape = _int_shape(shape, "shape")
         if not shape or any(s <= 0 for s in shape):
@@ -260,6 +300,7 @@ class CommOverlap(_C.CommOverlap):
         self.tp_group = tp_group
         self.method = method
         self.num_splits = num_splits
+        self.fp8_buf = bool(fp8_buf)
         self.timeout = timeout
         self._pending = None
         self._pending_captured = False
@@ -516,16 +557,26 @@ class CommOverlap(_C.CommOverlap):
         return out
 
     @_serialised
-    def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None, fp8=None):
+    def gemm_rs(self, a, weight, *, transb=True, bias=None, out=None, fp8=None, fp8_partials=None):
         """out[S/tp, n] = reduce_scatter(a[S, k] @ op(weight)) (+ bias once),
         each peer's partial sent while the next is computed, partials summed
         in float32. fp8: an FP8Gemm (a and weight FP8 bytes, the weight [n,
-        k]; partials and out of its out_dtype)."""
+        k]; partials and out of its out_dtype). fp8_partials: with fp8, an
+        FP8Partials: the partials travel as FP8 bytes (out_dtype bfloat16 or
+        float16)."""
         S, k, n, dtype, fp8_args = self._operands("gemm_rs", a, weight, transb, bias, fp8)
+        if fp8_partials is not None:
+            if not isinstance(fp8_partials, FP8Partials):
+                raise TypeError(f"communicator '{self.name}': gemm_rs: fp8_partials must be an FP8Partials or None, "
+                                f"got {type(fp8_partials).__name__}")
+            if fp8 is None or dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"communicator '{self.name}': gemm_rs: fp8_partials needs FP8 chunk GEMMs (fp8=) "
+                                 f"with out_dtype bfloat16 or float16, got {None if fp8 is None else dtype}")
+        part_args = _NO_PARTIALS if fp8_partials is None else fp8_partials.args(self.device)
+        es = 1 if fp8_partials is not None and self.tp_size > 1 else dtype.itemsize
         if S % self.tp_size:
             raise ValueError(f"gemm_rs: the input's {S} rows are not divisible by tp_size {self.tp_size}")
         rows = S // self.tp_size
-        es = dtype.itemsize
         if S * n * es > self.nbytes:
             raise self._too_small("the GEMM output", (S, n), dtype, S * n * es, self.nbytes)
         if out is None:
@@ -538,7 +589,8 @@ class CommOverlap(_C.CommOverlap):
         late = bias if fp8 is not None and self.tp_size == 1 and dtype is torch.float32 else None
         self._gemm_rs(a.data_ptr(), a.stride(0), rows, k, n, DTYPE_CODES[dtype], weight.data_ptr(),
                       weight.stride(0), int(transb), out.data_ptr(),
-                      bias.data_ptr() if bias is not None and late is None else 0, self._stream(), *fp8_args)
+                      bias.data_ptr() if bias is not None and late is None else 0, self._stream(), *fp8_args,
+                      *part_args)
         if late is not None:
             out += late
         return out

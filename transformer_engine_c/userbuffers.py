@@ -33,7 +33,8 @@ _DEFAULT_METHOD = {
     "fc2_dgrad": "ring_exchange", "proj_fprop": "pipeline", "fc2_fprop": "pipeline",
 }
 # TE's ub_cfgs keys (README, "TE's ub_cfgs"):
-#   used:     method, num_splits (checked by CommOverlap), timeout (ours).
+#   used:     method, num_splits (checked by CommOverlap), timeout (ours),
+#             fp8_buf (below).
 #   accepted, no effect, for a stated reason (values type-checked):
 #     num_sm, cga_size, comm_priority, gemm_priority -- size and schedule TE's
 #       comm kernels and streams; here copy engines (CUDA) or a comm thread
@@ -41,10 +42,13 @@ _DEFAULT_METHOD = {
 #     set_sm_margin -- every communicator's chunk GEMMs leave gemm_sm_margin
 #       SMs free (initialize_ub's argument), whatever this says;
 #     is_reduce_scatter -- every communicator does both directions;
-#     use_ce=True -- the CUDA transport always copies with the copy engines.
-#     fp8_buf -- an FP8 call all-gathers FP8 bytes through the FP8
-#       communicators (quantization_modes with FP8) whatever it says; a
-#       reduce-scatter's partials stay in the compute dtype (docs/fp8.md);
+#     use_ce=True -- the CUDA transport always copies with the copy engines;
+#     fp8_buf, except where used -- used for proj_fprop and fc2_fprop with
+#       the pipeline method (as TE): their FP8 communicators send FP8
+#       partials in a DelayedScaling forward (_fp8_partials); elsewhere an
+#       FP8 call all-gathers FP8 bytes through the FP8 communicators whatever
+#       it says, and other reduce-scatters' partials stay in the compute
+#       dtype (docs/fp8.md);
 #   refused when set (they would change what runs): aggregate,
 #     pipeline_rs_overlap_first_gemm, atomic_gemm, use_ce=False.
 _CFG_NOOP_INT = {"num_sm": 0, "cga_size": 1, "comm_priority": None, "gemm_priority": None}  # key: minimum
@@ -87,6 +91,15 @@ _registry_fp8 = {}  # layer name -> the one FP8 calls use (quantization mode FP8
 # reduce-scatter partials of the compute dtype (and a column layer's bulk
 # all-gather of FP8 bytes for wgrad fits in its dgrad buffer), so they keep it.
 _FP8_GATHERS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")
+# With fp8_buf, the row layers' forward reduce-scatters send FP8 partials.
+_FP8_PARTIALS = ("proj_fprop", "fc2_fprop")
+
+
+def _fp8_partials(mode, layer, method, cfg):
+    """Whether the communicator sends FP8 partials in a row layer's FP8
+    forward reduce-scatter: TE's fp8_buf, which TE honours for the pipeline
+    method, on the FP8 communicators of proj_fprop and fc2_fprop."""
+    return mode == "fp8" and layer in _FP8_PARTIALS and method == "pipeline" and bool(cfg.get("fp8_buf", False))
 
 
 def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_group=None, transport="auto",
@@ -116,12 +129,12 @@ def initialize_ub(shape, tp_size, *, dtype=torch.bfloat16, ub_cfgs=None, tp_grou
             for mode, layer in made:
                 cfg = ub_cfgs.get(layer, {})
                 fp8_bytes = mode == "fp8" and layer in _FP8_GATHERS
+                method = cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk"))
                 c = CommOverlap(shape, torch.uint8 if fp8_bytes else dtype, tp_group=tp_group, tp_size=tp_size,
                                 name=layer if mode == "none" else f"{layer}_fp8",
                                 timeout=cfg.get("timeout", timeout), transport=transport, device=device,
-                                method=cfg.get("method", _DEFAULT_METHOD.get(layer, "bulk")),
-                                num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
-                                gemm_sm_margin=gemm_sm_margin,
+                                method=method, num_splits=cfg.get("num_splits"), min_chunk_flops=min_chunk_flops,
+                                gemm_sm_margin=gemm_sm_margin, fp8_buf=_fp8_partials(mode, layer, method, cfg),
                                 _exchange=False)
                 comms.append(c)
         except (MemoryError, OSError, RuntimeError) as e:  # the engine's failures: the peers learn of them

@@ -227,10 +227,11 @@ static tec_status begin_chunk(tec_comm *c, const char *op, size_t chunk, int64_t
 }
 
 /* One chunk GEMM of a schedule: out[m, n] = A[m, k] @ op(B) (+ bias), in
- * `dt` or, with f, in FP8 (A and B FP8 bytes, B [n, k]; dt the output's). */
-static tec_status gemm(tec_comm *c, const tec_fp8_chunk_gemm *f, const void *a, int64_t lda, int64_t m, int64_t k,
-                       int64_t n, tec_dtype dt, const void *b, int64_t ldb, int transb, void *out, int64_t ldc,
-                       tec_dtype cdt, const void *bias, void *stream)
+ * `dt` or, with f, in FP8 (A and B FP8 bytes, B [n, k]; dt the output's),
+ * and with f and fp8_out an FP8 partial (f's partial_*; out bytes). */
+static tec_status gemm(tec_comm *c, const tec_fp8_chunk_gemm *f, int fp8_out, const void *a, int64_t lda, int64_t m,
+                       int64_t k, int64_t n, tec_dtype dt, const void *b, int64_t ldb, int transb, void *out,
+                       int64_t ldc, tec_dtype cdt, const void *bias, void *stream)
 {
     if (f) {
         tec_fp8_gemm_args g = {0};
@@ -239,6 +240,9 @@ static tec_status gemm(tec_comm *c, const tec_fp8_chunk_gemm *f, const void *a, 
         g.a = a; g.lda = lda; g.b = b; g.ldb = ldb;
         g.a_scale_inv = f->a_scale_inv; g.b_scale_inv = f->b_scale_inv;
         g.c = out; g.ldc = ldc; g.c_dtype = cdt; g.bias = bias;
+        if (fp8_out) {
+            g.c_format = f->partial_format; g.c_scale = f->partial_scale; g.c_amax = f->partial_amax;
+        }
         g.fast_accum = f->fast_accum;
         g.workspace = c->gemm_ws; g.workspace_bytes = c->gemm_ws_bytes;
         g.sm_margin = c->gemm_sm_margin;
@@ -271,7 +275,25 @@ static tec_status fp8_check(tec_comm *c, const char *op, const tec_fp8_chunk_gem
     if (transb != 1)
         return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: FP8 chunk GEMMs take B stored [n, k] "
                              "(transb 1)", c->name, op);
+    if (f->partial_scale && (!f->partial_scale_inv || (f->partial_format != TEC_FP8_E4M3 &&
+                                                       f->partial_format != TEC_FP8_E5M2)))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: FP8 partials need partial_scale_inv and "
+                             "format E4M3 (0) or E5M2 (1), got format %d", c->name, op, (int)f->partial_format);
+    if (!f->partial_scale && (f->partial_scale_inv || f->partial_amax))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': %s: partial_scale_inv or partial_amax without "
+                             "partial_scale", c->name, op);
     return TEC_OK;
+}
+
+/* FP8 partials (tec_fp8_chunk_gemm.partial_scale) in a chunk: rows * n
+ * bytes, then, 16-byte aligned, the float scale_inv that decodes them. */
+enum { PARTIAL_TAIL = 16 };
+static size_t partial_scale_inv_offset(int64_t rows, int64_t n)
+{
+    const size_t b = chunk_bytes(rows, n, 1); /* SIZE_MAX on overflow: check_chunk refuses the chunk */
+    if (b > SIZE_MAX - 2 * PARTIAL_TAIL)
+        return SIZE_MAX - PARTIAL_TAIL;
+    return (b + PARTIAL_TAIL - 1) / PARTIAL_TAIL * PARTIAL_TAIL;
 }
 
 /* B's extent and the backend's workspace, checked before an operation takes
@@ -419,7 +441,7 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
             TRY(c->ops->copy(c->t, slot(c, r, r, chunk), a->a_local, chunk, stream));
         if (a->local_copy)
             TRY(c->ops->copy(c->t, a->local_copy, local, chunk, stream));
-        TRY(gemm(c, a->fp8, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
+        TRY(gemm(c, a->fp8, 0, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out, a->ldc,
                  a->out_dtype, a->bias, stream));
         c->stats.non_overlap++;
         return TEC_OK;
@@ -443,19 +465,19 @@ tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream
             src = NULL;
         }
         TRY(c->ops->event_record(c->t, EV_START, stream));
-        TRY(gemm(c, a->fp8, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
-                 a->out_dtype, a->bias, stream));
+        TRY(gemm(c, a->fp8, 0, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow,
+                 a->ldc, a->out_dtype, a->bias, stream));
     }
     TRY(gather(c, "ag_gemm", src, chunk, v, 1, gemm_first, stream));
     if (a->local_copy) /* on the comm stream after the pulls: the GEMMs do not wait for it */
         TRY(c->ops->copy(c->t, a->local_copy, local, chunk, c->ops->comm_stream(c->t)));
     if (!gemm_first)
-        TRY(gemm(c, a->fp8, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow, a->ldc,
-                 a->out_dtype, a->bias, stream));
+        TRY(gemm(c, a->fp8, 0, local, a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, out + r * orow,
+                 a->ldc, a->out_dtype, a->bias, stream));
     for (int i = 1; i < n; i++) {
         const int p = (r - i + n) % n;
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, stream));
-        TRY(gemm(c, a->fp8, slot(c, r, p, chunk), a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+        TRY(gemm(c, a->fp8, 0, slot(c, r, p, chunk), a->k, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
                  out + p * orow, a->ldc, a->out_dtype, a->bias, stream));
     }
     void *M = c->ops->comm_stream(c->t);
@@ -508,7 +530,8 @@ static tec_status push(tec_comm *c, int p, const void *src, size_t chunk, uint64
  * `last`, the operation ends with the waits (every step of it ran before on
  * `stream`). */
 static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, size_t chunk, int64_t rows, int64_t cols,
-                               tec_dtype dt, void *out, const void *bias, uint64_t v, int last, void *stream)
+                               tec_dtype dt, void *out, const void *bias, const tec_reduce_fp8 *fp8, uint64_t v,
+                               int last, void *stream)
 {
     const void *srcs[TEC_COMM_MAX_RANKS];
     flag_seq q = {.n = 0};
@@ -520,14 +543,17 @@ static tec_status reduce_slots(tec_comm *c, const char *op, const void *own, siz
     if (last)
         seq_advance(c, &q, 0);
     TRY(seq_run(c, &q, stream));
-    TRY(c->ops->reduce(c->t, out, srcs, c->size, rows, cols, dt, bias, stream));
+    TRY(c->ops->reduce(c->t, out, srcs, c->size, rows, cols, dt, bias, fp8, stream));
     return TEC_OK;
 }
 
 tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream)
 {
     const size_t es = tec_dtype_size(a->dtype), aes = a->fp8 ? 1 : es; /* partials' and A's element sizes */
-    const size_t chunk = chunk_bytes(a->rows, a->n, es);
+    /* FP8 partials: bytes and their scale_inv per chunk (one rank has none) */
+    const int fp8p = a->fp8 && a->fp8->partial_scale && c->size > 1;
+    const size_t sinv_off = fp8p ? partial_scale_inv_offset(a->rows, a->n) : 0;
+    const size_t chunk = fp8p ? sinv_off + PARTIAL_TAIL : chunk_bytes(a->rows, a->n, es);
     tec_status st = begin_chunk(c, "gemm_rs", chunk, a->rows, a->n, a->dtype);
     if (st)
         return st;
@@ -544,17 +570,24 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     if ((st = gemm_check(c, "gemm_rs", a->b, a->transb ? a->n : a->k, a->ldb, a->dtype)) ||
         (st = fp8_check(c, "gemm_rs", a->fp8, a->transb)))
         return st;
+    if (a->fp8 && a->fp8->partial_scale && a->dtype != TEC_BF16 && a->dtype != TEC_F16)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "communicator '%s': gemm_rs: FP8 partials sum into a bf16 or f16 "
+                             "output (got dtype %d)", c->name, (int)a->dtype);
     const int r = c->rank, n = c->size;
     const uint64_t e = next_epoch(c, stream), v = tec_flag_value(e, tec_flag_tag(OP_RS, chunk));
     const char *A = a->a;
     const int64_t arow = a->rows * a->lda * (int64_t)aes;
     if (n == 1) {
-        TRY(gemm(c, a->fp8, A, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, a->out, a->n, a->dtype,
-                 a->bias, stream));
+        TRY(gemm(c, a->fp8, 0, A, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb, a->out, a->n,
+                 a->dtype, a->bias, stream));
         c->stats.non_overlap++;
         return TEC_OK;
     }
     void *M = c->ops->comm_stream(c->t);
+    const tec_reduce_fp8 rfp8 = {fp8p ? a->fp8->partial_format : TEC_FP8_E4M3, sinv_off};
+    /* Each staged partial carries this rank's scale_inv (the GEMMs write only the bytes before it). */
+    for (int p = 0; fp8p && p < n; p++)
+        TRY(c->ops->copy(c->t, staging(c, p, chunk) + sinv_off, a->fp8->partial_scale_inv, sizeof(float), stream));
     /* As in ag_gemm: with an asynchronous transport (CUDA) the first GEMM is
      * issued before the handshake (it writes only our staging area), with a
      * synchronous one (CPU) after it. */
@@ -566,7 +599,7 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
     /* Peers' partials first (each pushed while the next is computed), ours last. */
     for (int i = 1; i < n; i++) {
         const int p = (r + i) % n;
-        TRY(gemm(c, a->fp8, A + p * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+        TRY(gemm(c, a->fp8, fp8p, A + p * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
                  staging(c, p, chunk), a->n, a->dtype, NULL, stream));
         TRY(c->ops->event_record(c->t, EV_CHUNK + i, stream));
         if (gemm_first && i == 1)
@@ -574,9 +607,10 @@ tec_status tec_comm_gemm_rs(tec_comm *c, const tec_gemm_rs_args *a, void *stream
         TRY(c->ops->event_wait(c->t, EV_CHUNK + i, M));
         TRY(push(c, p, staging(c, p, chunk), chunk, v));
     }
-    TRY(gemm(c, a->fp8, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
+    TRY(gemm(c, a->fp8, fp8p, A + r * arow, a->lda, a->rows, a->k, a->n, a->dtype, a->b, a->ldb, a->transb,
              staging(c, r, chunk), a->n, a->dtype, NULL, stream));
-    TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias, v, 0, stream));
+    TRY(reduce_slots(c, "gemm_rs", staging(c, r, chunk), chunk, a->rows, a->n, a->dtype, a->out, a->bias,
+                     fp8p ? &rfp8 : NULL, v, 0, stream));
     TRY(c->ops->event_record(c->t, EV_END, M));
     TRY(c->ops->event_wait(c->t, EV_END, stream));
     TRY(finish_op(c, 0, stream)); /* the reduce's waits on `stream` and the pushes on M read the epoch */
@@ -656,7 +690,7 @@ tec_status tec_comm_bulk_rs_start(tec_comm *c, const void *src, int64_t rows, in
             const int p = (r + i) % n;
             TRY(push(c, p, s + p * chunk, chunk, v));
         }
-        TRY(reduce_slots(c, "bulk_rs", s + r * chunk, chunk, rows, cols, dtype, out, NULL, v, 1, M));
+        TRY(reduce_slots(c, "bulk_rs", s + r * chunk, chunk, rows, cols, dtype, out, NULL, NULL, v, 1, M));
     }
     TRY(c->ops->event_record(c->t, EV_BULK, M));
     c->pending = PENDING_RS;

@@ -164,6 +164,13 @@ tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: sizes too large (byte count overflows)");
     if (a->bias && a->accumulate)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: bias with accumulate is not supported");
+    if (a->c_scale && (!fmt_ok(a->c_format) || a->c_dtype == TEC_F32 || a->accumulate || ma != TEC_FP8_SCALE_TENSOR ||
+                       a->k == 0))
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: an FP8 output needs a known c_format (got %d), a bf16 or "
+                             "f16 c_dtype for its bias (got %d), no accumulate, per-tensor scales and k > 0",
+                             (int)a->c_format, (int)a->c_dtype);
+    if (a->c_amax && !a->c_scale)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: c_amax without c_scale (the amax is an FP8 output's)");
     if (!a->a_scale_inv || !a->b_scale_inv)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 gemm: missing a_scale_inv or b_scale_inv");
     if (a->m == 0 || a->n == 0)

@@ -393,6 +393,16 @@ typedef struct {
     tec_fp8_format a_format, b_format;
     const float *a_scale_inv, *b_scale_inv;
     int fast_accum;
+    /* gemm_rs only, partial_scale NULL: the partials are `dtype`. Else they
+     * travel as FP8 bytes of partial_format, fp8(partial * *partial_scale)
+     * (tec_fp8_gemm_args.c_scale), each with this rank's *partial_scale_inv,
+     * which dequantizes it in the peer's reduction (ranks may differ);
+     * partial_amax, if given, becomes max(*partial_amax, max |partial|) over
+     * every partial this rank computes. One rank has no partials: its GEMM
+     * writes out in `dtype` and records no amax. */
+    tec_fp8_format partial_format;
+    const float *partial_scale, *partial_scale_inv;
+    float *partial_amax;
 } tec_fp8_chunk_gemm;
 
 typedef struct {
@@ -408,7 +418,8 @@ typedef struct {
 tec_status tec_comm_ag_gemm(tec_comm *c, const tec_ag_gemm_args *a, void *stream);
 
 /* GEMM + reduce-scatter: out[rows, n] = sum over ranks of the partial
- * (A[tp*rows, k] @ op(B))[rank chunk] (+ bias, once), float32 sums.
+ * (A[tp*rows, k] @ op(B))[rank chunk] (+ bias, once), float32 sums (of the
+ * dequantized partials with FP8 partials: tec_fp8_chunk_gemm).
  * A is this rank's full [tp*rows, k] (lda >= k). The partial for peer p is
  * computed into staging, pushed into p's slot while the next is computed;
  * this rank's own chunk last; partials reduced in rank order. */
@@ -600,6 +611,15 @@ typedef struct {
     /* SMs the product leaves free for other streams' work (an overlap
      * schedule's copies and flag kernels), as tec_gemm_args.sm_margin. */
     int sm_margin;
+    /* FP8 output (c_scale NULL: C is c_dtype): C is then FP8 bytes of
+     * c_format, C[i, j] = fp8(v * *c_scale) with v the float32 product plus
+     * the bias (rounded as tec_fp8_quantize rounds; ldc in bytes), and
+     * c_amax, if given, becomes max(*c_amax, max |v|) (a row of an amax
+     * history). c_dtype is then the bias's dtype, bf16 or f16. Per-tensor
+     * scales only, not with accumulate. */
+    tec_fp8_format c_format;
+    const float *c_scale;
+    float *c_amax;
 } tec_fp8_gemm_args;
 tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream);
 

@@ -173,6 +173,15 @@ enum {
  * Errors: a failing call returns its status with the message set through
  * the core's tec_set_error (the CUDA library reaches it through the hooks
  * of backend.h). */
+/* FP8 sources of a reduce (tec_transport_ops.reduce; NULL: sources of the
+ * reduce's dtype): FP8 bytes of `format`, and source i's scale_inv the float
+ * at (const char *)srcs[i] + scale_inv_offset (4-byte aligned), in the
+ * source's own memory so that it travels with its bytes. */
+typedef struct {
+    tec_fp8_format format;
+    size_t scale_inv_offset;
+} tec_reduce_fp8;
+
 typedef struct tec_transport_ops {
     int abi_version; /* TEC_TRANSPORT_ABI */
     const char *name;
@@ -213,9 +222,11 @@ typedef struct tec_transport_ops {
     tec_status (*event_wait)(tec_transport *t, int event, void *stream);
     /* out[r, c] = sum_{i < nsrc} srcs[i][r, c] (+ bias[c]) in float32, all
      * [rows, cols] contiguous of `dtype` (bias: [cols] or NULL), summed in
-     * index order. */
+     * index order. With fp8 the sources are FP8 bytes instead, each value
+     * decoded and multiplied by its source's scale_inv (tec_reduce_fp8)
+     * before it is added; out and bias stay `dtype`. */
     tec_status (*reduce)(tec_transport *t, void *out, const void *const *srcs, int nsrc, int64_t rows,
-                         int64_t cols, tec_dtype dtype, const void *bias, void *stream);
+                         int64_t cols, tec_dtype dtype, const void *bias, const tec_reduce_fp8 *fp8, void *stream);
     /* The host waits for all work on `stream`, then reports check(). */
     tec_status (*synchronize)(tec_transport *t, void *stream);
     /* Non-blocking: a failure recorded by asynchronous work (sticky). */

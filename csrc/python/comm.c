@@ -257,6 +257,7 @@ static int fp8_chunk_args(PyObject *const *args, Py_ssize_t i, tec_fp8_chunk_gem
     *out = NULL;
     if (af < 0)
         return 0;
+    *f = (tec_fp8_chunk_gemm){0};
     f->a_format = (tec_fp8_format)af; f->b_format = (tec_fp8_format)(bf < 0 ? 0 : bf);
     f->a_scale_inv = (const float *)as; f->b_scale_inv = (const float *)bs;
     f->fast_accum = fast;
@@ -285,18 +286,32 @@ static PyObject *py_ag_gemm(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 /* _gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream,
- *          a_format, b_format, a_scale_inv, b_scale_inv, fast_accum) */
+ *          a_format, b_format, a_scale_inv, b_scale_inv, fast_accum,
+ *          partial_format, partial_scale, partial_scale_inv, partial_amax)
+ * partial_format -1: the partials in dtype; else FP8 partials (tec.h). */
 static PyObject *py_gemm_rs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("_gemm_rs", 17);
+    ARGC("_gemm_rs", 21);
     LIVE(c);
     tec_gemm_rs_args a = {0};
     tec_fp8_chunk_gemm f;
-    void *stream;
+    void *stream, *ps, *psi, *pa;
+    int pf;
     PTR(0, a.a); I64(1, a.lda); I64(2, a.rows); I64(3, a.k); I64(4, a.n); DTYPE(5, a.dtype, "dtype");
     PTR(6, a.b); I64(7, a.ldb); BOOL(8, a.transb, "transb"); PTR(9, a.out); PTR(10, a.bias); PTR(11, stream);
     if (fp8_chunk_args(args, 12, &f, &a.fp8))
         return NULL;
+    if (!tec_arg_int(args, 17, -1, 1, "partial_format", &pf) || !tec_arg_ptr(args, 18, &ps) ||
+        !tec_arg_ptr(args, 19, &psi) || !tec_arg_ptr(args, 20, &pa))
+        return NULL;
+    if (pf >= 0) {
+        if (!a.fp8) {
+            PyErr_SetString(PyExc_ValueError, "_gemm_rs: FP8 partials need FP8 chunk GEMMs (a_format >= 0)");
+            return NULL;
+        }
+        f.partial_format = (tec_fp8_format)pf;
+        f.partial_scale = (const float *)ps; f.partial_scale_inv = (const float *)psi; f.partial_amax = (float *)pa;
+    }
     tec_status st;
     CALL(tec_comm_gemm_rs(c, &a, stream));
     return done(self, st);
@@ -539,7 +554,7 @@ static PyMethodDef comm_methods[] = {
     M("_set_gemm", py_set_gemm, "_set_gemm(ptr, nbytes, sm_margin)"),
     M("_acquire", py_acquire, "_acquire(stream): wait until peers read our slot"),
     M("_ag_gemm", py_ag_gemm, "_ag_gemm(a_local, rows, k, n, dtype, out_dtype, b, ldb, transb, out, ldc, bias, local_copy, stream, a_format, b_format, a_scale_inv, b_scale_inv, fast_accum)"),
-    M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream, a_format, b_format, a_scale_inv, b_scale_inv, fast_accum)"),
+    M("_gemm_rs", py_gemm_rs, "_gemm_rs(a, lda, rows, k, n, dtype, b, ldb, transb, out, bias, stream, a_format, b_format, a_scale_inv, b_scale_inv, fast_accum, partial_format, partial_scale, partial_scale_inv, partial_amax)"),
     M("_bulk_ag_start", py_bulk_ag_start, "_bulk_ag_start(src, chunk_bytes, stream)"),
     M("_bulk_ag_finish", py_bulk_ag_finish, "_bulk_ag_finish(stream)"),
     M("_bulk_rs_start", py_bulk_rs_start, "_bulk_rs_start(src, rows, cols, dtype, out, stream)"),

@@ -361,9 +361,9 @@ static tec_status m_event_wait(tec_transport *t, int ev, void *stream)
 }
 
 static tec_status m_reduce(tec_transport *t, void *out, const void *const *srcs, int nsrc, int64_t rows,
-                           int64_t cols, tec_dtype dtype, const void *bias, void *stream)
+                           int64_t cols, tec_dtype dtype, const void *bias, const tec_reduce_fp8 *fp8, void *stream)
 {
-    if (dtype != TEC_F32 || nsrc < 1 || nsrc > NRANKS)
+    if (dtype != TEC_F32 || fp8 || nsrc < 1 || nsrc > NRANKS)
         return tec_set_error(TEC_ERR_INVALID_ARG, "mock: reduce of %d sources of dtype %d", nsrc, (int)dtype);
     op_t o = {.kind = K_REDUCE, .dst = out, .nsrc = nsrc, .rows = rows, .cols = cols, .bias = bias};
     memcpy(o.srcs, srcs, (size_t)nsrc * sizeof *srcs);

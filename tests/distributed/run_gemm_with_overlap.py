@@ -95,6 +95,77 @@ def check_numerics(rank, tp):
     assert not held, f"region descriptors still open: {held}"
 
 
+def check_fp8_partials(rank, tp):
+    """gemm_rs with FP8 partials (TE's fp8_buf): each rank's partials are
+    encoded with its own scale (a different one on every rank here), decoded
+    by their owner with the scale_inv that travelled with them, and summed in
+    float32 in rank order with the bias; the amax is the maximum over this
+    rank's partials; half the bytes of bf16 partials are sent."""
+    from transformer_engine_c import _fp8_engine as E
+    from transformer_engine_c._comm_overlap import FP8Gemm, FP8Partials
+    E4M3 = torch.float8_e4m3fn
+    rows, K, N = 8, 64, 32
+    S = rows * tp
+    dev = common.DEV
+    comm = common.comm((S, max(K, N)), torch.bfloat16, name="fp8_partials")
+    g = torch.Generator(dev).manual_seed(7)
+    w = torch.randn(N, K, generator=g, device=dev)  # shared
+    bias = (torch.randn(N, generator=g, device=dev) * 0.5).bfloat16()
+    gl = torch.Generator(dev).manual_seed(70 + rank)
+    one = torch.ones(1, device=dev)
+    qw, sw = E.quantize(w, E4M3, one * 4.0)[::2]
+    for it in range(2):
+        a = torch.randn(S, K, generator=gl, device=dev) * (1 + it)
+        qa, sa = E.quantize(a, E4M3, one * 8.0)[::2]
+        scale = one * (2.0 + rank + it)  # every rank its own: the scale_inv must travel with the bytes
+        amax = torch.zeros(1, device=dev)
+        before = comm.stats()
+        out = comm.gemm_rs(qa, qw, bias=bias, fp8=FP8Gemm(E4M3, sa, E4M3, sw, torch.bfloat16),
+                           fp8_partials=FP8Partials(E4M3, scale, 1 / scale, amax))
+        after = comm.stats()
+        # the reference: the float32 product, encoded with this rank's scale, decoded with its scale_inv
+        p = E.fp8_gemm(qa, sa, E4M3, qw, sw, E4M3, out_dtype=torch.float32)
+        dec = E.quantize(p, E4M3, scale)[0].view(E4M3).float() * (1 / scale)
+        every = gather(dec.contiguous())  # [tp * S, N]: rank s's partials at rows s*S ...
+        own_rows = slice(rank * rows, (rank + 1) * rows)
+        acc = every[0:S][own_rows]
+        for s in range(1, tp):
+            acc = acc + every[s * S:(s + 1) * S][own_rows]
+        want = (acc + bias.float()).bfloat16()
+        wrong = acc * 0  # the same bytes decoded with the owner's scale_inv (one shared scale assumed)
+        for s in range(tp):
+            src = every[s * S:(s + 1) * S][own_rows] * (2.0 + s + it) / (2.0 + rank + it)
+            wrong = wrong + src
+        wrong = (wrong + bias.float()).bfloat16()
+        if dev.type == "cpu":  # the CPU emulation is exact
+            assert torch.equal(out, want), f"fp8 partials it{it}: {(out.float() - want.float()).abs().max()}"
+            assert torch.equal(amax, p.abs().max().reshape(1)), f"amax {amax.item()} vs {p.abs().max().item()}"
+        else:  # the FP8-output GEMM's own float32 products may round an element to the next FP8 value
+            err = (out.float() - want.float()).abs() / (want.float().abs() + 0.5)
+            assert err.max() < 0.15, f"fp8 partials it{it}: worst relative error {err.max().item()}"
+            assert abs(amax.item() - p.abs().max().item()) <= 1e-3 * p.abs().max().item(), (amax, p.abs().max())
+        if tp > 1:  # the check tells a shared-scale decode apart
+            assert not torch.equal(out, wrong), "a decode with the owner's scale_inv gave the same output"
+        chunk = (rows * N + 15) // 16 * 16 + 16  # FP8 bytes and the scale_inv after them
+        sent = after["bytes_sent"] - before["bytes_sent"]
+        assert sent == (tp - 1) * chunk, f"sent {sent} bytes, expected {(tp - 1) * chunk} (FP8 partials)"
+    # refused before the operation starts (the communicator stays usable on every rank)
+    for kw, word in [(dict(fp8_partials=FP8Partials(E4M3, one, one)), "needs FP8 chunk GEMMs"),
+                     (dict(fp8=FP8Gemm(E4M3, sa, E4M3, sw, torch.float32),
+                           fp8_partials=FP8Partials(E4M3, one, one)), "bfloat16 or float16"),
+                     (dict(fp8=FP8Gemm(E4M3, sa, E4M3, sw, torch.bfloat16), fp8_partials=(E4M3, one, one)),
+                      "must be an FP8Partials")]:
+        try:
+            comm.gemm_rs(qa if "fp8" in kw else a.bfloat16(), qw if "fp8" in kw else w.bfloat16(), **kw)
+            raise AssertionError(f"gemm_rs accepted {kw}")
+        except (ValueError, TypeError) as e:
+            assert word in str(e), e
+    close(comm.gemm_rs(qa, qw, fp8=FP8Gemm(E4M3, sa, E4M3, sw, torch.bfloat16)),
+          reduce_scatter(E.fp8_gemm(qa, sa, E4M3, qw, sw, E4M3, out_dtype=torch.bfloat16)), "gemm_rs after refusals",
+          tensorwise=True)
+    comm.close()
+
+
 def _is_region(fd):
     try:
         return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:tec-region")
@@ -268,7 +339,7 @@ def check_close(rank, tp):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--check", default="numerics,registry,mismatch,small,lifetime,close,timeout")
+    p.add_argument("--check", default="numerics,fp8_partials,registry,mismatch,small,lifetime,close,timeout")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     common.setup(args.device)

@@ -98,13 +98,15 @@ def expected_paths(opts):
 
 def run_case(opts, tp_group, tp, rank):
     errors = []
-    ub_cfgs = None
+    ub_cfgs = {}
     if opts.overlap_rs_dgrad:
         ub_cfgs = {"qkv_dgrad": {"method": "ring_exchange"}, "fc1_dgrad": {"method": "ring_exchange"}}
+    if opts.fp8_buf:  # the row layers' forward reduce-scatters send FP8 partials
+        ub_cfgs.update({n: {"method": "pipeline", "fp8_buf": True} for n in ("proj_fprop", "fc2_fprop")})
     mode = te.module.base.UserBufferQuantizationMode
     te.module.base.initialize_ub([opts.seq_length * opts.batch_size, opts.num_heads * opts.head_dim], tp,
                                  quantization_modes=[mode.FP8 if opts.fp8 else mode.NONE],
-                                 dtype=torch.bfloat16, bootstrap_backend=opts.bootstrap_backend, ub_cfgs=ub_cfgs)
+                                 dtype=torch.bfloat16, bootstrap_backend=opts.bootstrap_backend, ub_cfgs=ub_cfgs or None)
     try:
         sizes = {n: getattr(te.module.base.get_ub(n, bool(opts.fp8)), "tp_size", tp) for n in ("qkv_fprop", "proj_fprop")}
         if any(s != tp for s in sizes.values()):
@@ -125,6 +127,11 @@ def run_case(opts, tp_group, tp, rank):
         x = torch.randn(shape, generator=gx, dtype=torch.float32)
         before = stats(bool(opts.fp8))
         recipe = FP8_RECIPES[opts.fp8]() if opts.fp8 else None
+        if opts.fp8_buf and opts.fp8 == "delayed":
+            # The inputs grow with the step (x * (1 + step)), and an FP8 output is cast with the scale of the
+            # earlier steps' amaxes: it saturates where it grew by more than 2**margin (delayed scaling's
+            # rule, as in TE). Margin 1 covers steps 1 (2x) and 2 (1.5x the last).
+            recipe = te.recipe.DelayedScaling(margin=1)
 
         def run_fwd_bwd(model, step):
             xi = (x * (1 + step)).requires_grad_(True)
@@ -150,11 +157,25 @@ def run_case(opts, tp_group, tp, rank):
                 e = compare(f"step {step} {name}", a, b, **(FP8_TOL if opts.fp8 else {}))
                 if e:
                     errors.append(e)
+        partials = opts.fp8_buf and opts.linear_parallel_mode == "row"
         if opts.fp8 == "delayed":  # the overlap's amaxes (local rows, reduced over the group) are the reference's
             for key in ("scaling_fwd", "scaling_bwd"):
                 a, b = test_model.fp8_meta[key].scale, ref_model.fp8_meta[key].scale
+                if partials and key == "scaling_fwd":  # the output role: the partials' amax, the reference has none
+                    if not (a[2] != 1 and b[2] == 1):
+                        errors.append(f"the output role's scale is {a[2].item()} (reference {b[2].item()}): the FP8 "
+                                      "partials' amax was not recorded")
+                    a, b = a[:2], b[:2]
                 if not torch.equal(a, b):
                     errors.append(f"{key} scales differ from the reference's: {a.tolist()} vs {b.tolist()}")
+        if partials:  # every push carried FP8 bytes and their scale_inv; bf16 ones under current scaling
+            name = kwargs["ub_name"] + "_fprop"
+            rows, n = opts.seq_length * opts.batch_size // tp, opts.num_heads * opts.head_dim
+            chunk = (rows * n + 15) // 16 * 16 + 16 if opts.fp8 == "delayed" else rows * n * 2
+            pushes = (after[name]["rs_overlap"] - before[name]["rs_overlap"]) * (tp - 1)
+            sent = after[name]["bytes_sent"] - before[name]["bytes_sent"]
+            if pushes <= 0 or sent != pushes * chunk:
+                errors.append(f"{name} sent {sent} bytes in {pushes} pushes; expected partials of {chunk} bytes")
         grew = {k: sum(after[n][k] - before[n][k] for n in after) for k in COUNTERS}
         for k in expected_paths(opts):
             if grew[k] <= 0:
@@ -174,6 +195,7 @@ def case_label(opts, tp):
             + (" " + ("DGRAD+RS" if opts.overlap_rs_dgrad else "BULK DGRAD/WGRAD")
                if opts.linear_parallel_mode == "column" else "")
             + (" bf16-params" if opts.use_bf16_params else "") + (f" fp8={opts.fp8}" if opts.fp8 else "")
+            + (" fp8_buf" if opts.fp8_buf else "")
             + f" tp={tp}")
 
 
@@ -192,8 +214,12 @@ def main():
     p.add_argument("--bootstrap-backend", choices=["gloo", "mpi", "nccl"], default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--fp8", choices=["delayed", "current"], default=None, help="TE's FP8 overlap cases")
+    p.add_argument("--fp8-buf", action="store_true",
+                   help="with --fp8: ub_cfgs fp8_buf on proj_fprop and fc2_fprop (FP8 reduce-scatter partials)")
     p.add_argument("--all", action="store_true", help="run TE's six cases (and two with bf16 params)")
     opts = p.parse_args()
+    if opts.fp8_buf and not opts.fp8:
+        raise SystemExit("--fp8-buf needs --fp8")
     rank, world, _ = common.setup(opts.device)
     if opts.device == "cpu":
         torch.set_num_threads(1)

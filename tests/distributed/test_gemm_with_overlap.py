@@ -7,7 +7,7 @@ from launch import gpu_count, run_torchrun
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_gemm_with_overlap(nproc):
-    run_torchrun("run_gemm_with_overlap.py", nproc, ["--check", "numerics,registry,mismatch,small,lifetime,close"], timeout=240,
+    run_torchrun("run_gemm_with_overlap.py", nproc, ["--check", "numerics,fp8_partials,registry,mismatch,small,lifetime,close"], timeout=240,
                  pass_line="PASS run_gemm_with_overlap")
 
 
@@ -22,5 +22,5 @@ def test_comm_timeout(nproc):
 def test_gemm_with_overlap_cuda(nproc):
     if gpu_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {gpu_count()}")
-    run_torchrun("run_gemm_with_overlap.py", nproc, ["--device", "cuda", "--check", "numerics,registry,mismatch,small,lifetime,close,timeout"],
+    run_torchrun("run_gemm_with_overlap.py", nproc, ["--device", "cuda", "--check", "numerics,fp8_partials,registry,mismatch,small,lifetime,close,timeout"],
                  timeout=300, pass_line="PASS run_gemm_with_overlap")

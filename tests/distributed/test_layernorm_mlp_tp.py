@@ -32,3 +32,17 @@ def test_layernorm_mlp_fp8_overlap_cuda(recipe):
     if gpu_count() < 2:
         pytest.skip(f"needs 2 CUDA ranks (2 GPUs, or TEC_SHARE_GPU=2 on one), this machine has {gpu_count()}")
     run_torchrun("run_layernorm_mlp.py", 2, ["--device", "cuda", "--fp8", recipe], timeout=600)
+
+
+def test_layernorm_mlp_fp8_buf_cpu():
+    """bf16 under DelayedScaling with fc2_fprop's fp8_buf: fc2's reduce-scatter
+    sends FP8 partials in every grad mode (its bytes counted), within TE's FP8
+    tolerances of the module without userbuffers, under the saved-tensor
+    checker."""
+    run_torchrun("run_layernorm_mlp.py", 2, ["--device", "cpu", "--fp8", "delayed", "--fp8-buf"], timeout=600)
+
+
+def test_layernorm_mlp_fp8_buf_cuda():
+    if gpu_count() < 2:
+        pytest.skip(f"needs 2 CUDA ranks (2 GPUs, or TEC_SHARE_GPU=2 on one), this machine has {gpu_count()}")
+    run_torchrun("run_layernorm_mlp.py", 2, ["--device", "cuda", "--fp8", "delayed", "--fp8-buf"], timeout=600)

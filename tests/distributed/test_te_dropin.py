@@ -91,6 +91,29 @@ def test_te_layers_with_overlap_fp8_cuda(recipe, forced_overlap):
     _check_overlap_fp8(out, recipe, 2)
 
 
+def _check_overlap_fp8_buf(out, recipe, tp):
+    for case in OVERLAP_CASES:
+        assert f"ok {case} fp8={recipe} fp8_buf tp={tp}\n" in out, case
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_layers_with_overlap_fp8_buf(recipe):
+    """The same with ub_cfgs fp8_buf on proj_fprop and fc2_fprop: under
+    DelayedScaling the row layers' forward reduce-scatters send FP8 partials
+    (their bytes counted, the output role's amax recorded), under current
+    scaling compute-dtype ones; TE's FP8 tolerances against no overlap."""
+    out = run_torchrun("run_te_layer_overlap.py", 2, ["--all", "--fp8", recipe, "--fp8-buf"], timeout=300)
+    _check_overlap_fp8_buf(out, recipe, 2)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_layers_with_overlap_fp8_buf_cuda(recipe, forced_overlap):
+    _need_gpus(2)
+    out = run_torchrun("run_te_layer_overlap.py", 2, ["--all", "--fp8", recipe, "--fp8-buf", "--device", "cuda"],
+                       timeout=300)
+    _check_overlap_fp8_buf(out, recipe, 2)
+
+
 def test_compare_is_te_worst_element_rule():
     """The runners' comparison (TE's _compare_tensors) catches what it must
     and passes what TE passes."""

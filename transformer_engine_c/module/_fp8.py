@@ -58,7 +58,10 @@ buffer with the scale the group shares and gathers FP8 bytes while the FP8
 chunk GEMMs run (gather_input; backward gathers the kept bytes again for
 wgrad, gathered_input); a row layer's dgrad gathers dY's FP8 bytes the same
 way (gather_grad_output); the reduce-scatters' partials (a row layer's
-fprop, a column layer's dgrad) are FP8 GEMMs' outputs in the compute dtype.
+fprop, a column layer's dgrad) are FP8 GEMMs' outputs in the compute dtype,
+except a row layer's fprop partials through a communicator with fp8_buf
+under DelayedScaling: those travel in E4M3 with the output role's scale
+(output_partials).
 Under Float8BlockScaling a layer whose flags ask for the overlap runs the
 plain collectives, with one warning.
 """
@@ -70,7 +73,7 @@ import torch.nn.functional as F
 
 from .. import _C
 from .. import _fp8_engine as E
-from .._comm_overlap import FP8Gemm
+from .._comm_overlap import FP8Gemm, FP8Partials
 from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
@@ -632,6 +635,20 @@ def fprop(f, x, w, b, out, keep_t):
     _gemm(f.call, _as_2d(qx.data), qx, qw.data, qw, o, b if fuse else None, False, f.split[0])
     if b is not None and not fuse:
         o += b
+
+
+def output_partials(f, out_dtype):
+    """The FP8Partials of GEMM gi's output, for a row layer's fprop
+    reduce-scatter through a communicator with fp8_buf (TE's FP8 userbuffer):
+    under DelayedScaling, the output role's (3 gi + 2) scale, scale_inv and
+    amax-history entry, as TE's GEMM output quantizer; None under the other
+    recipes (a partial's amax is known only after its GEMM) and for a float32
+    output (FP8 partials sum into a 16-bit one)."""
+    if not f.delayed or out_dtype is torch.float32:
+        return None
+    m = f.meta["scaling_fwd"]
+    r = 3 * f.gi + 2
+    return FP8Partials(f.fwd, m.scale[r:r + 1], m.scale_inv[r:r + 1], m.amax_history[0, r:r + 1])
 
 
 def chunk_gemm(f, qa, qb, which, out_dtype):

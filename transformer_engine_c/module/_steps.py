@@ -214,7 +214,8 @@ def fprop_overlap(call, tp, ub, x, w, bias):
     """fprop through the layer's communicator where its flags ask for the
     overlap and it pays at this shape (CommOverlap.take_overlap), else None.
     In FP8 the chunk GEMMs are FP8 GEMMs: a column layer gathers FP8 bytes
-    (fp8_ag_gemm), a row layer's partials stay in the compute dtype."""
+    (fp8_ag_gemm), a row layer's partials stay in the compute dtype, or are
+    FP8 bytes through a communicator with fp8_buf (_fp8.output_partials)."""
     rows = x.shape[0]
     if not ub.enabled or rows == 0:
         return None
@@ -229,7 +230,8 @@ def fprop_overlap(call, tp, ub, x, w, bias):
                 return c.gemm_rs(x, w, bias=bias)
             f = call.fp8
             qx, qw = f.input(x, True), f.weight(w)
-            return c.gemm_rs(qx.data, qw.data, bias=bias, fp8=_fp8.chunk_gemm(f, qx, qw, 0, x.dtype))
+            return c.gemm_rs(qx.data, qw.data, bias=bias, fp8=_fp8.chunk_gemm(f, qx, qw, 0, x.dtype),
+                             fp8_partials=_fp8.output_partials(f, x.dtype) if c.fp8_buf else None)
     return None
 
 

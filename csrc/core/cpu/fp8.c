@@ -157,7 +157,8 @@ static tec_status cpu_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *str
         tec_load_row(bias, g->bias, g->n, bdt);
     }
     /* A float32 C takes the product directly; a 16-bit C is rounded once
-     * from the float32 result (plus its old value with accumulate). */
+     * from the float32 result (plus its old value with accumulate), and an
+     * FP8 C encoded from it. */
     tec_gemm_args f = {.transb = 1, .m = g->m, .n = g->n, .k = g->k, .a = a, .lda = g->k, .b = b, .ldb = g->k,
                        .ab_dtype = TEC_F32, .c_dtype = TEC_F32, .bias = bias};
     if (g->c_dtype == TEC_F32) {
@@ -173,6 +174,20 @@ static tec_status cpu_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *str
     f.ldc = g->n;
     if ((st = tec_cpu_backend.gemm(device, &f, NULL)) != TEC_OK)
         goto done;
+    if (g->c_scale) { /* FP8 bytes: the float32 result scaled and encoded, its amax recorded */
+        const fp8_fmt *cf = &k_fmt[g->c_format];
+        const float cs = *g->c_scale;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < g->m; i++)
+            for (int64_t j = 0; j < g->n; j++) {
+                const float v = tmp[i * g->n + j];
+                amax = fmaxf(amax, fabsf(v));
+                ((uint8_t *)g->c)[i * g->ldc + j] = fp8_encode(v * cs, cf);
+            }
+        if (g->c_amax)
+            *g->c_amax = fmaxf(*g->c_amax, amax);
+        goto done;
+    }
     for (int64_t i = 0; i < g->m; i++) {
         char *crow = (char *)g->c + i * g->ldc * 2;
         for (int64_t j = 0; j < g->n; j++) {

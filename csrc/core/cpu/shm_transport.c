@@ -23,6 +23,7 @@
 #include "../error.h"
 #include "../transport.h"
 #include "cpu_dtype.h"
+#include "cpu_fp8.h"
 
 enum { OP_COPY, OP_SIGNAL, OP_WAIT, OP_EVREC, OP_EVWAIT, OP_REDUCE };
 enum { QCAP = 512 };
@@ -42,6 +43,8 @@ typedef struct {
     int64_t rows, cols;
     tec_dtype dtype;
     const void *bias;
+    int fp8;             /* FP8 sources (tec_reduce_fp8) */
+    tec_reduce_fp8 fp8_src;
 } op_t;
 
 /* What a peer needs to open a region: the owner's pid and descriptor, and
@@ -159,6 +162,22 @@ static tec_status do_wait(tec_transport *t, const uint64_t *flag, uint64_t value
     }
 }
 
+/* Row r of source i as float32 into dst: decoded and scaled FP8 bytes, or
+ * the reduce's dtype. */
+static void load_src_row(float *dst, const op_t *o, int i, int64_t r)
+{
+    if (!o->fp8) {
+        tec_load_row(dst, (const char *)o->srcs[i] + (size_t)r * (size_t)o->cols * tec_dtype_size(o->dtype), o->cols,
+                     o->dtype);
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)o->srcs[i] + (size_t)r * (size_t)o->cols;
+    float sinv;
+    memcpy(&sinv, (const char *)o->srcs[i] + o->fp8_src.scale_inv_offset, sizeof sinv);
+    for (int64_t j = 0; j < o->cols; j++)
+        dst[j] = fp8_decode(q[j], o->fp8_src.format) * sinv;
+}
+
 static tec_status do_reduce(const op_t *o)
 {
     const int64_t rows = o->rows, cols = o->cols;
@@ -169,9 +188,9 @@ static tec_status do_reduce(const op_t *o)
     float *tmp = acc + cols;
     for (int64_t r = 0; r < rows; r++) {
         const size_t off = (size_t)r * (size_t)cols * es;
-        tec_load_row(acc, (const char *)o->srcs[0] + off, cols, o->dtype);
+        load_src_row(acc, o, 0, r);
         for (int i = 1; i < o->nsrc; i++) {
-            tec_load_row(tmp, (const char *)o->srcs[i] + off, cols, o->dtype);
+            load_src_row(tmp, o, i, r);
             for (int64_t j = 0; j < cols; j++) acc[j] += tmp[j];
         }
         if (o->bias) {
@@ -535,11 +554,16 @@ static tec_status shm_event_wait(tec_transport *t, int ev, void *stream)
 }
 
 static tec_status shm_reduce(tec_transport *t, void *out, const void *const *srcs, int nsrc, int64_t rows,
-                             int64_t cols, tec_dtype dtype, const void *bias, void *stream)
+                             int64_t cols, tec_dtype dtype, const void *bias, const tec_reduce_fp8 *fp8, void *stream)
 {
     if (nsrc < 1 || nsrc > TEC_COMM_MAX_RANKS)
         return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: reduce of %d sources", nsrc);
-    op_t o = {.kind = OP_REDUCE, .dst = out, .nsrc = nsrc, .rows = rows, .cols = cols, .dtype = dtype, .bias = bias};
+    if (fp8 && fp8->format != TEC_FP8_E4M3 && fp8->format != TEC_FP8_E5M2)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "shm transport: reduce of FP8 format %d", (int)fp8->format);
+    op_t o = {.kind = OP_REDUCE, .dst = out, .nsrc = nsrc, .rows = rows, .cols = cols, .dtype = dtype, .bias = bias,
+              .fp8 = fp8 != NULL};
+    if (fp8)
+        o.fp8_src = *fp8;
     for (int i = 0; i < nsrc; i++)
         o.srcs[i] = srcs[i];
     return submit(t, &o, stream);

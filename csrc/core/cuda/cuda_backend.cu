@@ -11,7 +11,7 @@ static const tec_backend tec_cuda_backend = {
     tec_cuda_norm_bwd,                  /* norm_bwd */
     tec_cuda_norm_bwd_workspace_bytes,  /* norm_bwd_workspace_bytes */
     tec_cuda_gemm,                      /* gemm */
-    TEC_CUDA_GEMM_WORKSPACE_BYTES,      /* gemm_workspace_bytes */
+    TEC_CUDA_GEMM_WORKSPACE_BYTES + TEC_CUDA_GEMM_SCRATCH_BYTES, /* gemm_workspace_bytes */
     &tec_cuda_transport,                /* transport */
     tec_cuda_act_fwd,                   /* act_fwd (activation.cu) */
     tec_cuda_act_bwd,                   /* act_bwd */

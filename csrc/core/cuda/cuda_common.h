@@ -192,6 +192,9 @@ tec_status tec_cuda_norm_bwd(int device, const tec_norm_bwd_args *a, void *strea
 size_t tec_cuda_norm_bwd_workspace_bytes(int device, int64_t rows, int64_t cols);
 tec_status tec_cuda_gemm(int device, const tec_gemm_args *a, void *stream);
 #define TEC_CUDA_GEMM_WORKSPACE_BYTES ((size_t)32 << 20)
+/* After cuBLASLt's part of a GEMM workspace: the FP8 GEMM's amax of an FP8
+ * output, before it is folded into the caller's (fp8.cu). */
+#define TEC_CUDA_GEMM_SCRATCH_BYTES ((size_t)256)
 extern const tec_transport_ops tec_cuda_transport;
 extern const tec_nccl_ops tec_cuda_nccl; /* nccl.cu */
 extern const tec_fp8_ops tec_cuda_fp8;   /* fp8.cu */

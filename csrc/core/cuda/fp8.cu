@@ -432,6 +432,12 @@ __global__ void __launch_bounds__(256) bias_add_kernel(CT *c, int64_t ldc, int64
         c[i * ldc + j] = tec_from_f32<CT>(tec_to_f32(c[i * ldc + j]) + b);
 }
 
+/* *amax = max(*amax, *part) (fmaxf: a NaN part is ignored). */
+__global__ void amax_into_kernel(float *amax, const float *part)
+{
+    *amax = fmaxf(*amax, *part);
+}
+
 /* C = 0 (k == 0, no accumulate). */
 __global__ void zero_rows_kernel(char *c, int64_t ldc_bytes, int64_t m, int64_t row_bytes)
 {
@@ -620,7 +626,9 @@ static tec_status fp8_key(int device, const tec_fp8_gemm_args *g, int fuse_bias,
         key->sm_target = sms - g->sm_margin > 1 ? sms - g->sm_margin : 1;
     }
     key->ab = g->c_dtype;
-    key->c = g->c_dtype;
+    key->c = g->c_dtype; /* with an FP8 output, the bias's and C's type */
+    key->d_fp8 = g->c_scale ? 1 + (int)g->c_format : 0;
+    key->amax_d = g->c_amax ? 1 : 0;
     key->transa = 0;
     key->transb = 1;
     key->fp8 = 1 + (int)g->a_format + 2 * (int)g->b_format;
@@ -661,6 +669,16 @@ static tec_status cuda_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *st
     cudaStream_t st = (cudaStream_t)stream;
     TEC_CUDA_ENTER(device);
     const size_t ces = tec_cuda_dtype_size(g->c_dtype);
+    /* An FP8 output's amax: cuBLASLt writes it into the scratch after its
+     * workspace, folded into the caller's afterwards. */
+    float *amax_part = NULL;
+    if (g->c_amax) {
+        if (!g->workspace || g->workspace_bytes < TEC_CUDA_GEMM_WORKSPACE_BYTES + TEC_CUDA_GEMM_SCRATCH_BYTES)
+            return TEC_CUDA_FAIL(TEC_ERR_INVALID_ARG, "fp8 gemm: an FP8 output's amax needs a workspace of %zu bytes "
+                                 "(tec_gemm_workspace_bytes), got %zu",
+                                 TEC_CUDA_GEMM_WORKSPACE_BYTES + TEC_CUDA_GEMM_SCRATCH_BYTES, g->workspace_bytes);
+        amax_part = (float *)((char *)g->workspace + TEC_CUDA_GEMM_WORKSPACE_BYTES);
+    }
     if (g->k == 0) { /* C = 0 (+ bias), or unchanged with accumulate */
         if (!g->accumulate) {
             zero_rows_kernel<<<(unsigned)(g->m < 65535 ? g->m : 65535), 256, 0, st>>>(
@@ -711,12 +729,33 @@ static tec_status cuda_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *st
                               s, out);
         if (plan->epi == CUBLASLT_EPILOGUE_BIAS)
             gemm_stat_add(kStatFused);
+        if (g->c_scale) {
+            if (g->bias && plan->epi != CUBLASLT_EPILOGUE_BIAS) { /* no kernel adds a bias to FP8 bytes */
+                s = TEC_CUDA_FAIL(TEC_ERR_NOT_SUPPORTED, "fp8 gemm: cuBLASLt did not fuse the bias of an FP8 output "
+                                  "(m=%lld n=%lld k=%lld)", (long long)g->m, (long long)g->n, (long long)g->k);
+                goto out;
+            }
+            TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(&call_desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER,
+                                                                 &g->c_scale, sizeof g->c_scale),
+                                  s, out);
+            if (amax_part) {
+                TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulDescSetAttribute(&call_desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+                                                                     &amax_part, sizeof amax_part),
+                                      s, out);
+                TEC_CUDA_CHECK_GOTO(cudaMemsetAsync(amax_part, 0, sizeof(float), st), s, out);
+            }
+        }
         const size_t wsb = g->workspace_bytes < TEC_CUDA_GEMM_WORKSPACE_BYTES ? g->workspace_bytes
                                                                             : TEC_CUDA_GEMM_WORKSPACE_BYTES;
+        /* An FP8 output has no C (beta is 0; C's layout is the bias's type, as cuBLASLt requires). */
         TEC_CUBLAS_CHECK_GOTO(cublasLtMatmul(gemm_cache_handle(cache), &call_desc, &alpha, g->b, plan->la, g->a,
-                                             plan->lb, &beta, g->c, plan->lc, g->c, plan->lc, &use.algo,
-                                             g->workspace, wsb, st),
+                                             plan->lb, &beta, g->c_scale ? NULL : g->c, plan->lc, g->c,
+                                             g->c_scale ? plan->ld : plan->lc, &use.algo, g->workspace, wsb, st),
                               s, out);
+        if (amax_part) {
+            amax_into_kernel<<<1, 1, 0, st>>>(g->c_amax, amax_part);
+            TEC_CUDA_LAUNCH_CHECK_GOTO("fp8 gemm amax kernel", s, out);
+        }
     }
     if (g->bias && plan->epi != CUBLASLT_EPILOGUE_BIAS) {
         if (g->c_dtype == TEC_F32) launch_bias_add<float, __nv_bfloat16>(g, st);

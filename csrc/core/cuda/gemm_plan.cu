@@ -37,7 +37,7 @@ uint64_t key_hash(const gemm_key *k)
         h = (h ^ p[i]) * 1099511628211ull;
     return h;
 }
-static_assert(sizeof(gemm_key) == 14 * 4 + 6 * 8, "gemm_key must have no padding (it is hashed as bytes)");
+static_assert(sizeof(gemm_key) == 16 * 4 + 6 * 8, "gemm_key must have no padding (it is hashed as bytes)");
 
 void plan_free(gemm_plan *p)
 {
@@ -47,6 +47,7 @@ void plan_free(gemm_plan *p)
     if (p->la) cublasLtMatrixLayoutDestroy(p->la);
     if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
     if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
+    if (p->ld) cublasLtMatrixLayoutDestroy(p->ld);
     free(p);
 }
 
@@ -73,6 +74,10 @@ tec_status plan_try(cublasLtHandle_t h, const gemm_key *k, int epi, const void *
                                                     (uint64_t)(k->transa ? k->k : k->m), k->lda));
     if (!p->lc)
         TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lc, cuda_type(k->c), (uint64_t)k->n, (uint64_t)k->m, k->ldc));
+    if (k->d_fp8 && !p->ld)
+        TEC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->ld, k->d_fp8 - 1 == TEC_FP8_E5M2 ? CUDA_R_8F_E5M2
+                                                                                        : CUDA_R_8F_E4M3,
+                                                    (uint64_t)k->n, (uint64_t)k->m, k->ldc));
     TEC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     TEC_CUBLAS_CHECK_GOTO(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                                sizeof ws),
@@ -91,7 +96,8 @@ tec_status plan_try(cublasLtHandle_t h, const gemm_key *k, int epi, const void *
                           st, out);
     /* No algorithm (CUBLAS_STATUS_NOT_SUPPORTED or nres == 0) is an answer,
      * not a failure: the caller falls back. */
-    if (cublasLtMatmulAlgoGetHeuristic(h, &p->desc, p->la, p->lb, p->lc, p->lc, pref, kTuneAlgos, res, &nres) ==
+    if (cublasLtMatmulAlgoGetHeuristic(h, &p->desc, p->la, p->lb, p->lc, k->d_fp8 ? p->ld : p->lc, pref, kTuneAlgos,
+                                       res, &nres) ==
         CUBLAS_STATUS_SUCCESS) {
         for (int i = 0; i < nres; i++)
             if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= ws) {
@@ -386,6 +392,14 @@ tec_status gemm_desc_init(cublasLtMatmulDesc_t d, const gemm_key *k, int epi, co
             tec_status st = block_scale_modes(d, k);
             if (st != TEC_OK)
                 return st;
+        }
+        if (k->d_fp8) { /* stand-ins for the plan's heuristic query, as block_scale_modes' */
+            const void *stand_in = (const void *)(uintptr_t)4096;
+            TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &stand_in,
+                                                            sizeof stand_in));
+            if (k->amax_d)
+                TEC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &stand_in,
+                                                                sizeof stand_in));
         }
     }
     return TEC_OK;

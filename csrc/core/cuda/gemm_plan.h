@@ -22,6 +22,8 @@ struct gemm_key {
     int32_t fp8;        /* 0: ab is the operands' dtype; else 1 + A's + 2 * B's tec_fp8_format (fp8.cu) */
     int32_t fast_accum; /* FP8: CUBLASLT_MATMUL_DESC_FAST_ACCUM */
     int32_t scale_a, scale_b; /* FP8: our A's and B's TEC_FP8_SCALE_* (block plans never meet per-tensor ones) */
+    int32_t d_fp8;  /* FP8 output: 0, C's and D's type is `c`; else 1 + D's tec_fp8_format, `c` the bias's (and C's) */
+    int32_t amax_d; /* FP8 output: CUBLASLT_MATMUL_DESC_AMAX_D_POINTER is set */
     uint32_t align_a, align_b, align_c, align_bias;
     int64_t m, n, k, lda, ldb, ldc;
 };
@@ -50,6 +52,7 @@ struct gemm_plan {
     int refs;                        /* callers between acquire and release (atomic) */
     cublasLtMatmulDescOpaque_t desc; /* read-only after the build */
     cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatrixLayout_t ld;       /* D's, for an FP8 output (key.d_fp8); else D uses lc */
     cublasLtMatmulAlgo_t algo;       /* the one in use (under the cache lock) */
     int epi;  /* epilogue fused in desc: CUBLASLT_EPILOGUE_DEFAULT, _BIAS or _BGRADB */
     int simt; /* cuBLASLt has no algorithm: use the fallback kernel */
