@@ -430,7 +430,7 @@ static void test_reduce(tec_transport *t, void **bases, int q)
                 store_as(dt, hb, i, h[3][i]);
             CK(cudaMemcpy(db, hb, (size_t)cols * es, cudaMemcpyHostToDevice));
             const void *srcs[3] = {d0, d1, (char *)bases[q] + DATA};
-            TK(ops->reduce(t, dout, srcs, 3, rows, cols, dt, shapes[si].bias ? db : NULL, M));
+            TK(ops->reduce(t, dout, srcs, 3, rows, cols, dt, shapes[si].bias ? db : NULL, NULL, M));
             TK(ops->synchronize(t, M));
             CK(cudaMemcpy(ho, dout, n * es, cudaMemcpyDeviceToHost));
             double num = 0, den = 0;
@@ -535,7 +535,7 @@ static void test_leaks(int device, const void *peer_handle, size_t peer_len)
         TK(ops->wait(t, flag(b[g_rank], TEC_FLAG_READY, g_rank), tec_flag_value(1, 1), WAIT_S,
                      site("leak", "self", g_rank, c), M));
         const void *srcs[2] = {b[g_rank], b[g_rank]};
-        TK(ops->reduce(t, (char *)b[g_rank] + DATA, srcs, 2, 16, 256, TEC_F32, NULL, M));
+        TK(ops->reduce(t, (char *)b[g_rank] + DATA, srcs, 2, 16, 256, TEC_F32, NULL, NULL, M));
         TK(ops->event_record(t, 3, M));
         TK(ops->synchronize(t, M));
         ops->destroy(t);
