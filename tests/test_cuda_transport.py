@@ -20,6 +20,7 @@ def test_cuda_transport_program(tmp_path):
     subprocess.run([nvcc, "-std=c++17", "-O2", "-gencode=arch=compute_90,code=sm_90", "-I",
                     os.path.join(ROOT, "csrc", "core"), os.path.join(ROOT, "tests", "cuda", "transport_test.cu"),
                     os.path.join(ROOT, "csrc", "core", "cuda", "cuda_transport.cu"),
+                    os.path.join(ROOT, "csrc", "core", "cuda", "transport_reduce.cu"),
                     os.path.join(ROOT, "csrc", "core", "cuda", "cuda_common.cu"),
                     os.path.join(ROOT, "csrc", "core", "error.c"), "-o", exe, "-lcudart"],
                    check=True, timeout=300)

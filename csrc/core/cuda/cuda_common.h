@@ -198,6 +198,7 @@ tec_status tec_cuda_gemm(int device, const tec_gemm_args *a, void *stream);
 extern const tec_transport_ops tec_cuda_transport;
 extern const tec_nccl_ops tec_cuda_nccl; /* nccl.cu */
 extern const tec_fp8_ops tec_cuda_fp8;   /* fp8.cu */
+tec_status tec_cuda_fp8_gemm(int device, const tec_fp8_gemm_args *g, void *stream); /* fp8_gemm.cu */
 extern const tec_fp8_block_ops tec_cuda_fp8_block; /* fp8_block.cu */
 
 /* ------------------------------------------------------- conversions */

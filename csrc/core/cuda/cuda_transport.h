@@ -1,8 +1,9 @@
 /* cuda_transport.h - private header of the CUDA IPC transport of tec_comm
  * (csrc/core/cuda/cuda_transport.cu): the layout of the handle a rank passes
- * to its peers. The table itself, tec_cuda_transport, is declared in
- * cuda_common.h and reaches the core through the backend table. Used by the
- * transport and by tests/cuda/transport_test.cu (build line in that file). */
+ * to its peers, and the entry of the reduce's kernels (transport_reduce.cu).
+ * The table itself, tec_cuda_transport, is declared in cuda_common.h and
+ * reaches the core through the backend table. Used by the transport and by
+ * tests/cuda/transport_test.cu (build line in that file). */
 #ifndef TEC_CUDA_TRANSPORT_H
 #define TEC_CUDA_TRANSPORT_H
 
@@ -27,5 +28,11 @@ typedef struct {
     char pci_bus_id[32];   /* to find the owner's device in this process */
     cudaIpcMemHandle_t ipc;
 } tec_cuda_handle;
+
+/* The reduce's kernels (transport_reduce.cu), on `s`; ct_reduce checked the
+ * arguments (at most TEC_COMM_MAX_RANKS sources, none NULL, rows * cols > 0)
+ * and made the device current. */
+tec_status ct_reduce_run(void *out, const void *const *srcs, int nsrc, int64_t rows, int64_t cols, tec_dtype dtype,
+                         const void *bias, const tec_reduce_fp8 *fp8, int sm_count, cudaStream_t s);
 
 #endif /* TEC_CUDA_TRANSPORT_H */
