@@ -194,6 +194,27 @@ def test_first_module_is_the_outermost_autocasts_first_asker():
         assert G.is_first_fp8_module() is True
 
 
+def test_autocast_as_a_decorator_and_entered_once():
+    """As contextlib's context managers: a decorated function enters a fresh
+    autocast per call (recursion nests), and one autocast object is entered
+    once."""
+    recipe = DelayedScaling(amax_history_len=2)
+
+    @te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    def depth(n):
+        assert G.is_fp8_enabled() and G.get_fp8_recipe() is recipe
+        return G.get_autocast_depth() if n == 0 else depth(n - 1)
+    assert depth(2) == 3 and depth(0) == 1
+    assert G.get_autocast_depth() == 0 and not G.is_fp8_enabled()
+    block = te.autocast(enabled=True, recipe=recipe)
+    with block:
+        pass
+    with pytest.raises(RuntimeError, match="entered once"):
+        with block:
+            pass
+    assert G.get_autocast_depth() == 0
+
+
 def test_exception_inside_autocast_restores_state():
     with pytest.raises(KeyError):
         with te.autocast(enabled=True):

@@ -374,25 +374,45 @@ class _StepUpdate:
             self.buffers.append((autocast_key, amaxes, _fp8_meta.updater(metas, fp8_max, recipe)))
 
 
-@contextlib.contextmanager
 def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None, _graph=False):
-    """TE 2.x's quantized autocast (see this module's docstring)."""
-    state = FP8GlobalStateManager.get_autocast_state()
-    FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
-                                         fp8_group=amax_reduction_group, _graph=_graph)
-    try:
-        yield
-    finally:
-        FP8GlobalStateManager.set_autocast_state(state)
-        FP8GlobalStateManager.autocast_exit(enabled, _graph=_graph)
+    """TE 2.x's quantized autocast (see this module's docstring): a context
+    manager, also usable as a decorator."""
+    return _Autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)
 
 
-@contextlib.contextmanager
 def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
     """TE's older name of autocast (fp8_recipe, fp8_group)."""
-    with autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group,
-                  _graph=_graph):
-        yield
+    return _Autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)
+
+
+class _Autocast(contextlib.ContextDecorator):
+    """One autocast block: enter sets the state (the one it found kept),
+    exit restores it, exceptions included, and at the outermost exit runs
+    the forward update (FP8GlobalStateManager.autocast_exit). Entered once;
+    as a decorator each call enters a fresh one."""
+
+    __slots__ = ("enabled", "calibrating", "recipe", "group", "graph", "saved")
+
+    def __init__(self, enabled, calibrating, recipe, group, graph):
+        self.enabled, self.calibrating, self.recipe, self.group, self.graph = (
+            enabled, calibrating, recipe, group, graph)
+        self.saved = None
+
+    def _recreate_cm(self):
+        return _Autocast(self.enabled, self.calibrating, self.recipe, self.group, self.graph)
+
+    def __enter__(self):
+        if self.saved is not None:
+            raise RuntimeError("an autocast context is entered once (make a new one per block)")
+        state = FP8GlobalStateManager.get_autocast_state()
+        FP8GlobalStateManager.autocast_enter(enabled=self.enabled, calibrating=self.calibrating,
+                                             fp8_recipe=self.recipe, fp8_group=self.group, _graph=self.graph)
+        self.saved = state
+
+    def __exit__(self, *exc):
+        FP8GlobalStateManager.set_autocast_state(self.saved)
+        FP8GlobalStateManager.autocast_exit(self.enabled, _graph=self.graph)
+        return False
 
 
 def _init_recipe(what, recipe):
