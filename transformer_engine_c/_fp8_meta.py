@@ -116,6 +116,9 @@ def fit_history(h, length):
 def module_device(module):
     """The device of a module's parameters (the CPU without any): where its
     fp8_meta lives."""
+    for p in module._parameters.values():  # parameters()'s first, without its walk over the submodules
+        if p is not None:
+            return p.device
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
