@@ -590,3 +590,27 @@ def test_mlp_fused_activation_is_not_the_identity(monkeypatch):
     with te.autocast(enabled=True, recipe=DelayedScaling()):
         again = make("MLP:gelu", "cpu", torch.bfloat16)(x)
     assert torch.equal(again, outs[0])  # the comparison itself is deterministic
+
+
+def test_fp8_calls_follow_a_changed_checkpoint_flag(monkeypatch):
+    """An FP8 call keeps the forward's input transposes for backward unless
+    the layer is LayerNormMLP(checkpoint=True), read from the layer's plan:
+    setting layer.checkpoint between calls changes what the next call keeps."""
+    from transformer_engine_c.module import _fp8
+    kept = []
+
+    class Recording(_fp8.FP8Call):
+        __slots__ = ()
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            kept.append(self.keep_t)
+    monkeypatch.setattr(_fp8, "FP8Call", Recording)
+    layer = te.LayerNormMLP(64, 128)
+    x = torch.randn(16, 64, requires_grad=True)
+    for checkpoint in (False, True, False):
+        layer.checkpoint = checkpoint
+        with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+            y = layer(x)
+        y.sum().backward()
+    assert kept == [True, False, True]

@@ -194,6 +194,27 @@ def test_first_module_is_the_outermost_autocasts_first_asker():
         assert G.is_first_fp8_module() is True
 
 
+def test_autocast_as_a_decorator_and_entered_once():
+    """As contextlib's context managers: a decorated function enters a fresh
+    autocast per call (recursion nests), and one autocast object is entered
+    once."""
+    recipe = DelayedScaling(amax_history_len=2)
+
+    @te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    def depth(n):
+        assert G.is_fp8_enabled() and G.get_fp8_recipe() is recipe
+        return G.get_autocast_depth() if n == 0 else depth(n - 1)
+    assert depth(2) == 3 and depth(0) == 1
+    assert G.get_autocast_depth() == 0 and not G.is_fp8_enabled()
+    block = te.autocast(enabled=True, recipe=recipe)
+    with block:
+        pass
+    with pytest.raises(RuntimeError, match="entered once"):
+        with block:
+            pass
+    assert G.get_autocast_depth() == 0
+
+
 def test_exception_inside_autocast_restores_state():
     with pytest.raises(KeyError):
         with te.autocast(enabled=True):
@@ -284,6 +305,45 @@ def test_a_meta_registered_in_a_later_step_is_updated_too(algo):
             assert torch.equal(getattr(later["scaling_fwd"], name), getattr(ref["scaling_fwd"], name)), name
     newest_or_max = 2.0 if algo == "most_recent" else 5.0  # the history holds [2, 5, 0]
     assert later["scaling_fwd"].scale[0].item() == torch.tensor(448.0 / newest_or_max).item()
+
+
+def test_the_prepared_update_follows_registrations_under_another_recipe():
+    """Each direction's update of all buffers is prepared once, and made
+    again after any registration: a meta registered under another recipe
+    (a buffer of its own) after the first update is updated, forward and
+    backward, and the first meta still is."""
+    r1, r2 = DelayedScaling(amax_history_len=2), DelayedScaling(amax_history_len=2, margin=1)
+    a, b = M.make_fp8_meta(r1), M.make_fp8_meta(r2)
+    with te.autocast(enabled=True, recipe=r1):
+        G.add_fp8_tensors_to_global_buffer(a)
+        _observe(a, 4.0)
+    G.reduce_and_update_fp8_tensors(forward=False)
+    assert a["scaling_fwd"].scale[0].item() == 112.0  # 448 / 4
+    with te.autocast(enabled=True, recipe=r2):
+        G.add_fp8_tensors_to_global_buffer(b)
+        _observe(a, 8.0)
+        _observe(b, 8.0)
+        b["scaling_bwd"].amax_history[0, 0] = 2.0 ** 10
+    G.reduce_and_update_fp8_tensors(forward=False)
+    assert a["scaling_fwd"].scale[0].item() == 56.0  # 448 / 8
+    assert b["scaling_fwd"].scale[0].item() == 28.0  # 448 / 8 / 2
+    assert b["scaling_bwd"].scale[0].item() == 57344.0 / 2.0 ** 11
+
+
+def test_reset_drops_the_prepared_update():
+    """After reset() the metas registered before are no longer updated
+    (their prepared update is dropped with the buffers)."""
+    recipe = DelayedScaling(amax_history_len=2)
+    meta = M.make_fp8_meta(recipe)
+    with te.autocast(enabled=True, recipe=recipe):
+        G.add_fp8_tensors_to_global_buffer(meta)
+        _observe(meta, 4.0)
+    assert meta["scaling_fwd"].scale[0].item() == 112.0
+    G.reset()
+    with te.autocast(enabled=True, recipe=recipe):
+        _observe(meta, 8.0)
+    assert meta["scaling_fwd"].scale[0].item() == 112.0
+    assert meta["scaling_fwd"].amax_history[0, 0].item() == 8.0
 
 
 @pytest.mark.parametrize("how", ["no_grad", "graph", "disabled"])

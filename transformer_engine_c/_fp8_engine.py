@@ -182,21 +182,49 @@ def delayed_update(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=
 
 def delayed_update_call(history, scale, scale_inv, fp8_max, divisor=1.0, most_recent=False):
     """delayed_update's arguments checked now: a function of no arguments
-    that runs the update on the current stream when called (the per-step
-    updates of registered fp8_meta tensors, whose storage never changes)."""
-    length, n = history.shape
-    for t, name, shape in ((history, "history", (length, n)), (scale, "scale", (n,)), (scale_inv, "scale_inv", (n,))):
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device != history.device:
-            raise ValueError(f"delayed_update: {name} must be a contiguous float32 {shape} tensor on {history.device}")
-    if not 1 <= length <= HISTORY_MAX:
-        raise ValueError(f"delayed_update: history length {length} is not in 1..{HISTORY_MAX}")
-    args = (device_code(history.device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n,
-            float(fp8_max), float(divisor), int(bool(most_recent)))
-    tensors = (history, scale, scale_inv)  # held by the call: the storage its pointers name
+    that runs the update on the current stream when called."""
+    return delayed_updates_call([(history, scale, scale_inv, fp8_max, divisor, most_recent)])
 
-    def call():
-        _C.fp8_delayed_update(*args, stream_of(tensors[0].device))
-    return call
+
+def delayed_updates_call(updates):
+    """delayed_update over several sets of tensors, each a tuple of
+    delayed_update's arguments (history, scale, scale_inv, fp8_max, divisor,
+    most_recent), all checked now: a DelayedUpdates that runs them when
+    called (the per-step updates of registered fp8_meta tensors, whose
+    storage never changes)."""
+    per_device = {}
+    for history, scale, scale_inv, fp8_max, divisor, most_recent in updates:
+        length, n = history.shape
+        for t, name, shape in ((history, "history", (length, n)), (scale, "scale", (n,)),
+                               (scale_inv, "scale_inv", (n,))):
+            if (t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape
+                    or t.device != history.device):
+                raise ValueError(f"delayed_update: {name} must be a contiguous float32 {shape} tensor on "
+                                 f"{history.device}")
+        if not 1 <= length <= HISTORY_MAX:
+            raise ValueError(f"delayed_update: history length {length} is not in 1..{HISTORY_MAX}")
+        per_device.setdefault(history.device, []).append(
+            (device_code(history.device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n,
+             float(fp8_max), float(divisor), int(bool(most_recent))))
+    return DelayedUpdates(tuple((d, tuple(args)) for d, args in per_device.items()),
+                          tuple(u[:3] for u in updates))
+
+
+class DelayedUpdates:
+    """Prepared delayed updates: per device, the engine arguments of each
+    (but the stream, the device's current one, taken once per device when
+    called), and the tensors whose storage the pointers name (held here)."""
+
+    __slots__ = ("per_device", "tensors")
+
+    def __init__(self, per_device, tensors):
+        self.per_device, self.tensors = per_device, tensors
+
+    def __call__(self):
+        for device, calls in self.per_device:
+            stream = stream_of(device)
+            for args in calls:
+                _C.fp8_delayed_update(*args, stream)
 
 
 def _gemm_operands(name, a, a_dtype, b, b_dtype):

@@ -116,6 +116,9 @@ def fit_history(h, length):
 def module_device(module):
     """The device of a module's parameters (the CPU without any): where its
     fp8_meta lives."""
+    for p in module._parameters.values():  # parameters()'s first, without its walk over the submodules
+        if p is not None:
+            return p.device
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
@@ -149,10 +152,10 @@ def _engine_rule(history, recipe):
 
 
 def _engine_update(meta, fp8_max, recipe):
-    """The rule as one engine call over meta's tensors (checked now, run
-    when called)."""
-    return _fp8_engine.delayed_update_call(meta.amax_history, meta.scale, meta.scale_inv, fp8_max,
-                                           2.0 ** recipe.margin, recipe.amax_compute_algo == "most_recent")
+    """The rule's engine arguments over meta's tensors (for
+    _fp8_engine.delayed_updates_call)."""
+    return (meta.amax_history, meta.scale, meta.scale_inv, fp8_max, 2.0 ** recipe.margin,
+            recipe.amax_compute_algo == "most_recent")
 
 
 def updater(metas, fp8_max, recipe):
@@ -161,12 +164,7 @@ def updater(metas, fp8_max, recipe):
     arguments checked once here: the step's update of the registered
     fp8_meta tensors, without the per-call checks."""
     if all(_engine_rule(m.amax_history, recipe) for m in metas):
-        calls = [_engine_update(m, fp8_max, recipe) for m in metas]
-
-        def run():
-            for call in calls:
-                call()
-        return run
+        return _fp8_engine.delayed_updates_call([_engine_update(m, fp8_max, recipe) for m in metas])
 
     def run_each():
         for m in metas:
@@ -181,7 +179,7 @@ def amax_and_scale_update(meta, fp8_max, recipe):
     history = meta.amax_history
     algo = recipe.amax_compute_algo
     if _engine_rule(history, recipe):  # the same rule in one engine call (no op per step of the rule)
-        _engine_update(meta, fp8_max, recipe)()
+        _fp8_engine.delayed_update(*_engine_update(meta, fp8_max, recipe))
         return
     amax = _amax_from_history(history, algo)
     if recipe.scaling_factor_compute_algo is None:

@@ -244,11 +244,12 @@ def register_fp8_metas(module):
     recipe = _State.get_fp8_recipe()
     if not isinstance(recipe, DelayedScaling):
         return
+    group = _State.get_fp8_group()
     for m in module.modules():
         meta = m.__dict__.get("fp8_meta")
         if isinstance(meta, dict) and "scaling_fwd" in meta:
             meta["recipe"] = recipe
-            meta["fp8_group"] = _State.get_fp8_group()
+            meta["fp8_group"] = group
             _State.add_fp8_tensors_to_global_buffer(meta)
 
 
@@ -261,7 +262,7 @@ def after_backward(out, fn):
     `out` (the first tensor of it with a grad_fn; the graphed callable's
     node, so after its backward graph has replayed); nothing when no output
     has one (no backward will run)."""
-    for t in _pytree.tree_leaves(out):
+    for t in (out,) if type(out) is torch.Tensor else _pytree.tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             t.grad_fn.register_hook(lambda grad_inputs, grad_outputs: fn())
             return

@@ -122,7 +122,8 @@ class FP8GlobalStateManager:
     global_amax_history_buffer = {}
     global_scale_buffer = {}
     global_scale_inv_buffer = {}
-    _updaters = {}  # buffer key -> (its history list, its length then, _fp8_meta.updater over them)
+    _registrations = 0  # counts the registrations that appended to the buffers
+    _step_updates = {}  # forward (a bool) -> _StepUpdate made from the buffers at that count
 
     @classmethod
     def reset(cls):
@@ -137,7 +138,7 @@ class FP8GlobalStateManager:
         cls.global_amax_history_buffer = {}
         cls.global_scale_buffer = {}
         cls.global_scale_inv_buffer = {}
-        cls._updaters = {}
+        cls._step_updates = {}
 
     # ---- availability
 
@@ -312,6 +313,7 @@ class FP8GlobalStateManager:
         autocast_key = cls.get_unique_autocast_key(recipe, group)
         cls.autocast_arguments.setdefault(autocast_key, (recipe, group))
         info = fp8_meta[info_key] = {}
+        cls._registrations += 1
         for forward in (True, False):
             meta_key = cls.get_meta_tensor_key(forward)
             if meta_key not in fp8_meta:
@@ -332,45 +334,85 @@ class FP8GlobalStateManager:
         group when recipe.reduce_amax and the group has more than one rank,
         in one collective per group, then update each fp8_meta in place
         (_fp8_meta.amax_and_scale_update). Device-side throughout."""
-        prefix = cls.get_fwd_bwd_key(forward) + "_"
-        for key, amaxes in cls.global_amax_buffer.items():
-            if not key.startswith(prefix) or not amaxes:
-                continue
-            recipe, group = cls.autocast_arguments[key[len(prefix):]]
+        update = cls._step_updates.get(forward)
+        if update is None or update.registrations != cls._registrations:
+            update = cls._step_updates[forward] = _StepUpdate(cls, forward)
+        arguments = cls.autocast_arguments
+        for autocast_key, amaxes, run in update.buffers:
+            recipe, group = arguments[autocast_key]
             if recipe.reduce_amax and _world_size(group) > 1:
                 flat = torch.cat(amaxes)
                 torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
                 for row, part in zip(amaxes, flat.split([a.numel() for a in amaxes])):
                     row.copy_(part)
-            hists = cls.global_amax_history_buffer[key]
-            prepared = cls._updaters.get(key)
-            if prepared is None or prepared[0] is not hists or prepared[1] != len(hists):  # registering appends
-                fp8_max = recipe.fp8_format.value.max_fwd if forward else recipe.fp8_format.value.max_bwd
-                metas = [_fp8_meta.FP8TensorMeta.of(scale, scale_inv, hist) for hist, scale, scale_inv in
-                         zip(hists, cls.global_scale_buffer[key], cls.global_scale_inv_buffer[key])]
-                prepared = cls._updaters[key] = (hists, len(hists), _fp8_meta.updater(metas, fp8_max, recipe))
-            prepared[2]()
+            run()
 
 
-@contextlib.contextmanager
+class _StepUpdate:
+    """One direction's update of every registered fp8_meta, prepared from
+    the global buffers as they are after `registrations` registrations: per
+    buffer, its autocast key (whose recipe and group the update reads when
+    it runs), its amaxes (the histories' rows 0) and its metas' update
+    (_fp8_meta.updater: arguments checked, engine pointers taken). A
+    registration that appends makes it again."""
+
+    __slots__ = ("registrations", "buffers")
+
+    def __init__(self, state, forward):
+        self.registrations = state._registrations
+        prefix = state.get_fwd_bwd_key(forward) + "_"
+        self.buffers = []
+        for key, amaxes in state.global_amax_buffer.items():
+            if not key.startswith(prefix) or not amaxes:
+                continue
+            autocast_key = key[len(prefix):]
+            recipe = state.autocast_arguments[autocast_key][0]
+            fp8_max = recipe.fp8_format.value.max_fwd if forward else recipe.fp8_format.value.max_bwd
+            metas = [_fp8_meta.FP8TensorMeta.of(scale, scale_inv, hist) for hist, scale, scale_inv in
+                     zip(state.global_amax_history_buffer[key], state.global_scale_buffer[key],
+                         state.global_scale_inv_buffer[key])]
+            self.buffers.append((autocast_key, amaxes, _fp8_meta.updater(metas, fp8_max, recipe)))
+
+
 def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None, _graph=False):
-    """TE 2.x's quantized autocast (see this module's docstring)."""
-    state = FP8GlobalStateManager.get_autocast_state()
-    FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
-                                         fp8_group=amax_reduction_group, _graph=_graph)
-    try:
-        yield
-    finally:
-        FP8GlobalStateManager.set_autocast_state(state)
-        FP8GlobalStateManager.autocast_exit(enabled, _graph=_graph)
+    """TE 2.x's quantized autocast (see this module's docstring): a context
+    manager, also usable as a decorator."""
+    return _Autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)
 
 
-@contextlib.contextmanager
 def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
     """TE's older name of autocast (fp8_recipe, fp8_group)."""
-    with autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group,
-                  _graph=_graph):
-        yield
+    return _Autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)
+
+
+class _Autocast(contextlib.ContextDecorator):
+    """One autocast block: enter sets the state (the one it found kept),
+    exit restores it, exceptions included, and at the outermost exit runs
+    the forward update (FP8GlobalStateManager.autocast_exit). Entered once;
+    as a decorator each call enters a fresh one."""
+
+    __slots__ = ("enabled", "calibrating", "recipe", "group", "graph", "saved")
+
+    def __init__(self, enabled, calibrating, recipe, group, graph):
+        self.enabled, self.calibrating, self.recipe, self.group, self.graph = (
+            enabled, calibrating, recipe, group, graph)
+        self.saved = None
+
+    def _recreate_cm(self):
+        return _Autocast(self.enabled, self.calibrating, self.recipe, self.group, self.graph)
+
+    def __enter__(self):
+        if self.saved is not None:
+            raise RuntimeError("an autocast context is entered once (make a new one per block)")
+        state = FP8GlobalStateManager.get_autocast_state()
+        FP8GlobalStateManager.autocast_enter(enabled=self.enabled, calibrating=self.calibrating,
+                                             fp8_recipe=self.recipe, fp8_group=self.group, _graph=self.graph)
+        self.saved = state
+
+    def __exit__(self, *exc):
+        FP8GlobalStateManager.set_autocast_state(self.saved)
+        FP8GlobalStateManager.autocast_exit(self.enabled, _graph=self.graph)
+        return False
 
 
 def _init_recipe(what, recipe):

@@ -229,7 +229,7 @@ class FP8Call:
         # LayerNormMLP(checkpoint=True) keeps no activations: its forward keeps
         # only the scales, and backward's recompute uses them (recomputing)
         self.recomputing = False
-        self.keep_t = not getattr(layer, "checkpoint", False)
+        self.keep_t = not call.plan.checkpoint
         self.produced = {}  # a stand-in's address -> (it, x, activation, its input): produce()
 
     def _checkpointed(self, layer, grad):

@@ -62,7 +62,7 @@ class LinearPlan:
     """Linear's and LayerNormLinear's decisions for one configuration."""
 
     __slots__ = ("weight", "bias", "n", "k", "single", "sp_row", "size", "gamma", "beta", "eps", "zcg", "rms",
-                 "shapes", "rest")
+                 "shapes", "rest", "checkpoint")
 
     def __init__(self, layer):
         self.single = len(layer.weight_names) == 1  # else the split parameters are concatenated per call
@@ -81,13 +81,14 @@ class LinearPlan:
         # weight, bias, then the norm's weight and bias (make_call's order)
         self.shapes = ((self.n, self.k), (self.n,), (self.k,), (self.k,))
         self.rest = self.shapes[1:]
+        self.checkpoint = bool(getattr(layer, "checkpoint", False))  # what FP8 calls keep for backward
 
 
 class MLPPlan:
     """LayerNormMLP's decisions for one configuration."""
 
     __slots__ = ("hidden", "f1", "ffn", "act", "act_params", "rms", "eps", "zcg", "bias", "k", "sp_row", "size",
-                 "shapes", "rest")
+                 "shapes", "rest", "checkpoint")
 
     def __init__(self, layer):
         self.act = _engine.activation_code(layer.activation)
@@ -105,6 +106,7 @@ class MLPPlan:
         h = self.hidden
         self.shapes = ((self.f1, h), (h,), (h,), (h, self.ffn), (self.f1,), (h,))
         self.rest = self.shapes[1:]
+        self.checkpoint = bool(layer.checkpoint)
 
 
 class Call:
