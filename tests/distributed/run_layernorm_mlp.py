@@ -244,10 +244,12 @@ def check_case_fp8(activation, normalization, flags, mode, tp, rank, dev, recipe
     label = (f"fp8={recipe_name} {activation} {normalization} {'+'.join(sorted(flags)) or 'no-ub'} {mode} tp={tp}"
              + (" fp8_buf" if fp8_buf else ""))
 
-    def near(a, b, what):
+    def near(a, b, what, output=False):
         if not fp8_buf:
             return close(a, b, what)
-        err = compare(what, a, b, rtol=0.125, atol=0.0625)
+        # the output: where FP8 partials cancel, their E4M3 rounding is relative to them, not to the sum
+        atol = max(0.0625, 2.0 ** -3 * b.detach().float().abs().max().item()) if output else 0.0625
+        err = compare(what, a, b, rtol=0.125, atol=atol)
         assert err is None, err
     grad = mode not in ("no_grad", "inference_mode")
     for step in range(2 if grad else 1):
@@ -275,7 +277,7 @@ def check_case_fp8(activation, normalization, flags, mode, tp, rank, dev, recipe
             pushes = (after[("fc2_fprop", "rs_overlap")] - before[("fc2_fprop", "rs_overlap")]) * (tp - 1)
             assert after[key] - before[key] == pushes * chunk > 0, (after[key] - before[key], pushes, chunk)
         (y, dx, grads), (yp, dxp, gradsp) = res
-        near(y, yp, f"{label} step {step}: output vs without userbuffers")
+        near(y, yp, f"{label} step {step}: output vs without userbuffers", output=True)
         if grad:
             near(dx, dxp, f"{label} step {step}: input grad vs without userbuffers")
             for (n, _), a, b in zip(m.named_parameters(), grads, gradsp):
