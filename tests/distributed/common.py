@@ -51,6 +51,18 @@ def close(out, ref, what, tensorwise=False):
         assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {d.max().item():.3g}"
 
 
+FP8_TOL = dict(rtol=0.125, atol=0.0625)  # TE's FP8 tolerances (test_layers_with_overlap_fp8)
+
+
+def fp8_partials_atol(ref):
+    """TE's FP8 atol, or one E4M3 step (2**-3 relative) at the output's
+    largest magnitude if that is more: FP8 partials are each rounded to
+    E4M3 before the sum, so where they cancel the sum's error is relative to
+    the partials, not to the sum (the output's magnitudes stand in for the
+    partials'); a wrong scale is still off by a large part of the output."""
+    return max(FP8_TOL["atol"], 2.0 ** -3 * ref.detach().float().abs().max().item())
+
+
 def compare(name, test, ref, rtol=0.025, atol=0.00125):
     """TE's _compare_tensors semantics: fail when the element of largest
     absolute difference is off both relatively and absolutely; a zero test

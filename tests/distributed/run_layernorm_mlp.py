@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: mlp_reference
 import transformer_engine_c as tec  # noqa: E402
-from common import close, compare, init_ub, rel_err, setup  # noqa: E402
+from common import FP8_TOL, close, compare, fp8_partials_atol, init_ub, rel_err, setup  # noqa: E402
 from mlp_reference import fc1_global, layernorm_mlp  # noqa: E402
 
 SEQ, B, H, FFN = 4, 2, 32, 64  # SEQ: sequence positions per rank
@@ -247,9 +247,7 @@ def check_case_fp8(activation, normalization, flags, mode, tp, rank, dev, recipe
     def near(a, b, what, output=False):
         if not fp8_buf:
             return close(a, b, what)
-        # the output: where FP8 partials cancel, their E4M3 rounding is relative to them, not to the sum
-        atol = max(0.0625, 2.0 ** -3 * b.detach().float().abs().max().item()) if output else 0.0625
-        err = compare(what, a, b, rtol=0.125, atol=atol)
+        err = compare(what, a, b, rtol=FP8_TOL["rtol"], atol=fp8_partials_atol(b) if output else FP8_TOL["atol"])
         assert err is None, err
     grad = mode not in ("no_grad", "inference_mode")
     for step in range(2 if grad else 1):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import transformer_engine_c as te
 import common
-from common import compare
+from common import FP8_TOL, compare, fp8_partials_atol
 
 UB_NAMES = [f"{layer}_{kind}" for layer in ("qkv", "proj", "fc1", "fc2") for kind in ("fprop", "dgrad", "wgrad")]
 COUNTERS = ("ag_overlap", "rs_overlap", "bulk_ag", "bulk_rs", "ag_fallback", "rs_fallback")
@@ -41,18 +41,6 @@ ALL_CASES = [("Linear", "row", False, False), ("Linear", "column", False, False)
 
 
 FP8_RECIPES = {"delayed": te.recipe.DelayedScaling, "current": te.recipe.Float8CurrentScaling}
-FP8_TOL = dict(rtol=0.125, atol=0.0625)  # TE's FP8 tolerances in this test
-
-
-def fp8_partials_atol(ref):
-    """TE's FP8 atol, or one E4M3 step (2**-3 relative) at the output's
-    largest magnitude if that is more: FP8 partials are each rounded to
-    E4M3 before the sum, so where they cancel the sum's error is relative to
-    the partials, not to the sum (the output's magnitudes stand in for the
-    partials'); a wrong scale is still off by a large part of the output."""
-    return max(FP8_TOL["atol"], 2.0 ** -3 * ref.detach().float().abs().max().item())
-
-
 def layer_args(opts, tp_group, tp, reference):
     """TE's _get_layer_args for Linear / LayerNormLinear."""
     hidden = opts.num_heads * opts.head_dim
