@@ -31,7 +31,8 @@ from ..recipe import DelayedScaling, Float8BlockScaling
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8ParamQuantizer, Float8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
-from . import _extra_state
+from .. import _library
+from . import _extra_state, _opcall
 from ._config import TPConfig, UBConfig, check_same_size
 from ._plan import PLAN_ATTRS, LinearPlan
 from ._weights import is_distributed_weight
@@ -251,6 +252,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         self._wgrads = []            # the WeightGrads of the layer's GEMMs (backward_dw's order)
         self._wgrad_hooks = []
         self._gathered = {}          # id(DistributedWeight) -> (it, the full weight) for is_first_microbatch
+        self.__dict__["_op_key"] = _library.register_layer(self)  # how torch.compile's operators find it
 
     # -- construction -------------------------------------------------------
 
@@ -456,6 +458,44 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         if full.dtype != dtype:
             return full.to(dtype, memory_format=torch.contiguous_format)
         return full if full.is_contiguous() else full.contiguous()  # torch accepts any layout; so do we
+
+    # -- the operators torch.compile traces (module/_opcall.py) -------------
+
+    def __setstate__(self, state):
+        # deepcopy and unpickling: the copy crosses into the operators under a key of its own
+        super().__setstate__(state)
+        self.__dict__["_op_key"] = _library.register_layer(self)
+
+    def _op_call(self, args, is_first_microbatch):
+        """A call traced by torch.compile: args are the Function's tensors,
+        2-D, in the compute dtype (a DistributedWeight refused)."""
+        for i in self._op_spec.weights:
+            if is_distributed_weight(args[i]):
+                raise NotImplementedError(f"{type(self).__name__}: a DistributedWeight cannot be traced by "
+                                          "torch.compile (its gather is a collective outside the graph); "
+                                          "call this layer eagerly (torch.compiler.disable) or use a plain weight")
+        if self.fuse_wgrad_accumulation and len(self.weight_names) > 1:
+            raise NotImplementedError(f"{type(self).__name__}: fuse_wgrad_accumulation with parameters_split "
+                                      "cannot be traced by torch.compile")
+        return _library.layer_call(self, args, is_first_microbatch)
+
+    def _op_forward(self, args, first_mb, grad):
+        return _opcall.forward(self, args, first_mb, grad)
+
+    def _op_forward_fake(self, args, grad):
+        return _opcall.forward_fake(self, args, grad)
+
+    def _op_backward(self, args, saved, grads, needs, first_mb):
+        return _opcall.backward(self, args, saved, grads, needs, first_mb)
+
+    def _op_backward_fake(self, args, needs):
+        return _opcall.backward_fake(self, args, needs)
+
+    def _op_grads_present(self, args, needs):
+        return _opcall.grads_present(self, args, needs)
+
+    def _op_noutputs(self):
+        return 2 if getattr(self, "return_layernorm_output", False) else 1
 
     # -- delayed weight gradients -------------------------------------------
 

@@ -7,7 +7,8 @@ import torch
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _steps
-from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
+from ._config import as_2d, cast, check_input, compute_dtype, default_device, default_dtype, like_input
+from ._opcall import OpSpec, out_rows
 from ._plan import apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
@@ -15,6 +16,7 @@ from .base import TransformerEngineBaseModule
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _is_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
 _PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
@@ -111,6 +113,28 @@ class _LayerNormLinearFn(torch.autograd.Function):
         return dx, dgamma, dbeta, dw, db, None
 
 
+def _nograd(call, a):
+    y, ln_ret, _ = _forward(call, *a, False)
+    return (y,) if ln_ret is None else (y, ln_ret)
+
+
+def norm_saved_shapes(layer, x):
+    """(shape, dtype) of the normalised rows and the statistics a norm's
+    forward keeps for x [rows, features]."""
+    rows = x.shape[0]
+    rms = layer.normalization == "RMSNorm"
+    return ((tuple(x.shape), x.dtype), ((rows if rms else 2 * rows,), torch.float32))
+
+
+_OP_SPEC = OpSpec(
+    _LayerNormLinearFn, weights={3: None}, biases=(4,),
+    call=lambda layer, plan, a, first_mb: make_call(layer, plan, a[0], a[3], (a[4], a[1], a[2]), first_mb),
+    nograd=_nograd,
+    saved=lambda layer: ("x", "new", "new", 1, 3),
+    new_shapes=lambda layer, a: norm_saved_shapes(layer, a[0]),
+    ctx=lambda a: {"has_bias": a[4] is not None})
+
+
 class LayerNormLinear(TransformerEngineBaseModule):
     """Normalisation (LayerNorm or RMSNorm over the last dim) then
     y = n W^T + b: TransformerEngine's `LayerNormLinear`, arguments in TE's
@@ -162,6 +186,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns out, (out, bias), (out, ln_out) or (out, bias, ln_out), as TE."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        if _compiling():
+            return self._compiled(inp, is_first_microbatch)
         plan = self._plan or self._make_plan()
         params = self._parameters
         if plan.single:
@@ -196,6 +222,33 @@ class LayerNormLinear(TransformerEngineBaseModule):
             b = cast(b, call.dtype)
             return (y, b, ln_out) if self.return_layernorm_output else (y, b)
         return (y, ln_out) if self.return_layernorm_output else y
+
+    _op_spec = _OP_SPEC
+
+    def _op_outputs(self, args):
+        x, tp = args[0], self.tp
+        outs = (((out_rows(tp, x.shape[0]), self.out_local), x.dtype),)
+        if self.return_layernorm_output:
+            gathered = self.return_layernorm_output_gathered and tp.mode == "column" and tp.sp
+            outs += (((x.shape[0] * (tp.size if gathered else 1), x.shape[1]), x.dtype),)
+        return outs
+
+    def _compiled(self, inp, is_first_microbatch):
+        """forward's call while torch.compile traces it (module/_opcall.py)."""
+        weight, b = self._weight_tensor(), self._bias_tensor()
+        g = self.layer_norm_weight
+        beta = self.layer_norm_bias if self.normalization == "LayerNorm" else None
+        dtype, c = compute_dtype(weight)
+        x = check_input(inp, self.in_local, dtype, weight.device, self.tp, c)
+        b = cast(b, dtype)
+        outs = self._op_call((x, cast(g, dtype), cast(beta, dtype), cast(weight, dtype),
+                              None if self.return_bias else b), is_first_microbatch)
+        y = like_input(outs[0], inp.shape, self.tp)
+        res = (y, b) if self.return_bias else (y,)
+        if self.return_layernorm_output:
+            gathered = self.return_layernorm_output_gathered and self.tp.mode == "column" and self.tp.sp
+            res += (like_input(outs[1], inp.shape, self.tp if gathered else None),)
+        return res[0] if len(res) == 1 else res
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

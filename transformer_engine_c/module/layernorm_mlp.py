@@ -9,8 +9,10 @@ from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _steps
-from ._config import UBConfig, TPConfig, as_2d, cast, check_input, default_device, default_dtype
+from ._config import UBConfig, TPConfig, as_2d, cast, check_input, compute_dtype, default_device, default_dtype
 from ._config import like_input
+from ._opcall import OpSpec, out_rows
+from .layernorm_linear import norm_saved_shapes
 from ._plan import MLPPlan, apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
@@ -22,6 +24,7 @@ FC1_FLAGS = ("ub_overlap_ag", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_w
 FC2_FLAGS = ("ub_overlap_rs", "ub_overlap_ag")
 UB_NAMES = ("fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad")
 _is_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
 _PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
@@ -174,6 +177,29 @@ class _LayerNormMLPFn(torch.autograd.Function):
         return dx, dgamma, dbeta, dw1, db1, dw2, db2, None
 
 
+def _nograd(call, a):
+    y, ln_ret, _ = _forward(call, *a, False)
+    return (y,) if ln_ret is None else (y, ln_ret)
+
+
+def _new_saved(layer, a):
+    if layer.checkpoint:
+        return ()
+    x, plan = a[0], layer._plan or layer._make_plan()
+    rows = out_rows(layer.tp, x.shape[0])  # fc1's rows: gathered under sequence parallelism
+    return norm_saved_shapes(layer, x) + (((rows, plan.f1), x.dtype), ((rows, plan.ffn), x.dtype))
+
+
+_OP_SPEC = OpSpec(
+    _LayerNormMLPFn, weights={3: "fc1_weight", 5: "fc2_weight"}, biases=(4, 6),
+    call=lambda layer, plan, a, first_mb: make_call(layer, plan, a[0], a[3], (a[1], a[2], a[5], a[4], a[6]),
+                                                    first_mb),
+    nograd=_nograd,
+    saved=lambda layer: ("x", 1, 2, 3, 4, 5) if layer.checkpoint else ("x", 1, 3, 5, "new", "new", "new", "new"),
+    new_shapes=_new_saved,
+    ctx=lambda a: {"has_b1": a[4] is not None, "has_b2": a[6] is not None})
+
+
 class LayerNormMLP(TransformerEngineBaseModule):
     """Normalisation -> fc1 -> activation -> fc2: TransformerEngine's
     LayerNormMLP (same positional order, defaults, parameter names and
@@ -298,6 +324,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         with return_layernorm_output (TE's order). is_first_microbatch as
         TE's: main_grad overwritten on the first micro-batch with
         fuse_wgrad_accumulation, a DistributedWeight gathered once per step."""
+        if _compiling():
+            return self._compiled(inp, is_first_microbatch)
         plan = self._plan or self._make_plan()
         params = self._parameters
         w1, w2, g = params.get("fc1_weight"), params.get("fc2_weight"), params.get("layer_norm_weight")
@@ -323,6 +351,35 @@ class LayerNormMLP(TransformerEngineBaseModule):
             res += (cast(self.fc2_bias, call.dtype),)
         if self.return_layernorm_output:
             res += (ln_out,)
+        return res[0] if len(res) == 1 else res
+
+    _op_spec = _OP_SPEC
+
+    def _op_outputs(self, args):
+        x, tp = args[0], self.tp
+        outs = (((out_rows(self.tp2, out_rows(tp, x.shape[0])), self.hidden_size), x.dtype),)
+        if self.return_layernorm_output:
+            gathered = self.return_layernorm_output_gathered and tp.sp
+            outs += (((x.shape[0] * (tp.size if gathered else 1), x.shape[1]), x.dtype),)
+        return outs
+
+    def _compiled(self, inp, is_first_microbatch):
+        """forward's call while torch.compile traces it (module/_opcall.py)."""
+        w1, w2 = self.fc1_weight, self.fc2_weight
+        dtype, c = compute_dtype(w1)
+        x = check_input(inp, self.hidden_size, dtype, w1.device, self.tp, c)
+        beta = None if self.normalization == "RMSNorm" else self.layer_norm_bias
+        b1 = b2 = None
+        if self.use_bias:
+            b1, b2 = cast(self.fc1_bias, dtype), cast(self.fc2_bias, dtype)
+        outs = self._op_call((x, cast(self.layer_norm_weight, dtype), cast(beta, dtype), cast(w1, dtype), b1,
+                              cast(w2, dtype), None if self.return_bias else b2), is_first_microbatch)
+        res = (like_input(outs[0], inp.shape),)
+        if self.return_bias:
+            res += (b2,)
+        if self.return_layernorm_output:
+            gathered = self.return_layernorm_output_gathered and self.tp.sp
+            res += (like_input(outs[1], inp.shape, self.tp if gathered else None),)
         return res[0] if len(res) == 1 else res
 
     def set_tensor_parallel_group(self, tp_group):

@@ -5,13 +5,15 @@ import torch
 
 from .._C import prepare_for_saving, restore_from_saved
 from . import _steps
-from ._config import as_2d, cast, check_input, default_device, default_dtype, like_input
+from ._config import as_2d, cast, check_input, compute_dtype, default_device, default_dtype, like_input
+from ._opcall import OpSpec, out_rows
 from ._plan import apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
 from .base import TransformerEngineBaseModule
 
 _is_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
 _PLAIN = (torch.Tensor, torch.nn.Parameter, Float8Tensor, Float8BlockwiseQTensor)  # saved as they are
 
 
@@ -88,6 +90,15 @@ class _LinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+_OP_SPEC = OpSpec(
+    _LinearFn, weights={1: None}, biases=(2,),
+    call=lambda layer, plan, a, first_mb: make_call(layer, plan, a[0], a[1], (a[2],), first_mb),
+    nograd=lambda call, a: (_forward(call, *a)[0],),
+    saved=lambda layer: ("x", 1),
+    new_shapes=lambda layer, a: (),
+    ctx=lambda a: {"has_bias": a[2] is not None})
+
+
 class Linear(TransformerEngineBaseModule):
     """y = x W^T + b with optional tensor parallelism, TransformerEngine's
     `Linear` (arguments in TE's order, with TE's meaning).
@@ -133,6 +144,8 @@ class Linear(TransformerEngineBaseModule):
         gathered once per step)."""
         if fp8_output or fp8_grad:
             raise NotImplementedError("FP8 outputs/gradients (fp8_output, fp8_grad) are not supported")
+        if _compiling():
+            return self._compiled(inp, is_first_microbatch)
         plan = self._plan or self._make_plan()
         if plan.single:
             params = self._parameters
@@ -153,6 +166,21 @@ class Linear(TransformerEngineBaseModule):
                 b = getattr(self, self.bias_names[0])
             return y, cast(b, call.dtype)
         return y
+
+    _op_spec = _OP_SPEC
+
+    def _op_outputs(self, args):
+        return (((out_rows(self.tp, args[0].shape[0]), self.out_local), args[1].dtype),)
+
+    def _compiled(self, inp, is_first_microbatch):
+        """forward's call while torch.compile traces it (module/_opcall.py)."""
+        weight, b = self._weight_tensor(), self._bias_tensor()
+        dtype, c = compute_dtype(weight)
+        x = check_input(inp, self.in_local, dtype, weight.device, self.tp, c)
+        b = cast(b, dtype)
+        y, = self._op_call((x, cast(weight, dtype), None if self.return_bias else b), is_first_microbatch)
+        y = like_input(y, inp.shape, self.tp)
+        return (y, b) if self.return_bias else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,200 @@
+"""A layer's autograd Function run inside the engine's operators: the path
+torch.compile traces (transformer_engine_c/_library.py registers the
+operators; each layer's forward takes this path while it is being compiled).
+
+The compiler sees one layer call as two operators. `tec::layer_fwd` runs the
+layer's Function.forward on the call's tensors and returns its output(s) and
+the tensors its backward reads that are not inputs (the normalised rows,
+the statistics, fc1's and the activation's outputs); `tec::layer_bwd` runs
+the same Function.backward on them. Eager calls and compiled calls therefore
+share every step; only the way in differs.
+
+What an operator returns is declared before it runs (its fake
+implementation: shapes and dtypes from the arguments and the layer's
+configuration alone), and each real call checks that what the Function
+saved is what was declared, raising where it is not."""
+import torch
+
+from ._config import as_2d
+from ._steps import outside_buffers
+
+_Tensor = torch.Tensor
+
+
+class OpSpec:
+    """How one layer class's Function is run by the operators.
+
+    fn: the autograd Function; weights: {position among the Function's
+    tensor arguments: the parameter's name (None: the layer's first weight)};
+    biases: the positions of the biases; call(layer,
+    plan, args, first_mb): the layer's Call; nograd(call, args): the outputs
+    of a forward that keeps nothing for backward; saved(layer): where each
+    tensor the Function saves comes from (an int: that argument; "x": the
+    input, as the steps read it; "new": a tensor the forward made);
+    new_shapes(layer, args): the (shape, dtype) of each "new" one, in order;
+    ctx(args): the ctx attributes Function.backward reads."""
+
+    __slots__ = ("fn", "weights", "biases", "call", "nograd", "saved", "new_shapes", "ctx")
+
+    def __init__(self, fn, *, weights, biases, call, nograd, saved, new_shapes, ctx):
+        self.fn, self.weights, self.biases = fn, weights, biases
+        self.call, self.nograd, self.saved, self.new_shapes = call, nograd, saved, new_shapes
+        self.ctx = ctx
+
+
+class _Ctx:
+    """Stands in for autograd's ctx around a Function's forward and backward."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+def out_rows(tp, rows):
+    """A layer output's rows for `rows` input rows: gathered (column) or
+    scattered (row) under sequence parallelism."""
+    if tp.sp:
+        return rows * tp.size if tp.mode == "column" else rows // tp.size if tp.mode == "row" else rows
+    return rows
+
+
+def _first_mb(code):
+    return None if code < 0 else bool(code)
+
+
+def _saved_x(layer, call, inp):
+    """The input as the Function saved it: the caller's tensor for a ready
+    call (or save_original_input), else its 2-D view."""
+    if call.ready or getattr(layer, "save_original_input", False):
+        return inp
+    return as_2d(inp)
+
+
+def _refuse_fp8(layer, call):
+    if call.fp8 is not None:
+        raise NotImplementedError(
+            f"{type(layer).__name__}: FP8 (te.autocast / fp8_autocast) inside torch.compile is not supported; "
+            "run the FP8 layers eagerly or with tec.make_graphed_callables")
+
+
+def forward(layer, args, first_mb, grad):
+    """tec::layer_fwd's real work: [output (2-D), (the normalised input)] +
+    the new saved tensors when `grad`."""
+    spec = layer._op_spec
+    plan = layer._plan or layer._make_plan()
+    call = spec.call(layer, plan, args, _first_mb(first_mb))
+    _refuse_fp8(layer, call)
+    if not grad:
+        return _owned(layer, spec.nograd(call, args), ())
+    ctx = _Ctx()
+    out = spec.fn.forward(ctx, *args, call)
+    outs = out if isinstance(out, tuple) else (out,)
+    if getattr(ctx, "objects", None) is not None:
+        raise NotImplementedError(f"{type(layer).__name__}: a DistributedWeight cannot be traced by torch.compile")
+    new = []
+    for t, where in zip(ctx.saved_tensors, spec.saved(layer)):
+        if where == "new":
+            new.append(t)
+        elif where == "x":
+            x = _saved_x(layer, call, args[0])
+            if t.data_ptr() != x.data_ptr() or t.shape != x.shape:
+                _mismatch(layer, "the saved input is not the input")
+        elif t is not args[where]:
+            _mismatch(layer, f"saved tensor {where} is not that argument")
+    declared = spec.new_shapes(layer, args)
+    if [(tuple(t.shape), t.dtype) for t in new] != [(tuple(s), d) for s, d in declared]:
+        _mismatch(layer, f"saved {[(tuple(t.shape), t.dtype) for t in new]}, declared {declared}")
+    return _owned(layer, outs, new) + new
+
+
+def forward_fake(layer, args, grad):
+    """tec::layer_fwd's outputs from the arguments alone."""
+    inp = args[0]
+    outs = [inp.new_empty(s, dtype=d) for s, d in layer._op_outputs(args)]
+    if grad:
+        outs += [inp.new_empty(s, dtype=d) for s, d in layer._op_spec.new_shapes(layer, args)]
+    return outs
+
+
+def backward(layer, args, new, grads, needs, first_mb):
+    """tec::layer_bwd's real work: the gradients of the Function's tensor
+    arguments that `present` (see grads_present) declares, in order."""
+    spec = layer._op_spec
+    plan = layer._plan or layer._make_plan()
+    call = spec.call(layer, plan, args, _first_mb(first_mb))
+    _refuse_fp8(layer, call)
+    ctx = _Ctx()
+    it = iter(new)
+    saved = []
+    for where in spec.saved(layer):
+        if where == "new":
+            saved.append(next(it))
+        elif where == "x":
+            saved.append(_saved_x(layer, call, args[0]))
+        else:
+            saved.append(args[where])
+    ctx.saved_tensors = tuple(saved)
+    ctx.call, ctx.objects, ctx.inp_shape = call, None, args[0].shape
+    ctx.needs_input_grad = tuple(needs) + (False,)
+    for k, v in spec.ctx(args).items():
+        setattr(ctx, k, v)
+    res = spec.fn.backward(ctx, *grads)
+    present = grads_present(layer, args, needs)
+    out = []
+    for i, (g, want) in enumerate(zip(res, present)):
+        if (g is not None) != want:
+            _mismatch(layer, f"gradient {i} is {'present' if g is not None else 'absent'}, declared otherwise")
+        if g is not None:
+            out.append(g)
+    return out
+
+
+def backward_fake(layer, args, needs):
+    return [torch.empty_like(a) for a, want in zip(args, grads_present(layer, args, needs)) if want]
+
+
+def grads_present(layer, args, needs):
+    """Which of the Function's tensor arguments get a gradient: none where
+    not needed; delay_wgrad_compute leaves the weights' and biases' for
+    backward_dw(); fuse_wgrad_accumulation writes the weights' into main_grad
+    and returns TE's dummy only where the weight asks for one
+    (grad_added_to_main_grad)."""
+    spec = layer._op_spec
+    out = []
+    for i, (a, need) in enumerate(zip(args, needs)):
+        want = a is not None and bool(need)
+        if want and i in spec.weights:
+            if layer.delay_wgrad_compute:
+                want = False
+            elif layer.fuse_wgrad_accumulation:
+                name = spec.weights[i] or layer.weight_names[0]
+                want = hasattr(layer._parameters[name], "grad_added_to_main_grad")
+        elif want and i in spec.biases and layer.delay_wgrad_compute:
+            want = False
+        out.append(want)
+    return out
+
+
+def _owned(layer, outs, saved):
+    """The outputs as tensors the compiler may own: each 2-D, and a copy
+    where it lies in one of the layer's communicator buffers (which the next
+    call reuses) or shares memory with a saved tensor or an earlier output
+    (LayerNormLinear's normalised output is also saved)."""
+    res = []
+    taken = {t.data_ptr() for t in saved}
+    for t in outs:
+        t = t.reshape(-1, t.shape[-1])
+        for cfg in (layer.ub, getattr(layer, "ub2", layer.ub)):
+            t = outside_buffers(t, cfg)
+        if t.data_ptr() in taken and t.numel():
+            t = t.clone()
+        taken.add(t.data_ptr())
+        res.append(t)
+    return res
+
+
+def _mismatch(layer, what):
+    raise RuntimeError(f"{type(layer).__name__}: the compiled path's operator found {what} (an internal "
+                       "inconsistency between the layer's Function and its operator declaration)")
