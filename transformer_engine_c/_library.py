@@ -158,3 +158,39 @@ def _norm_backward(ctx, grads):
 
 
 norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
+
+
+# ---------------------------------------------------------------- GEMMs
+
+@torch.library.custom_op("tec::gemm", mutates_args=())
+def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], transa: bool, transb: bool) -> Tensor:
+    """op(a) @ op(b) (+ bias) in the engine (_engine.gemm)."""
+    return _engine.gemm(a.contiguous(), b.contiguous(), transa=transa, transb=transb, bias=bias)
+
+
+@gemm.register_fake
+def _(a, b, bias, transa, transb):
+    m = a.shape[1] if transa else a.shape[0]
+    n = b.shape[0] if transb else b.shape[1]
+    return a.new_empty(m, n)
+
+
+def _gemm_setup(ctx, inputs, output):
+    a, b, bias, transa, transb = inputs
+    if transa or not transb:
+        raise NotImplementedError("tec::gemm differentiates x @ w^T (+ bias) only")
+    ctx.save_for_backward(a, b)
+    ctx.has_bias = bias is not None
+
+
+def _gemm_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    dy = dy.contiguous()
+    need = ctx.needs_input_grad
+    dx = gemm(dy, w, None, False, False) if need[0] else None
+    dw = gemm(dy, x, None, True, False) if need[1] else None
+    db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and need[2] else None
+    return dx, dw, db, None, None
+
+
+gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)

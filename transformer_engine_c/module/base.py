@@ -474,7 +474,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
                 raise NotImplementedError(f"{type(self).__name__}: a DistributedWeight cannot be traced by "
                                           "torch.compile (its gather is a collective outside the graph); "
                                           "call this layer eagerly (torch.compiler.disable) or use a plain weight")
-        if self.fuse_wgrad_accumulation and len(self.weight_names) > 1:
+        if self.fuse_wgrad_accumulation and len(getattr(self, "weight_names", ())) > 1:
             raise NotImplementedError(f"{type(self).__name__}: fuse_wgrad_accumulation with parameters_split "
                                       "cannot be traced by torch.compile")
         return _library.layer_call(self, args, is_first_microbatch)

@@ -11,7 +11,7 @@ is refused, as TE refuses it."""
 import torch
 import torch.distributed as dist
 
-from .. import _engine
+from .. import _engine, _library
 from ..quantization import FP8GlobalStateManager
 from ._config import PARALLEL_MODES, compute_dtype, default_device, default_dtype
 from ._wgrad import main_grad_of
@@ -158,6 +158,18 @@ class GroupedLinear(TransformerEngineBaseModule):
                              f"was built for {self.tp_size}")
         self.tp_group = tp_group
 
+    def _compiled(self, x, m_splits, dtype, weights, biases):
+        """The GEMMs while torch.compile traces the layer: tec::gemm per
+        group (transformer_engine_c/_library.py), the same engine GEMMs."""
+        if self.fuse_wgrad_accumulation:
+            raise NotImplementedError("GroupedLinear: fuse_wgrad_accumulation (main_grad written in backward) "
+                                      "cannot be traced by torch.compile; call this layer eagerly")
+        ys = []
+        for i, xi in enumerate(torch.split(x, m_splits)):
+            b = biases[i].to(dtype) if self.apply_bias else None
+            ys.append(_library.gemm(xi, weights[i].to(dtype), b, False, True))
+        return torch.cat(ys)
+
     def forward(self, inp, m_splits, is_first_microbatch=None):
         if FP8GlobalStateManager.FP8_ENABLED or FP8GlobalStateManager.FP8_CALIBRATION:
             raise NotImplementedError("GroupedLinear does not compute in FP8 yet (inside an enabled FP8 autocast); "
@@ -184,8 +196,11 @@ class GroupedLinear(TransformerEngineBaseModule):
                 raise TypeError(f"GroupedLinear: input dtype {x.dtype} differs from the parameters' {dtype}")
             x = x.to(dtype)
         biases = [self._parameters[f"bias{i}"] for i in range(self.num_gemms)] if self.apply_bias else []
-        with torch.autocast(x.device.type, enabled=False):
-            y = _GroupedLinearFn.apply(x, m_splits, self, dtype, bool(is_first_microbatch), *weights, *biases)
+        if torch.compiler.is_compiling():
+            y = self._compiled(x, m_splits, dtype, weights, biases)
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                y = _GroupedLinearFn.apply(x, m_splits, self, dtype, bool(is_first_microbatch), *weights, *biases)
         y = y.view(*lead, self.out_features)
         if self.return_bias:
             return y, [self._parameters[f"bias{i}"] if self.use_bias else getattr(self, f"bias{i}")

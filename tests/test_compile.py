@@ -1,0 +1,288 @@
+"""The layers under torch.compile(fullgraph=True): no graph break, and the
+same outputs and gradients as the eager layer, bit for bit (the same engine
+runs both). CPU here (Inductor's C++ backend); the CUDA variants where a GPU
+is present."""
+import pytest
+import torch
+import torch._dynamo
+
+import transformer_engine_c as tec
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _breaks():
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _grads(m, x):
+    return [x.grad] + [p.grad for p in m.parameters()]
+
+
+def _run(m, x, g, *extra, **kw):
+    x = x.detach().clone().requires_grad_()
+    for p in m.parameters():
+        p.grad = None
+    out = m(x, *extra, **kw)
+    y = out[0] if isinstance(out, tuple) else out
+    y.backward(g)
+    return out, [None if t is None else t.clone() for t in _grads(m, x)]
+
+
+def _same(a, b):
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            _same(u, v)
+    elif a is None:
+        assert b is None
+    else:
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def check_compiled(m, x, *extra, dynamic=False, exact=True, **kw):
+    """m compiled with fullgraph: no graph break, outputs and every gradient
+    equal to eager's (to rounding where `exact` is False: a reduction torch's
+    compiler orders its own way)."""
+    ref = m(x, *extra, **kw)
+    y = ref[0] if isinstance(ref, tuple) else ref
+    g = torch.randn_like(y)
+    out_e, grads_e = _run(m, x, g, *extra, **kw)
+    compiled = torch.compile(m, fullgraph=True, dynamic=dynamic)
+    out_c, grads_c = _run(compiled, x, g, *extra, **kw)
+    assert _breaks() == 0
+    if exact:
+        _same(out_e, out_c)
+        _same(grads_e, grads_c)
+    else:
+        torch.testing.assert_close((out_e, grads_e), (out_c, grads_c), rtol=1e-6, atol=1e-6)
+    return compiled
+
+
+LAYERS = {
+    "Linear": lambda d: tec.Linear(64, 48, device=d),
+    "Linear-nobias": lambda d: tec.Linear(64, 48, bias=False, device=d),
+    "LayerNormLinear": lambda d: tec.LayerNormLinear(64, 48, device=d),
+    "LayerNormLinear-RMSNorm": lambda d: tec.LayerNormLinear(64, 48, normalization="RMSNorm", device=d),
+    "LayerNormMLP-gelu": lambda d: tec.LayerNormMLP(64, 96, device=d),
+    "LayerNormMLP-swiglu-RMSNorm": lambda d: tec.LayerNormMLP(64, 96, activation="swiglu",
+                                                              normalization="RMSNorm", device=d),
+    "LayerNormMLP-relu-nobias": lambda d: tec.LayerNormMLP(64, 96, activation="relu", bias=False, device=d),
+    "LayerNorm": lambda d: tec.LayerNorm(64, device=d),
+    "RMSNorm": lambda d: tec.RMSNorm(64, zero_centered_gamma=True, device=d),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(24, 64), (6, 4, 64)], ids=["2d", "3d"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_fullgraph_matches_eager(name, shape, device):
+    torch.manual_seed(0)
+    m = LAYERS[name](device)
+    check_compiled(m, torch.randn(*shape, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_returns_bias_and_layernorm_output(device):
+    torch.manual_seed(1)
+    check_compiled(tec.LayerNormLinear(64, 32, return_bias=True, return_layernorm_output=True, device=device),
+                   torch.randn(5, 3, 64, device=device))
+    check_compiled(tec.LayerNormMLP(64, 96, return_bias=True, return_layernorm_output=True, device=device),
+                   torch.randn(15, 64, device=device))
+    check_compiled(tec.Linear(64, 32, return_bias=True, device=device), torch.randn(15, 64, device=device))
+
+
+def test_layernorm_mlp_checkpoint_and_bf16():
+    torch.manual_seed(2)
+    check_compiled(tec.LayerNormMLP(64, 96, checkpoint=True), torch.randn(16, 64))
+    check_compiled(tec.LayerNormMLP(64, 96, params_dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16))
+
+
+def test_grouped_linear_fullgraph():
+    torch.manual_seed(3)
+    m = tec.GroupedLinear(3, 32, 16)
+    # the bias gradient is torch's column sum, which Inductor compiles: equal to rounding
+    check_compiled(m, torch.randn(10, 32), [4, 6, 0], exact=False)
+
+
+def test_dot_product_attention_fullgraph():
+    torch.manual_seed(4)
+    m = tec.DotProductAttention(4, 16, attn_mask_type="causal")
+    q, k, v = (torch.randn(8, 2, 4, 16, requires_grad=True) for _ in range(3))
+    ref = m(q, k, v)
+    out = torch.compile(m, fullgraph=True)(q, k, v)
+    assert _breaks() == 0
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+class Block(torch.nn.Module):
+    """A GPT-style pre-LN block of the package's layers."""
+
+    def __init__(self, hidden=64, heads=4, **kw):
+        super().__init__()
+        self.heads = heads
+        self.qkv = tec.LayerNormLinear(hidden, 3 * hidden, **kw)
+        self.attn = tec.DotProductAttention(heads, hidden // heads, attn_mask_type="causal")
+        self.proj = tec.Linear(hidden, hidden, **kw)
+        self.mlp = tec.LayerNormMLP(hidden, 4 * hidden, **kw)
+
+    def forward(self, x, is_first_microbatch=None):
+        s, b, h = x.shape
+        q, k, v = self.qkv(x, is_first_microbatch=is_first_microbatch).view(s, b, 3, self.heads, -1).unbind(2)
+        x = x + self.proj(self.attn(q, k, v), is_first_microbatch=is_first_microbatch)
+        return x + self.mlp(x, is_first_microbatch=is_first_microbatch)
+
+
+def test_block_fullgraph_no_grad_and_recompiles():
+    torch.manual_seed(5)
+    m = Block()
+    x = torch.randn(8, 2, 64)
+    compiled = check_compiled(m, x)
+    with torch.no_grad():  # the no-grad forward: nothing kept for backward, same output
+        _same(m(x), compiled(x))
+    compiled(torch.randn(8, 2, 64)).sum().backward()  # an input without grad: its own graph
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):  # no per-call guard: the same configuration and shapes do not recompile
+        compiled(torch.randn(8, 2, 64)).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_block_under_checkpoint_inside_compiled():
+    torch.manual_seed(6)
+    m = Block()
+
+    def f(x):
+        return torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+
+    x = torch.randn(8, 2, 64)
+    g = torch.randn(8, 2, 64)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    f(xe).backward(g)
+    ge = [xe.grad] + [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    torch.compile(f, fullgraph=True)(xc).backward(g)
+    gc = [xc.grad] + [p.grad for p in m.parameters()]
+    assert _breaks() == 0
+    _same(ge, gc)
+
+
+def test_fuse_wgrad_accumulation_main_grad_and_first_microbatch():
+    torch.manual_seed(7)
+    def build():
+        torch.manual_seed(8)
+        m = Block(fuse_wgrad_accumulation=True)
+        for p in m.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        return m
+    eager, comp = build(), build()
+    f = torch.compile(comp, fullgraph=True)
+    for step in range(3):
+        x = torch.randn(8, 2, 64)
+        eager(x, is_first_microbatch=step == 0).sum().backward()
+        f(x, is_first_microbatch=step == 0).sum().backward()
+    assert _breaks() == 0
+    for (n, pe), pc in zip(eager.named_parameters(), comp.parameters()):
+        assert torch.equal(pe.main_grad, pc.main_grad), n
+        _same(pe.grad, pc.grad)
+
+
+def test_delay_wgrad_compute_and_backward_dw():
+    torch.manual_seed(9)
+    def build():
+        torch.manual_seed(10)
+        return tec.LayerNormMLP(64, 96, delay_wgrad_compute=True)
+    eager, comp = build(), build()
+    x = torch.randn(16, 64)
+    eager(x).sum().backward()
+    torch.compile(comp, fullgraph=True)(x).sum().backward()
+    assert _breaks() == 0
+    assert comp.fc1_weight.grad is None  # left for backward_dw, as eagerly
+    eager.backward_dw()
+    comp.backward_dw()
+    for pe, pc in zip(eager.parameters(), comp.parameters()):
+        _same(pe.grad, pc.grad)
+
+
+def test_autocast_bf16_inside_compiled():
+    torch.manual_seed(11)
+    m = Block()
+    x = torch.randn(8, 2, 64)
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x)
+
+    ref = f(x)
+    out = torch.compile(f, fullgraph=True)(x)
+    assert _breaks() == 0
+    assert out.dtype == ref.dtype
+    _same(ref, out)
+
+
+def test_fp8_inside_compiled_is_refused_with_the_way_out():
+    m = tec.Linear(32, 32)
+    recipe = tec.recipe.DelayedScaling()
+    f = torch.compile(m, fullgraph=True)
+    with pytest.raises(Exception, match="FP8.*torch.compile.*eagerly"):
+        with tec.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            f(torch.randn(16, 32))
+
+
+def test_distributed_weight_is_refused():
+    m = tec.Linear(32, 32)
+    m.weight = tec.DistributedWeight.from_full(m.weight.detach().clone())
+    with pytest.raises(Exception, match="DistributedWeight.*torch.compile"):
+        torch.compile(m, fullgraph=True)(torch.randn(4, 32))
+
+
+def test_the_fullgraph_check_catches_a_call_into_the_extension():
+    """Negative test of the guard the tests above rely on: a module that
+    calls the extension's C functions directly (no registered operator)
+    fails fullgraph tracing."""
+    from transformer_engine_c import _engine
+
+    class Raw(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return _engine.gemm(x, self.w, transb=True)
+
+    with pytest.raises(Exception, match="(?i)skipped|unsupported|graph break"):
+        torch.compile(Raw(), fullgraph=True)(torch.randn(4, 8))
+
+
+def test_the_compiled_path_calls_no_private_torch_entry_point():
+    """The traced path goes through the public Function-free route: the
+    private apply entry point the eager path uses is never reached while
+    compiling (a negative check: eager does reach it)."""
+    from transformer_engine_c.module import _plan
+
+    if not _plan.C_APPLY:
+        pytest.skip("this torch lacks the private apply entry point: nothing to guard")
+    seen = []
+    real = _plan._function_apply
+
+    def spy(*a):
+        seen.append(a[0])
+        return real(*a)
+
+    m = tec.LayerNormMLP(32, 64)
+    _plan._function_apply = spy
+    try:
+        torch.compile(m, fullgraph=True)(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        assert seen == []
+        m(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        assert seen  # the spy works: eager's call went through it
+    finally:
+        _plan._function_apply = real
