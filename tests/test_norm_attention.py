@@ -232,6 +232,8 @@ def test_dot_product_attention_refusals():
     q = torch.randn(4, 1, 2, 8)
     with pytest.raises(NotImplementedError, match="FP8 attention"):
         attn(q, q, q, fp8_output=True)
+    with te.fp8_autocast(enabled=True, fp8_recipe=te.recipe.DelayedScaling()):  # high precision, as TE's
+        assert torch.equal(attn(q, q, q), attn.eval()(q, q, q))
     with pytest.raises(NotImplementedError, match="ALiBi"):
         attn(q, q, q, core_attention_bias_type="alibi")
     with pytest.raises(ValueError, match="holds 2 query"):

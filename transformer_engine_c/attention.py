@@ -25,7 +25,8 @@ the RNG tracker's fork() when one is given and sequence_parallel is off, as
 TE does.
 
 Raises NotImplementedError naming the feature: context parallelism (a
-cp_group of more than one rank), FP8 attention (fp8_output, FP8 autocast),
+cp_group of more than one rank), FP8 attention (fp8_output; inside an FP8
+autocast attention runs in high precision, as TE's without fp8_dpa),
 softmax types other than vanilla, return_max_logit, ALiBi, KV-cache
 inference (inference_params), score_mod."""
 import contextlib
@@ -36,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .module.base import ExtraStateMixin
-from .quantization import FP8GlobalStateManager
 
 __all__ = ["DotProductAttention"]
 
@@ -205,8 +205,9 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         _check_choice("attn_mask_type", mask_type, MASK_TYPES)
         window = _window(self.window_size if window_size is None else window_size, mask_type)
+        # Inside an FP8 autocast attention computes in high precision, as TE's does
+        # without the recipe's fp8_dpa (which the recipes here refuse).
         for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
-                           (FP8GlobalStateManager.is_fp8_enabled(), "FP8 attention (fp8_autocast)"),
                            (alibi_slopes is not None or core_attention_bias_type == "alibi", "ALiBi"),
                            (inference_params is not None, "inference_params (KV-cache inference)"),
                            (score_mod is not None or score_mod_bprop is not None, "score_mod"),

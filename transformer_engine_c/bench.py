@@ -7,12 +7,17 @@ same layer built from torch.nn modules on one device
 against our bf16 layers, torchao float8 and torch.nn on one device
 (transformer_engine_c.benchmarks.fp8); with --fp8 --fp8-params the memory of
 FP8 primary weights against bf16 parameters
-(transformer_engine_c.benchmarks.fp8_params)."""
+(transformer_engine_c.benchmarks.fp8_params); with --compile a GPT-style block
+under torch.compile, CUDA graphs and eagerly, ours against torch.nn's
+(transformer_engine_c.benchmarks.compile)."""
 import sys
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "--compile" in argv:
+        from .benchmarks import compile as compile_bench
+        return compile_bench.main([a for a in argv if a != "--compile"])
     if "--tp1" in argv:
         from .benchmarks import tp1
         return tp1.main([a for a in argv if a != "--tp1"])
