@@ -228,13 +228,88 @@ def test_autocast_bf16_inside_compiled():
     _same(ref, out)
 
 
-def test_fp8_inside_compiled_is_refused_with_the_way_out():
-    m = tec.Linear(32, 32)
-    recipe = tec.recipe.DelayedScaling()
-    f = torch.compile(m, fullgraph=True)
-    with pytest.raises(Exception, match="FP8.*torch.compile.*eagerly"):
+def _fp8_steps(m, recipe, xs):
+    """Steps of m, the FP8 autocast entered around each forward: every
+    output and gradient, then every FP8 meta's scale, scale_inv and amax
+    history at the end."""
+    out = []
+    for x in xs:
+        x = x.clone().requires_grad_()
         with tec.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            f(torch.randn(16, 32))
+            y = m(x)
+        y.sum().backward()
+        out += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+        for p in m.parameters():
+            p.grad = None
+    state = [t.clone() for mod in m.modules() if getattr(mod, "fp8_meta", None)
+             for k in ("scaling_fwd", "scaling_bwd") if mod.fp8_meta.get(k) is not None
+             for t in (mod.fp8_meta[k].scale, mod.fp8_meta[k].scale_inv, mod.fp8_meta[k].amax_history)]
+    return out, state
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
+def test_fp8_compiled_steps_match_eager_with_their_state(recipe):
+    """N compiled FP8 steps leave the outputs, gradients and the recipe's
+    state (scales, amax histories) of N eager steps, bit for bit (the
+    autocast entered around the compiled call)."""
+    from transformer_engine_c.module import _opcall
+
+    def build():
+        torch.manual_seed(12)
+        return torch.nn.Sequential(tec.LayerNormLinear(64, 128), tec.LayerNormMLP(128, 256, activation="swiglu"),
+                                   tec.Linear(128, 64))
+    torch.manual_seed(13)
+    xs = [torch.randn(32, 64) for _ in range(4)]
+    make = getattr(tec.recipe, recipe)
+    out_e, state_e = _fp8_steps(build(), make(), xs)
+    out_c, state_c = _fp8_steps(torch.compile(build(), fullgraph=True), make(), xs)
+    assert _breaks() == 0
+    _same(out_e, out_c)
+    _same(state_e, state_c)
+    if recipe == "DelayedScaling":
+        assert len(state_e) == 3 * 2 * 3
+    import gc
+    gc.collect()
+    assert not _opcall._FP8_CTX  # every forward's kept operands were freed with its backward
+
+
+def test_fp8_forward_without_backward_frees_its_operands():
+    from transformer_engine_c.module import _opcall
+    import gc
+
+    m = torch.compile(tec.LayerNormMLP(64, 128), fullgraph=True)
+    with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
+        y = m(torch.randn(32, 64, requires_grad=True))
+    assert len(_opcall._FP8_CTX) == 1
+    del y
+    gc.collect()
+    assert not _opcall._FP8_CTX
+
+
+def test_fp8_autocast_inside_the_compiled_function_is_refused():
+    m = tec.Linear(32, 32)
+
+    def f(x):
+        with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
+            return m(x)
+
+    newer = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+    with pytest.raises(Exception, match="around the call of the compiled function" if newer else None):
+        torch.compile(f, fullgraph=True)(torch.randn(16, 32))
+
+
+def test_compiled_without_fp8_called_inside_an_autocast_recompiles():
+    """The autocast's state is a guard of the compiled graph: entering one
+    around a function compiled without it compiles again, in FP8."""
+    torch.manual_seed(14)
+    m = tec.Linear(32, 32)
+    f = torch.compile(m, fullgraph=True)
+    x = torch.randn(16, 32)
+    _same(f(x), m(x))
+    with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.Float8CurrentScaling()):
+        ref = m(x)
+        out = f(x)
+    _same(ref, out)
 
 
 def test_distributed_weight_is_refused():

@@ -60,30 +60,31 @@ def _expand(tensors, given):
 
 
 @torch.library.custom_op("tec::layer_fwd", mutates_args=())
-def layer_fwd(key: str, tensors: List[Tensor], given: List[bool], first_mb: int, grad: bool) -> List[Tensor]:
-    return _layer(key)._op_forward(_expand(tensors, given), first_mb, grad)
+def layer_fwd(key: str, tensors: List[Tensor], given: List[bool], first_mb: int, grad: bool,
+              fp8: bool) -> List[Tensor]:
+    return _layer(key)._op_forward(_expand(tensors, given), first_mb, grad, fp8)
 
 
 @layer_fwd.register_fake
-def _(key, tensors, given, first_mb, grad):
-    return _layer(key)._op_forward_fake(_expand(tensors, given), grad)
+def _(key, tensors, given, first_mb, grad, fp8):
+    return _layer(key)._op_forward_fake(_expand(tensors, given), grad, fp8)
 
 
 @torch.library.custom_op("tec::layer_bwd", mutates_args=())
 def layer_bwd(key: str, tensors: List[Tensor], given: List[bool], saved: List[Tensor],
-              grads: List[Optional[Tensor]], needs: List[bool], first_mb: int) -> List[Tensor]:
-    return _layer(key)._op_backward(_expand(tensors, given), saved, grads, _expand(needs, given), first_mb)
+              grads: List[Optional[Tensor]], needs: List[bool], first_mb: int, fp8: bool) -> List[Tensor]:
+    return _layer(key)._op_backward(_expand(tensors, given), saved, grads, _expand(needs, given), first_mb, fp8)
 
 
 @layer_bwd.register_fake
-def _(key, tensors, given, saved, grads, needs, first_mb):
+def _(key, tensors, given, saved, grads, needs, first_mb, fp8):
     return _layer(key)._op_backward_fake(_expand(tensors, given), _expand(needs, given))
 
 
 def _layer_setup(ctx, inputs, output):
-    key, tensors, given, first_mb, grad = inputs
+    key, tensors, given, first_mb, grad, fp8 = inputs
     n = _layer(key)._op_noutputs()
-    ctx.key, ctx.given, ctx.first_mb, ctx.nargs, ctx.n = key, given, first_mb, len(tensors), n
+    ctx.key, ctx.given, ctx.first_mb, ctx.nargs, ctx.n, ctx.fp8 = key, given, first_mb, len(tensors), n, fp8
     ctx.save_for_backward(*tensors, *output[n:])
     ctx.mark_non_differentiable(*output[n:])
     ctx.set_materialize_grads(False)
@@ -93,20 +94,21 @@ def _layer_backward(ctx, grads):
     saved = ctx.saved_tensors
     tensors, new = list(saved[:ctx.nargs]), list(saved[ctx.nargs:])
     needs = [bool(n) for n in ctx.needs_input_grad[1]]
-    got = layer_bwd(ctx.key, tensors, ctx.given, new, list(grads[:ctx.n]), needs, ctx.first_mb)
+    got = layer_bwd(ctx.key, tensors, ctx.given, new, list(grads[:ctx.n]), needs, ctx.first_mb, ctx.fp8)
     present = _layer(ctx.key)._op_grads_present(_expand(tensors, ctx.given), _expand(needs, ctx.given))
     it = iter(got)
     full = [next(it) if want else None for want in present]
-    return None, [g for g, a in zip(full, ctx.given) if a], None, None, None
+    return None, [g for g, a in zip(full, ctx.given) if a], None, None, None, None
 
 
 layer_fwd.register_autograd(_layer_backward, setup_context=_layer_setup)
 
 
-def layer_call(layer, args, is_first_microbatch):
-    """One traced layer call: the Function's outputs (2-D)."""
+def layer_call(layer, args, is_first_microbatch, fp8):
+    """One traced layer call: the Function's outputs (2-D). fp8: the call
+    runs inside an FP8 autocast (read while tracing: a guard of the graph)."""
     outs = layer_fwd(layer._op_key, [a for a in args if a is not None], [a is not None for a in args],
-                     first_mb_code(is_first_microbatch), torch.is_grad_enabled())
+                     first_mb_code(is_first_microbatch), torch.is_grad_enabled(), fp8)
     return outs[:layer._op_noutputs()]
 
 

@@ -404,6 +404,10 @@ class _Autocast(contextlib.ContextDecorator):
     def __enter__(self):
         if self.saved is not None:
             raise RuntimeError("an autocast context is entered once (make a new one per block)")
+        if torch.compiler.is_compiling():
+            raise RuntimeError("te.autocast / fp8_autocast cannot be entered inside a function torch.compile "
+                               "traces: enter it around the call of the compiled function (its layers then "
+                               "compute in FP8)")
         state = FP8GlobalStateManager.get_autocast_state()
         FP8GlobalStateManager.autocast_enter(enabled=self.enabled, calibrating=self.calibrating,
                                              fp8_recipe=self.recipe, fp8_group=self.group, _graph=self.graph)

@@ -13,6 +13,9 @@ What an operator returns is declared before it runs (its fake
 implementation: shapes and dtypes from the arguments and the layer's
 configuration alone), and each real call checks that what the Function
 saved is what was declared, raising where it is not."""
+import itertools
+import weakref
+
 import torch
 
 from ._config import as_2d
@@ -72,20 +75,31 @@ def _saved_x(layer, call, inp):
     return as_2d(inp)
 
 
-def _refuse_fp8(layer, call):
-    if call.fp8 is not None:
-        raise NotImplementedError(
-            f"{type(layer).__name__}: FP8 (te.autocast / fp8_autocast) inside torch.compile is not supported; "
-            "run the FP8 layers eagerly or with tec.make_graphed_callables")
+# An FP8 forward keeps its FP8 operands (the inputs' casts and transposes)
+# in its Call for the backward, as an eager call does, and saves stand-ins
+# for the high-precision tensors: its whole ctx waits here, under a key that
+# crosses to the backward as a one-element CPU tensor (the "token"). The
+# entry lives as long as the token: a forward whose backward never runs
+# (a checkpointed forward's first run, a forward outside training) frees it.
+_FP8_CTX = {}
+_FP8_KEYS = itertools.count()
 
 
-def forward(layer, args, first_mb, grad):
+def _check_fp8(layer, call, fp8):
+    if (call.fp8 is not None) != fp8:
+        raise RuntimeError(f"{type(layer).__name__}: compiled {'with' if fp8 else 'without'} an FP8 autocast, "
+                           f"called {'without' if fp8 else 'with'} one (enter the autocast around the compiled "
+                           "function's call, as when it was compiled)")
+
+
+def forward(layer, args, first_mb, grad, fp8):
     """tec::layer_fwd's real work: [output (2-D), (the normalised input)] +
-    the new saved tensors when `grad`."""
+    the new saved tensors when `grad` (an FP8 call: the token)."""
     spec = layer._op_spec
     plan = layer._plan or layer._make_plan()
-    call = spec.call(layer, plan, args, _first_mb(first_mb))
-    _refuse_fp8(layer, call)
+    with torch.set_grad_enabled(grad):  # an FP8 call keeps its operands for a backward (the op runs without grad)
+        call = spec.call(layer, plan, args, _first_mb(first_mb))
+    _check_fp8(layer, call, fp8)
     if not grad:
         return _owned(layer, spec.nograd(call, args), ())
     ctx = _Ctx()
@@ -93,6 +107,12 @@ def forward(layer, args, first_mb, grad):
     outs = out if isinstance(out, tuple) else (out,)
     if getattr(ctx, "objects", None) is not None:
         raise NotImplementedError(f"{type(layer).__name__}: a DistributedWeight cannot be traced by torch.compile")
+    if fp8:
+        key = next(_FP8_KEYS)
+        _FP8_CTX[key] = ctx
+        token = torch.tensor([key], dtype=torch.int64)
+        weakref.finalize(token, _FP8_CTX.pop, key, None)
+        return _owned(layer, outs, ()) + [token]
     new = []
     for t, where in zip(ctx.saved_tensors, spec.saved(layer)):
         if where == "new":
@@ -109,22 +129,31 @@ def forward(layer, args, first_mb, grad):
     return _owned(layer, outs, new) + new
 
 
-def forward_fake(layer, args, grad):
+def forward_fake(layer, args, grad, fp8):
     """tec::layer_fwd's outputs from the arguments alone."""
     inp = args[0]
     outs = [inp.new_empty(s, dtype=d) for s, d in layer._op_outputs(args)]
-    if grad:
+    if grad and fp8:
+        outs.append(torch.empty(1, dtype=torch.int64, device="cpu"))
+    elif grad:
         outs += [inp.new_empty(s, dtype=d) for s, d in layer._op_spec.new_shapes(layer, args)]
     return outs
 
 
-def backward(layer, args, new, grads, needs, first_mb):
+def backward(layer, args, new, grads, needs, first_mb, fp8):
     """tec::layer_bwd's real work: the gradients of the Function's tensor
     arguments that `present` (see grads_present) declares, in order."""
     spec = layer._op_spec
+    if fp8:
+        ctx = _FP8_CTX.pop(int(new[0].item()), None)
+        if ctx is None:
+            raise RuntimeError(f"{type(layer).__name__}: the FP8 forward this backward belongs to is gone (its "
+                               "backward already ran: a compiled FP8 graph is differentiated once)")
+        ctx.needs_input_grad = tuple(needs) + (False,)
+        return _present(layer, spec.fn.backward(ctx, *grads), args, needs)
     plan = layer._plan or layer._make_plan()
     call = spec.call(layer, plan, args, _first_mb(first_mb))
-    _refuse_fp8(layer, call)
+    _check_fp8(layer, call, False)
     ctx = _Ctx()
     it = iter(new)
     saved = []
@@ -140,7 +169,11 @@ def backward(layer, args, new, grads, needs, first_mb):
     ctx.needs_input_grad = tuple(needs) + (False,)
     for k, v in spec.ctx(args).items():
         setattr(ctx, k, v)
-    res = spec.fn.backward(ctx, *grads)
+    return _present(layer, spec.fn.backward(ctx, *grads), args, needs)
+
+
+def _present(layer, res, args, needs):
+    """The gradients the operator declared (grads_present), in order."""
     present = grads_present(layer, args, needs)
     out = []
     for i, (g, want) in enumerate(zip(res, present)):

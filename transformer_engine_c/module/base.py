@@ -477,16 +477,17 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         if self.fuse_wgrad_accumulation and len(getattr(self, "weight_names", ())) > 1:
             raise NotImplementedError(f"{type(self).__name__}: fuse_wgrad_accumulation with parameters_split "
                                       "cannot be traced by torch.compile")
-        return _library.layer_call(self, args, is_first_microbatch)
+        fp8 = bool(_FP8State.FP8_ENABLED)
+        return _library.layer_call(self, args, is_first_microbatch, fp8)
 
-    def _op_forward(self, args, first_mb, grad):
-        return _opcall.forward(self, args, first_mb, grad)
+    def _op_forward(self, args, first_mb, grad, fp8):
+        return _opcall.forward(self, args, first_mb, grad, fp8)
 
-    def _op_forward_fake(self, args, grad):
-        return _opcall.forward_fake(self, args, grad)
+    def _op_forward_fake(self, args, grad, fp8):
+        return _opcall.forward_fake(self, args, grad, fp8)
 
-    def _op_backward(self, args, saved, grads, needs, first_mb):
-        return _opcall.backward(self, args, saved, grads, needs, first_mb)
+    def _op_backward(self, args, saved, grads, needs, first_mb, fp8):
+        return _opcall.backward(self, args, saved, grads, needs, first_mb, fp8)
 
     def _op_backward_fake(self, args, needs):
         return _opcall.backward_fake(self, args, needs)
