@@ -40,8 +40,8 @@ t0=$(date +%s)
 TEC_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 log "build ok in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu \
-    csrc/core/cuda/cuda_transport.cu csrc/core/cuda/cuda_common.cu csrc/core/error.c -o "$OUT/transport_test" -lcudart > "$OUT/transport_test.log" 2>&1 \
+# the sources and nvcc command tests/test_cuda_transport.py builds too
+python3 tests/cuda/transport_build.py "$OUT/transport_test" > "$OUT/transport_test.log" 2>&1 \
   && timeout 300 "$OUT/transport_test" >> "$OUT/transport_test.log" 2>&1
 log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"
 if [ -n "${SANITIZE:-}" ]; then
