@@ -4,6 +4,16 @@
 # cuda, the torchrun tests with NCCL on every GPU count present, the main job,
 # and the benchmark when BENCH is set. Logs go to ${OUT:-out}/.
 #   bash scripts/gpu_validate.sh [pytest selection...]
+#   PART=1 bash scripts/gpu_validate.sh; BUILD=0 PART=2 ...; BUILD=0 PART=3 ...
+#   TEC_SHARE_GPU=2 BUILD=0 PART=4 bash scripts/gpu_validate.sh; ... PART=5 ...
+#     (the CUDA tests in parts, each meant to take under 9 minutes on one H200:
+#      the file lists below; parts 4-5 are the 2-rank tests, which need 2 GPUs
+#      or TEC_SHARE_GPU=2; BUILD=0 keeps an in-place build already there; a
+#      part skips the main job unless MAINJOB=1; its last line is
+#      "PART k: N passed, M failed, K skipped")
+#   bash scripts/gpu_validate.sh --parts          (each part's entries: "k entry")
+#   bash scripts/gpu_validate.sh --uncovered [ROOT]
+#     (ROOT's test files that may run on CUDA but are in no part; exit 1 if any)
 #   BENCH="--shapes 8192x4096x12288" bash scripts/gpu_validate.sh
 #   PROFILE=2048x2048x6144,8192x4096x12288 bash scripts/gpu_validate.sh tests/test_kernels.py
 #     (also runs scripts/profile_overlap.py on every GPU: host/GPU times, cProfile, a trace)
@@ -29,6 +39,65 @@
 #      when it exits 0 and reports "ERROR SUMMARY: 0 errors")
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# The CUDA tests in parts (PART=k), each meant to take under 9 minutes on one
+# H200 (docs/gpu-validation.md has the estimates). Parts 1-3 run on one GPU
+# with -k "$SINGLE_K": every test but the CPU-only variants, since a test
+# without a device in its name may take the GPU as its default device. Parts
+# 4-5 are the 2-rank CUDA tests (-k "$RANKS_K": every one has cuda or gpu in
+# its name), on 2 GPUs or with TEC_SHARE_GPU=2 on one; the node ids listed
+# there are deselected from parts 1-3. Together the parts list every test
+# file that may run on CUDA (runs_on_cuda; tests/test_gpu_parts.py checks it).
+PARTS=()
+PARTS[1]="tests/test_kernels.py tests/test_activations.py tests/test_cuda_transport.py tests/test_comm.py
+  tests/test_comm_schedule.py tests/test_gemm_cache.py tests/test_gemm_tune.py tests/test_engine_nccl.py
+  tests/test_error_path.py tests/test_reliability_sizes.py tests/test_launch.py tests/test_bad_input.py
+  tests/test_norm_attention.py tests/test_te_names.py tests/test_moe_names.py tests/test_alias_extra_state.py
+  tests/test_bench.py tests/test_gpu_parts.py"
+PARTS[2]="tests/test_layers.py tests/test_one_path.py tests/test_layernorm_mlp.py tests/test_te_semantics.py
+  tests/test_saving.py tests/test_debug_checker.py tests/test_fp8_layers.py tests/test_fp8_extra_state.py
+  tests/test_fp8_recipe.py tests/test_float8_tensor.py"
+PARTS[3]="tests/test_cuda_graphs.py tests/test_fp8_params.py tests/test_fp8_engine.py tests/test_fp8_block.py"
+PARTS[4]="tests/distributed/test_layernorm_mlp_tp.py tests/distributed/test_gemm_with_overlap.py
+  tests/distributed/test_comm_gemm_overlap.py tests/distributed/test_grad_mode_overlap.py
+  tests/distributed/test_graph_overlap.py tests/distributed/test_temporaries.py tests/distributed/test_tp.py
+  tests/distributed/test_sp_reference.py tests/distributed/test_distributed_weight.py"
+PARTS[5]="tests/distributed/test_te_dropin.py tests/distributed/test_fp8_layers_tp.py
+  tests/distributed/test_megatron_gpt.py tests/distributed/test_engine_collectives.py
+  tests/test_megatron_construction.py::test_megatron_tensor_parallel_cuda tests/test_main_job.py::test_main_job_two_gpus"
+RANK_PARTS="4 5"
+SINGLE_K="not cpu or cuda or gpu"
+RANKS_K="cuda or gpu"
+
+is_rank_part() { [[ " $RANK_PARTS " == *" $1 "* ]]; }
+list_parts() {
+  local k e
+  for k in "${!PARTS[@]}"; do for e in ${PARTS[$k]}; do echo "$k $e"; done; done
+}
+# runs_on_cuda FILE: the file mentions cuda, or one of its tests takes the
+# `device` fixture (tests/conftest.py: cpu and cuda).
+runs_on_cuda() { grep -qi cuda "$1" || grep -qE '^\s*def test_\w*\((.*[ ,])?device\b' "$1"; }
+# uncovered ROOT: ROOT's test files that may run on CUDA and that no part lists.
+uncovered() {
+  local root=$1 listed f
+  listed=$(list_parts | awk '{sub(/::.*/, "", $2); print $2}' | sort -u)
+  find "$root/tests" -name 'test_*.py' | sort | while read -r f; do
+    runs_on_cuda "$f" || continue
+    f=${f#"$root"/}
+    grep -qxF "$f" <<< "$listed" || echo "$f"
+  done
+}
+case "${1:-}" in
+  --parts) list_parts; exit 0 ;;
+  --uncovered) u=$(uncovered "${2:-.}"); [ -z "$u" ] || { echo "$u"; exit 1; }; exit 0 ;;
+esac
+if [ -n "${PART:-}" ]; then
+  [[ $PART =~ ^[0-9]+$ ]] && [ -n "${PARTS[$PART]+x}" ] || { echo "PART must be one of: ${!PARTS[*]} (got '$PART')" >&2; exit 2; }
+  [ $# -eq 0 ] || { echo "PART=$PART runs its own selection; drop the pytest arguments ($*)" >&2; exit 2; }
+  if is_rank_part "$PART" && [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${TEC_SHARE_GPU:-0}" -lt 2 ]; then
+    echo "PART $PART holds the 2-rank CUDA tests: it needs 2 GPUs, or TEC_SHARE_GPU=2 with one" >&2; exit 2
+  fi
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
@@ -36,14 +105,23 @@ date -u | tee "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' | tee -a "$OUT/summary.txt"
 echo "layers' CUDA collectives: ${TEC_COLLECTIVES:-auto} (TEC_COLLECTIVES); ranks sharing a GPU: ${TEC_SHARE_GPU:-no} (TEC_SHARE_GPU)" | tee -a "$OUT/summary.txt"
+[ -n "${PART:-}" ] && log "PART $PART: $(echo ${PARTS[$PART]})"
+u=$(uncovered .); [ -z "$u" ] || log "test files that may run on CUDA but are in no part: $u"
 t0=$(date +%s)
-TEC_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
-log "build ok in $(( $(date +%s) - t0 )) s"
+if [ "${BUILD:-1}" = 0 ] && [ -e transformer_engine_c/libtec_cuda.so ]; then
+  log "build: kept (BUILD=0)"
+else
+  TEC_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+  log "build ok in $(( $(date +%s) - t0 )) s"
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu \
-    csrc/core/cuda/cuda_transport.cu csrc/core/cuda/cuda_common.cu csrc/core/error.c -o "$OUT/transport_test" -lcudart > "$OUT/transport_test.log" 2>&1 \
-  && timeout 300 "$OUT/transport_test" >> "$OUT/transport_test.log" 2>&1
-log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"
+if [ -n "${PART:-}" ] && [ -z "${SANITIZE:-}" ]; then
+  log "CUDA transport test: run by tests/test_cuda_transport.py in part $(list_parts | awk '$2 == "tests/test_cuda_transport.py" {print $1}')"
+else  # the sources and nvcc command tests/test_cuda_transport.py builds too
+  python3 tests/cuda/transport_build.py "$OUT/transport_test" > "$OUT/transport_test.log" 2>&1 \
+    && timeout 300 "$OUT/transport_test" >> "$OUT/transport_test.log" 2>&1
+  log "CUDA transport test: exit $?: $(tail -1 "$OUT/transport_test.log")"
+fi
 if [ -n "${SANITIZE:-}" ]; then
   CS=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
   ngpu=$(nvidia-smi -L | wc -l)
@@ -83,12 +161,29 @@ if [ -n "${HOSTCOST:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       --hidden 2048 --ffn 6144 --iters 50 --reps 5 > "$OUT/hostcost_fake.log" 2>&1
   log "host cost (sp_host_cost.py --fake): exit $?"; grep -A40 "^fake" "$OUT/hostcost_fake.log" | tee -a "$OUT/summary.txt"
 fi
-sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
-python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
-rc=$?
+if [ -n "${PART:-}" ]; then
+  if is_rank_part "$PART"; then
+    sel=(-k "$RANKS_K")
+  else
+    sel=(-k "$SINGLE_K")
+    for e in $(list_parts | awk -v r=" $RANK_PARTS " 'index(r, " " $1 " ") && $2 ~ /::/ {print $2}'); do
+      sel+=(--deselect "$e")
+    done
+  fi
+  sel+=(${PARTS[$PART]})
+  # SIGINT at the limit: pytest stops, reports what ran and writes its XML
+  timeout -s INT -k 60 "${PART_TIMEOUT:-540}" python3 -m pytest -v -rs --durations=30 -p no:cacheprovider \
+      --junitxml="$OUT/pytest_part$PART.xml" "${sel[@]}" > "$OUT/pytest.log" 2>&1
+  rc=$?
+  [ $rc -eq 124 ] && log "pytest stopped at PART_TIMEOUT=${PART_TIMEOUT:-540} s"
+else
+  sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
+  python3 -m pytest -q -rs "${sel[@]}" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+  rc=$?
+fi
 log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
-if [ "${MAINJOB:-1}" != 0 ]; then
+if [ "${MAINJOB:-$([ -n "${PART:-}" ] && echo 0 || echo 1)}" != 0 ]; then
   timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
   log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"
 fi
@@ -114,4 +209,7 @@ if [ -n "${SWEEP:-}" ]; then
   fi
 fi
 [ -n "${SANITIZE:-}" ] && [ "${rc_sanitize:-0}" -ne 0 ] && [ "$rc" -eq 0 ] && rc=1
+if [ -n "${PART:-}" ]; then  # the last line: the part's counts (failed includes errors)
+  echo "PART $PART: $(python3 scripts/pytest_counts.py "$OUT/pytest_part$PART.xml" "$OUT/pytest.log")" | tee -a "$OUT/summary.txt"
+fi
 exit $rc

@@ -2,6 +2,7 @@
 wrong view or a dangling mapping. Snippets that could crash run in a
 subprocess."""
 import math
+import threading
 
 import pytest
 import torch
@@ -78,3 +79,83 @@ def test_cpu_gemm_at_flt_max_is_the_rounded_exact_result():
         exact = (a.double() @ w.double().t()).float()
         assert not y.isnan().any(), (a, w, y)
         assert torch.equal(y, exact) or torch.allclose(y, exact, rtol=1e-6, atol=0), (y, exact)
+
+
+def test_close_from_two_threads_at_once_is_one_close():
+    """close() is idempotent and thread-safe: two threads calling it 500
+    times each on one communicator raise nothing, the close's work runs once
+    (the checker's registry is told once), and the communicator is destroyed:
+    its region unmapped, its comm thread joined, no descriptor left. In a
+    subprocess: a double destroy would be a crash there, not pytest's."""
+    rc, out, err = run_isolated("""
+import gc, os, sys, threading, torch, transformer_engine_c as tec
+from transformer_engine_c import debug
+
+def regions():
+    with open("/proc/self/maps") as f:
+        return f.read().count("/memfd:tec-region")
+
+def resources():
+    return regions(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+tec.CommOverlap((8, 4), torch.float32, tp_size=1, device="cpu").close()  # warm up lazy state
+gc.collect()
+before = resources()
+c = tec.CommOverlap((8, 4), torch.float32, tp_size=1, device="cpu", name="closing")
+assert regions() > before[0], "the communicator maps no region"
+unregistered, unregister = [], debug.unregister_comm
+def counting(comm):
+    unregistered.append(comm)
+    unregister(comm)
+debug.unregister_comm = counting
+sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+start, errors = threading.Barrier(2), []
+def closer():
+    start.wait()
+    for _ in range(500):
+        try:
+            c.close()
+        except BaseException as e:  # noqa: BLE001 - every exception is the failure
+            errors.append(repr(e))
+ts = [threading.Thread(target=closer, name=f"closer{i}") for i in range(2)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+assert not errors, errors[:3]
+assert c.closed and c.buffer_ranges() == [], c.buffer_ranges()
+assert unregistered == [c], f"the close's work ran {len(unregistered)} times"
+c.close()
+assert len(unregistered) == 1
+assert resources() == before, f"regions, threads, descriptors: {before} -> {resources()}"
+print("OK")
+""")
+    assert_clean(rc, out, err)
+    assert "OK" in out
+
+
+def test_an_operation_beside_another_threads_hold_is_still_refused():
+    """What close() leaves as it was: a thread arriving while another holds
+    the communicator for its operations is refused (ranks pair operations in
+    the order each rank issues them), and the communicator refuses work from
+    then on, the holder's included; close() still works, and again is a no-op."""
+    c = comm()
+    errors = []
+
+    def operate():
+        try:
+            c.synchronize()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with pytest.raises(RuntimeError, match="thread 'second' called it while thread"):
+        with c.exclusive():  # the holder's own operations end refused too
+            t = threading.Thread(target=operate, name="second")
+            t.start()
+            t.join()
+    assert len(errors) == 1 and "thread 'second' called it while thread" in errors[0], errors
+    with pytest.raises(RuntimeError, match="called it while thread"):
+        c.get_buffer()
+    c.close()
+    c.close()
+    assert c.closed

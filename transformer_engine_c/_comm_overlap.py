@@ -151,12 +151,15 @@ class _OneThread:
     A thread that finds the communicator held by another is refused; from then
     on every operation on it is refused on this rank (the holder's current one
     when it ends, the peers' next ones when their waits on this rank time out),
-    so a run cannot go on with a wrong pairing. close() still works."""
-    __slots__ = ("_mu", "_holder", "_depth", "refused", "name")
+    so a run cannot go on with a wrong pairing. close() still works: closes
+    run one at a time (`closer`), and one that finds the communicator closed
+    does nothing, so closing again or from several threads is never refused."""
+    __slots__ = ("_mu", "_holder", "_depth", "refused", "name", "closer")
 
     def __init__(self):
         self._mu = threading.Lock()
         self._holder, self._depth, self.refused, self.name = None, 0, None, "?"
+        self.closer = threading.RLock()
 
     def __enter__(self):
         return self._take(closing=False)
@@ -727,11 +730,17 @@ class CommOverlap(_C.CommOverlap):
         return st
 
     def close(self):
-        """Release the communicator (idempotent); the saved-tensor checker
-        stops watching its ranges."""
-        with self._lock.closing():
-            debug.unregister_comm(self)
-            super().close()
+        """Release the communicator; the saved-tensor checker stops watching
+        its ranges. Idempotent and thread-safe: a close() that comes after the
+        first, or beside it in another thread, waits for it and does nothing.
+        Closing while another thread is in an operation on the communicator
+        is refused like any second thread (_OneThread)."""
+        with self._lock.closer:
+            if self.closed:
+                return
+            with self._lock.closing():
+                debug.unregister_comm(self)
+                super().close()
 
     @_serialised
     def synchronize(self):

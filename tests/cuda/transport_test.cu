@@ -4,8 +4,8 @@
  * reduce (fp32/bf16/fp16 vs a float64 host reference), same-process mapping, 200
  * create/destroy cycles without device-memory growth, and the tag-mismatch and timeout
  * reports. Prints "PASS transport_test" and exits 0 (77 and a SKIP line without a GPU).
- * Build (repository root):
- *   nvcc -std=c++17 -O2 -gencode=arch=compute_90,code=sm_90 -I csrc/core tests/cuda/transport_test.cu csrc/core/cuda/cuda_transport.cu csrc/core/cuda/transport_reduce.cu csrc/core/cuda/cuda_common.cu csrc/core/error.c -o /tmp/transport_test -lcudart && /tmp/transport_test
+ * Build (repository root; tests/cuda/transport_build.py holds the nvcc command and its sources):
+ *   python3 tests/cuda/transport_build.py /tmp/transport_test && /tmp/transport_test
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,5 +1,5 @@
 """Benchmark: FP8 training steps on one device, against our bf16 layers,
-torchao float8 and torch.nn (issue 29's targets).
+torchao float8 and torch.nn, judged against the FP8 targets (TARGETS).
 
     python -m transformer_engine_c.bench --fp8 [--out bench_fp8]
     python -m transformer_engine_c.bench --fp8 --graphs      (the graphs block only)
