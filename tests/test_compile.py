@@ -363,3 +363,37 @@ def test_the_compiled_path_calls_no_private_torch_entry_point():
         assert seen  # the spy works: eager's call went through it
     finally:
         _plan._function_apply = real
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (none here)")
+
+
+@needs_cuda
+def test_reduce_overhead_replays_the_block_as_eager():
+    """mode="reduce-overhead": the layers' operators replay inside PyTorch's
+    CUDA graphs, with eager's results."""
+    torch.manual_seed(15)
+    m = Block(params_dtype=torch.float32, device="cuda")
+    f = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):  # graphs are recorded on a later call, then replayed
+        x = torch.randn(8, 2, 64, device="cuda")
+        g = torch.randn(8, 2, 64, device="cuda")
+        out_e, grads_e = _run(m, x, g)
+        out_c, grads_c = _run(f, x, g)
+        torch.testing.assert_close((out_c, grads_c), (out_e, grads_e), rtol=1e-5, atol=1e-5)
+    assert _breaks() == 0
+
+
+@needs_cuda
+def test_graphed_callables_after_a_compiled_region():
+    """tec.make_graphed_callables captures after a compiled region ran in
+    the same process, and replays as eager."""
+    torch.manual_seed(16)
+    m = Block(params_dtype=torch.float32, device="cuda")
+    x = torch.randn(8, 2, 64, device="cuda", requires_grad=True)
+    torch.compile(m, fullgraph=True)(x).sum().backward()
+    other = Block(params_dtype=torch.float32, device="cuda")
+    other.load_state_dict(m.state_dict())
+    g = tec.make_graphed_callables(other, (x,))
+    x2 = torch.randn(8, 2, 64, device="cuda")
+    torch.testing.assert_close(g(x2), m(x2), rtol=1e-5, atol=1e-5)
