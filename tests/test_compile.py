@@ -9,6 +9,7 @@ import torch._dynamo
 import transformer_engine_c as tec
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEV = DEVICES[-1]  # where the tests without a device parameter run (the layers' default device)
 
 
 @pytest.fixture(autouse=True)
@@ -103,21 +104,22 @@ def test_layer_returns_bias_and_layernorm_output(device):
 
 def test_layernorm_mlp_checkpoint_and_bf16():
     torch.manual_seed(2)
-    check_compiled(tec.LayerNormMLP(64, 96, checkpoint=True), torch.randn(16, 64))
-    check_compiled(tec.LayerNormMLP(64, 96, params_dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16))
+    check_compiled(tec.LayerNormMLP(64, 96, checkpoint=True, device=DEV), torch.randn(16, 64, device=DEV))
+    check_compiled(tec.LayerNormMLP(64, 96, params_dtype=torch.bfloat16, device=DEV),
+                   torch.randn(16, 64, dtype=torch.bfloat16, device=DEV))
 
 
 def test_grouped_linear_fullgraph():
     torch.manual_seed(3)
-    m = tec.GroupedLinear(3, 32, 16)
+    m = tec.GroupedLinear(3, 32, 16, device=DEV)
     # the bias gradient is torch's column sum, which Inductor compiles: equal to rounding
-    check_compiled(m, torch.randn(10, 32), [4, 6, 0], exact=False)
+    check_compiled(m, torch.randn(10, 32, device=DEV), [4, 6, 0], exact=False)
 
 
 def test_dot_product_attention_fullgraph():
     torch.manual_seed(4)
     m = tec.DotProductAttention(4, 16, attn_mask_type="causal")
-    q, k, v = (torch.randn(8, 2, 4, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(8, 2, 4, 16, requires_grad=True, device=DEV) for _ in range(3))
     ref = m(q, k, v)
     out = torch.compile(m, fullgraph=True)(q, k, v)
     assert _breaks() == 0
@@ -144,27 +146,27 @@ class Block(torch.nn.Module):
 
 def test_block_fullgraph_no_grad_and_recompiles():
     torch.manual_seed(5)
-    m = Block()
-    x = torch.randn(8, 2, 64)
+    m = Block(device=DEV)
+    x = torch.randn(8, 2, 64, device=DEV)
     compiled = check_compiled(m, x)
     with torch.no_grad():  # the no-grad forward: nothing kept for backward, same output
         _same(m(x), compiled(x))
-    compiled(torch.randn(8, 2, 64)).sum().backward()  # an input without grad: its own graph
+    compiled(torch.randn(8, 2, 64, device=DEV)).sum().backward()  # an input without grad: its own graph
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(3):  # no per-call guard: the same configuration and shapes do not recompile
-        compiled(torch.randn(8, 2, 64)).sum().backward()
+        compiled(torch.randn(8, 2, 64, device=DEV)).sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
 
 
 def test_block_under_checkpoint_inside_compiled():
     torch.manual_seed(6)
-    m = Block()
+    m = Block(device=DEV)
 
     def f(x):
         return torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
 
-    x = torch.randn(8, 2, 64)
-    g = torch.randn(8, 2, 64)
+    x = torch.randn(8, 2, 64, device=DEV)
+    g = torch.randn(8, 2, 64, device=DEV)
     xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
     f(xe).backward(g)
     ge = [xe.grad] + [p.grad.clone() for p in m.parameters()]
@@ -179,14 +181,14 @@ def test_fuse_wgrad_accumulation_main_grad_and_first_microbatch():
     torch.manual_seed(7)
     def build():
         torch.manual_seed(8)
-        m = Block(fuse_wgrad_accumulation=True)
+        m = Block(fuse_wgrad_accumulation=True, device=DEV)
         for p in m.parameters():
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         return m
     eager, comp = build(), build()
     f = torch.compile(comp, fullgraph=True)
     for step in range(3):
-        x = torch.randn(8, 2, 64)
+        x = torch.randn(8, 2, 64, device=DEV)
         eager(x, is_first_microbatch=step == 0).sum().backward()
         f(x, is_first_microbatch=step == 0).sum().backward()
     assert _breaks() == 0
@@ -199,9 +201,9 @@ def test_delay_wgrad_compute_and_backward_dw():
     torch.manual_seed(9)
     def build():
         torch.manual_seed(10)
-        return tec.LayerNormMLP(64, 96, delay_wgrad_compute=True)
+        return tec.LayerNormMLP(64, 96, delay_wgrad_compute=True, device=DEV)
     eager, comp = build(), build()
-    x = torch.randn(16, 64)
+    x = torch.randn(16, 64, device=DEV)
     eager(x).sum().backward()
     torch.compile(comp, fullgraph=True)(x).sum().backward()
     assert _breaks() == 0
@@ -214,11 +216,11 @@ def test_delay_wgrad_compute_and_backward_dw():
 
 def test_autocast_bf16_inside_compiled():
     torch.manual_seed(11)
-    m = Block()
-    x = torch.randn(8, 2, 64)
+    m = Block(device=DEV)
+    x = torch.randn(8, 2, 64, device=DEV)
 
     def f(x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
             return m(x)
 
     ref = f(x)
@@ -256,10 +258,11 @@ def test_fp8_compiled_steps_match_eager_with_their_state(recipe):
 
     def build():
         torch.manual_seed(12)
-        return torch.nn.Sequential(tec.LayerNormLinear(64, 128), tec.LayerNormMLP(128, 256, activation="swiglu"),
-                                   tec.Linear(128, 64))
+        return torch.nn.Sequential(tec.LayerNormLinear(64, 128, device=DEV),
+                                   tec.LayerNormMLP(128, 256, activation="swiglu", device=DEV),
+                                   tec.Linear(128, 64, device=DEV))
     torch.manual_seed(13)
-    xs = [torch.randn(32, 64) for _ in range(4)]
+    xs = [torch.randn(32, 64, device=DEV) for _ in range(4)]
     make = getattr(tec.recipe, recipe)
     out_e, state_e = _fp8_steps(build(), make(), xs)
     out_c, state_c = _fp8_steps(torch.compile(build(), fullgraph=True), make(), xs)
@@ -277,9 +280,9 @@ def test_fp8_forward_without_backward_frees_its_operands():
     from transformer_engine_c.module import _opcall
     import gc
 
-    m = torch.compile(tec.LayerNormMLP(64, 128), fullgraph=True)
+    m = torch.compile(tec.LayerNormMLP(64, 128, device=DEV), fullgraph=True)
     with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
-        y = m(torch.randn(32, 64, requires_grad=True))
+        y = m(torch.randn(32, 64, requires_grad=True, device=DEV))
     assert len(_opcall._FP8_CTX) == 1
     del y
     gc.collect()
@@ -287,7 +290,7 @@ def test_fp8_forward_without_backward_frees_its_operands():
 
 
 def test_fp8_autocast_inside_the_compiled_function_is_refused():
-    m = tec.Linear(32, 32)
+    m = tec.Linear(32, 32, device=DEV)
 
     def f(x):
         with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
@@ -295,16 +298,16 @@ def test_fp8_autocast_inside_the_compiled_function_is_refused():
 
     newer = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
     with pytest.raises(Exception, match="around the call of the compiled function" if newer else None):
-        torch.compile(f, fullgraph=True)(torch.randn(16, 32))
+        torch.compile(f, fullgraph=True)(torch.randn(16, 32, device=DEV))
 
 
 def test_compiled_without_fp8_called_inside_an_autocast_recompiles():
     """The autocast's state is a guard of the compiled graph: entering one
     around a function compiled without it compiles again, in FP8."""
     torch.manual_seed(14)
-    m = tec.Linear(32, 32)
+    m = tec.Linear(32, 32, device=DEV)
     f = torch.compile(m, fullgraph=True)
-    x = torch.randn(16, 32)
+    x = torch.randn(16, 32, device=DEV)
     _same(f(x), m(x))
     with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.Float8CurrentScaling()):
         ref = m(x)
@@ -313,12 +316,12 @@ def test_compiled_without_fp8_called_inside_an_autocast_recompiles():
 
 
 def test_distributed_weight_is_refused():
-    m = tec.Linear(32, 32)
+    m = tec.Linear(32, 32, device=DEV)
     m.weight = tec.DistributedWeight.from_full(m.weight.detach().clone())
     # torch before 2.13 reports an exception raised while tracing as "Observed exception", without its text
     newer = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
     with pytest.raises(Exception, match="DistributedWeight.*torch.compile" if newer else None):
-        torch.compile(m, fullgraph=True)(torch.randn(4, 32))
+        torch.compile(m, fullgraph=True)(torch.randn(4, 32, device=DEV))
 
 
 def test_the_fullgraph_check_catches_a_call_into_the_extension():
@@ -330,13 +333,13 @@ def test_the_fullgraph_check_catches_a_call_into_the_extension():
     class Raw(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(8, 8))
+            self.w = torch.nn.Parameter(torch.randn(8, 8, device=DEV))
 
         def forward(self, x):
             return _engine.gemm(x, self.w, transb=True)
 
     with pytest.raises(Exception, match="(?i)skipped|unsupported|graph break"):
-        torch.compile(Raw(), fullgraph=True)(torch.randn(4, 8))
+        torch.compile(Raw(), fullgraph=True)(torch.randn(4, 8, device=DEV))
 
 
 def test_the_compiled_path_calls_no_private_torch_entry_point():
@@ -354,12 +357,13 @@ def test_the_compiled_path_calls_no_private_torch_entry_point():
         seen.append(a[0])
         return real(*a)
 
-    m = tec.LayerNormMLP(32, 64)
+    m = tec.LayerNormMLP(32, 64, device=DEV)
     _plan._function_apply = spy
     try:
-        torch.compile(m, fullgraph=True)(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        x = torch.randn(8, 32, requires_grad=True, device=DEV)
+        torch.compile(m, fullgraph=True)(x).sum().backward()
         assert seen == []
-        m(torch.randn(8, 32, requires_grad=True)).sum().backward()
+        m(torch.randn(8, 32, requires_grad=True, device=DEV)).sum().backward()
         assert seen  # the spy works: eager's call went through it
     finally:
         _plan._function_apply = real

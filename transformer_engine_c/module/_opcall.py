@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from ._config import as_2d
-from ._steps import outside_buffers
+from ._steps import fresh_temporaries, outside_buffers
 
 _Tensor = torch.Tensor
 
@@ -93,6 +93,11 @@ def _check_fp8(layer, call, fp8):
 
 
 def forward(layer, args, first_mb, grad, fp8):
+    with fresh_temporaries():
+        return _forward(layer, args, first_mb, grad, fp8)
+
+
+def _forward(layer, args, first_mb, grad, fp8):
     """tec::layer_fwd's real work: [output (2-D), (the normalised input)] +
     the new saved tensors when `grad` (an FP8 call: the token)."""
     spec = layer._op_spec
@@ -141,6 +146,11 @@ def forward_fake(layer, args, grad, fp8):
 
 
 def backward(layer, args, new, grads, needs, first_mb, fp8):
+    with fresh_temporaries():
+        return _backward(layer, args, new, grads, needs, first_mb, fp8)
+
+
+def _backward(layer, args, new, grads, needs, first_mb, fp8):
     """tec::layer_bwd's real work: the gradients of the Function's tensor
     arguments that `present` (see grads_present) declares, in order."""
     spec = layer._op_spec

@@ -40,9 +40,11 @@ _NO_FLAGS = dict.fromkeys(UB_FLAGS, False)
 # two roles never share a tensor. Not while a CUDA graph is captured (its
 # replays, on any stream, would share the tensor with eager calls), not above
 # _TEMP_BYTES (memory held between calls), at most _TEMP_SLOTS and _TEMP_HELD
-# bytes per thread (the oldest dropped first). Tensors that outlive the call
-# (outputs, what backward saves, a delayed wgrad's operands) are never
-# temporaries.
+# bytes per thread (the oldest dropped first), and not inside the operators
+# torch.compile runs (`fresh`: PyTorch's CUDA graphs of mode="reduce-overhead"
+# warm up and record in a memory pool of their own, in which nothing may stay
+# alive between calls). Tensors that outlive the call (outputs, what backward
+# saves, a delayed wgrad's operands) are never temporaries.
 _TEMP_BYTES = 16 << 20
 _TEMP_SLOTS = 32
 _TEMP_HELD = 64 << 20
@@ -62,6 +64,9 @@ def temp(x, shape, dev, stream, role, dtype=None):
     slots = getattr(_temps, "slots", None)
     if slots is None:
         slots = _temps.slots = {}
+        _temps.fresh = False
+    if _temps.fresh:
+        return x.new_empty(shape, dtype=dtype)
     key = (role, shape, dtype, dev, stream)
     t = slots.get(key)
     if t is None:
@@ -88,6 +93,19 @@ _sinks = {}
 _outgrown_sinks = []
 
 
+@contextlib.contextmanager
+def fresh_temporaries():
+    """Within: every temporary and statistics sink is a fresh allocation
+    (the operators torch.compile runs: see the temporaries' comment)."""
+    if getattr(_temps, "slots", None) is None:
+        _temps.slots = {}
+    before, _temps.fresh = getattr(_temps, "fresh", False), True
+    try:
+        yield
+    finally:
+        _temps.fresh = before
+
+
 def _stats_sink(device, count):
     t = _sinks.get(device)
     if t is None or t.numel() < count:
@@ -100,9 +118,10 @@ def _stats_sink(device, count):
 def norm_stats(device, rows, rms, keep):
     """(stats, its address) for a norm over `rows` rows: a fresh float32
     [2 * rows] (LayerNorm: mu, then rsigma) or [rows] (RMSNorm) when
-    backward keeps it, else (None, the statistics sink's address)."""
+    backward keeps it (or temporaries are fresh), else (None, the statistics
+    sink's address)."""
     count = rows if rms else 2 * rows
-    if keep:
+    if keep or _temps.__dict__.get("fresh"):
         stats = _empty(count, dtype=_F32, device=device)
         return stats, stats.data_ptr()
     return None, _stats_sink(device, count)
