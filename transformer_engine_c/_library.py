@@ -9,7 +9,7 @@ by name (a layer by the key it was registered under).
                                     forward and backward (module/_opcall.py),
                                     so a compiled layer runs the eager steps
   tec::norm_fwd / tec::norm_bwd     LayerNorm and RMSNorm (the engine's kernels)
-  tec::gemm                         a GEMM of GroupedLinear's
+  tec::gemm                         a GEMM (GroupedLinear's)
 
 Eager calls go straight to the engine (the dispatcher's cost is not paid
 there); a layer takes these operators while torch.compile traces it.
@@ -52,147 +52,179 @@ def first_mb_code(is_first_microbatch):
 
 # A layer call's tensors cross as a list of those given and, beside it, which
 # of the Function's arguments they are (`given`): None has no place in a
-# tensor list that autograd differentiates.
+# tensor list. The operators are defined with torch.library.Library and
+# their kernels registered for every backend (CompositeExplicitAutograd):
+# a compiled graph calls them through the dispatcher with nothing else in
+# between. Their gradients are the autograd Functions below, which
+# torch.compile traces into the graph's backward.
+
+_LIB = torch.library.Library("tec", "DEF")
+
+
+def _define(schema, impl, fake):
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tec::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.tec, name).default
+
 
 def _expand(tensors, given):
     it = iter(tensors)
     return [next(it) if g else None for g in given]
 
 
-@torch.library.custom_op("tec::layer_fwd", mutates_args=())
-def layer_fwd(key: str, tensors: List[Tensor], given: List[bool], first_mb: int, grad: bool,
-              fp8: bool) -> List[Tensor]:
+def _layer_fwd(key, tensors, given, first_mb, grad, fp8):
     return _layer(key)._op_forward(_expand(tensors, given), first_mb, grad, fp8)
 
 
-@layer_fwd.register_fake
-def _(key, tensors, given, first_mb, grad, fp8):
+def _layer_fwd_fake(key, tensors, given, first_mb, grad, fp8):
     return _layer(key)._op_forward_fake(_expand(tensors, given), grad, fp8)
 
 
-@torch.library.custom_op("tec::layer_bwd", mutates_args=())
-def layer_bwd(key: str, tensors: List[Tensor], given: List[bool], saved: List[Tensor],
-              grads: List[Optional[Tensor]], needs: List[bool], first_mb: int, fp8: bool) -> List[Tensor]:
-    return _layer(key)._op_backward(_expand(tensors, given), saved, grads, _expand(needs, given), first_mb, fp8)
+def _layer_bwd(key, tensors, given, saved, grads, needs, first_mb, fp8):
+    """The gradient of each given tensor, or an empty [0] where it has none."""
+    layer = _layer(key)
+    args = _expand(tensors, given)
+    got = iter(layer._op_backward(args, saved, grads, _expand(needs, given), first_mb, fp8))
+    present = layer._op_grads_present(args, _expand(needs, given))
+    return [next(got) if want else t.new_empty(0) for t, want in zip(tensors, _given(present, given))]
 
 
-@layer_bwd.register_fake
-def _(key, tensors, given, saved, grads, needs, first_mb, fp8):
-    return _layer(key)._op_backward_fake(_expand(tensors, given), _expand(needs, given))
+def _layer_bwd_fake(key, tensors, given, saved, grads, needs, first_mb, fp8):
+    layer = _layer(key)
+    present = layer._op_grads_present(_expand(tensors, given), _expand(needs, given))
+    return [torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, _given(present, given))]
 
 
-def _layer_setup(ctx, inputs, output):
-    key, tensors, given, first_mb, grad, fp8 = inputs
-    n = _layer(key)._op_noutputs()
-    ctx.key, ctx.given, ctx.first_mb, ctx.nargs, ctx.n, ctx.fp8 = key, given, first_mb, len(tensors), n, fp8
-    ctx.save_for_backward(*tensors, *output[n:])
-    ctx.mark_non_differentiable(*output[n:])
-    ctx.set_materialize_grads(False)
+def _given(values, given):
+    return [v for v, g in zip(values, given) if g]
 
 
-def _layer_backward(ctx, grads):
-    saved = ctx.saved_tensors
-    tensors, new = list(saved[:ctx.nargs]), list(saved[ctx.nargs:])
-    needs = [bool(n) for n in ctx.needs_input_grad[1]]
-    got = layer_bwd(ctx.key, tensors, ctx.given, new, list(grads[:ctx.n]), needs, ctx.first_mb, ctx.fp8)
-    present = _layer(ctx.key)._op_grads_present(_expand(tensors, ctx.given), _expand(needs, ctx.given))
-    it = iter(got)
-    full = [next(it) if want else None for want in present]
-    return None, [g for g, a in zip(full, ctx.given) if a], None, None, None, None
+layer_fwd = _define("layer_fwd(str key, Tensor[] tensors, bool[] given, int first_mb, bool grad, bool fp8) "
+                    "-> Tensor[]", _layer_fwd, _layer_fwd_fake)
+layer_bwd = _define("layer_bwd(str key, Tensor[] tensors, bool[] given, Tensor[] saved, Tensor?[] grads, "
+                    "bool[] needs, int first_mb, bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
 
 
-layer_fwd.register_autograd(_layer_backward, setup_context=_layer_setup)
+class _LayerCall(torch.autograd.Function):
+    """One layer call through tec::layer_fwd, its gradient through tec::layer_bwd."""
+
+    @staticmethod
+    def forward(ctx, key, given, first_mb, grad, fp8, n, *tensors):
+        outs = layer_fwd(key, list(tensors), given, first_mb, grad, fp8)
+        ctx.key, ctx.given, ctx.first_mb, ctx.fp8, ctx.n, ctx.nargs = key, given, first_mb, fp8, n, len(tensors)
+        ctx.save_for_backward(*tensors, *outs[n:])
+        ctx.mark_non_differentiable(*outs[n:])
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        tensors, new = saved[:ctx.nargs], saved[ctx.nargs:]
+        needs = list(ctx.needs_input_grad[6:])
+        got = layer_bwd(ctx.key, list(tensors), ctx.given, list(new), list(grads[:ctx.n]), needs, ctx.first_mb,
+                        ctx.fp8)
+        return (None,) * 6 + tuple(g if g.shape == t.shape else None for g, t in zip(got, tensors))
 
 
 def layer_call(layer, args, is_first_microbatch, fp8):
     """One traced layer call: the Function's outputs (2-D). fp8: the call
     runs inside an FP8 autocast (read while tracing: a guard of the graph)."""
-    outs = layer_fwd(layer._op_key, [a for a in args if a is not None], [a is not None for a in args],
-                     first_mb_code(is_first_microbatch), torch.is_grad_enabled(), fp8)
-    return outs[:layer._op_noutputs()]
+    n = layer._op_noutputs()
+    outs = _LayerCall.apply(layer._op_key, [a is not None for a in args], first_mb_code(is_first_microbatch),
+                            torch.is_grad_enabled(), fp8, n, *[a for a in args if a is not None])
+    return outs[:n]
 
 
 # ---------------------------------------------------------------- norms
 
-@torch.library.custom_op("tec::norm_fwd", mutates_args=())
-def norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
-             zero_centered_gamma: bool) -> List[Tensor]:
+def _norm_fwd(x, weight, bias, eps, zero_centered_gamma):
     """(y, mu, rsigma) of a 2-D x; mu is empty for RMSNorm (no bias)."""
     y, mu, rsigma = _engine.norm_fwd(x, weight, bias, eps, zero_centered_gamma)
-    return [y, rsigma.new_empty(0) if mu is None else mu, rsigma]
+    return y, rsigma.new_empty(0) if mu is None else mu, rsigma
 
 
-@norm_fwd.register_fake
-def _(x, weight, bias, eps, zero_centered_gamma):
+def _norm_fwd_fake(x, weight, bias, eps, zero_centered_gamma):
     rows = x.shape[0]
-    stats = (lambda n: x.new_empty(n, dtype=torch.float32))
-    return [torch.empty_like(x), stats(0 if bias is None else rows), stats(rows)]
+    return (torch.empty_like(x), x.new_empty(0 if bias is None else rows, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32))
 
 
-@torch.library.custom_op("tec::norm_bwd", mutates_args=())
-def norm_bwd(dy: Tensor, x: Tensor, mu: Tensor, rsigma: Tensor, weight: Tensor, zero_centered_gamma: bool,
-             with_dbeta: bool) -> List[Tensor]:
+def _norm_bwd(dy, x, mu, rsigma, weight, zero_centered_gamma, with_dbeta):
     """(dx, dgamma, dbeta) (dbeta empty without with_dbeta)."""
     dx, dgamma, dbeta = _engine.norm_bwd(dy, x, mu if with_dbeta else None, rsigma, weight, zero_centered_gamma,
                                          with_dbeta=with_dbeta)
-    return [dx, dgamma, dgamma.new_empty(0) if dbeta is None else dbeta]
+    return dx, dgamma, dgamma.new_empty(0) if dbeta is None else dbeta
 
 
-@norm_bwd.register_fake
-def _(dy, x, mu, rsigma, weight, zero_centered_gamma, with_dbeta):
-    return [torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight) if with_dbeta
-            else weight.new_empty(0)]
+def _norm_bwd_fake(dy, x, mu, rsigma, weight, zero_centered_gamma, with_dbeta):
+    return torch.empty_like(x), torch.empty_like(weight), (torch.empty_like(weight) if with_dbeta
+                                                           else weight.new_empty(0))
 
 
-def _norm_setup(ctx, inputs, output):
-    x, weight, bias, eps, zcg = inputs
-    ctx.save_for_backward(x, output[1], output[2], weight)
-    ctx.zcg, ctx.has_bias = zcg, bias is not None
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
+norm_fwd_op = _define("norm_fwd(Tensor x, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma) "
+                      "-> (Tensor, Tensor, Tensor)", _norm_fwd, _norm_fwd_fake)
+norm_bwd_op = _define("norm_bwd(Tensor dy, Tensor x, Tensor mu, Tensor rsigma, Tensor weight, "
+                      "bool zero_centered_gamma, bool with_dbeta) -> (Tensor, Tensor, Tensor)", _norm_bwd,
+                      _norm_bwd_fake)
 
 
-def _norm_backward(ctx, grads):
-    x, mu, rsigma, weight = ctx.saved_tensors
-    dy = grads[0].contiguous()
-    dx, dgamma, dbeta = norm_bwd(dy, x, mu, rsigma, weight, ctx.zcg, ctx.has_bias)
-    return dx, dgamma, dbeta if ctx.has_bias else None, None, None
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, zcg):
+        y, mu, rsigma = norm_fwd_op(x, weight, bias, eps, zcg)
+        ctx.save_for_backward(x, mu, rsigma, weight)
+        ctx.zcg, ctx.has_bias = zcg, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, mu, rsigma, weight = ctx.saved_tensors
+        dx, dgamma, dbeta = norm_bwd_op(dy.contiguous(), x, mu, rsigma, weight, ctx.zcg, ctx.has_bias)
+        return dx, dgamma, dbeta if ctx.has_bias else None, None, None
 
 
-norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
+def norm(x, weight, bias, eps, zero_centered_gamma):
+    """LayerNorm (bias given) or RMSNorm of a 2-D x through tec::norm_fwd / norm_bwd."""
+    return _Norm.apply(x, weight, bias, eps, zero_centered_gamma)
 
 
 # ---------------------------------------------------------------- GEMMs
 
-@torch.library.custom_op("tec::gemm", mutates_args=())
-def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor], transa: bool, transb: bool) -> Tensor:
+def _gemm(a, b, bias, transa, transb):
     """op(a) @ op(b) (+ bias) in the engine (_engine.gemm)."""
     return _engine.gemm(a.contiguous(), b.contiguous(), transa=transa, transb=transb, bias=bias)
 
 
-@gemm.register_fake
-def _(a, b, bias, transa, transb):
+def _gemm_fake(a, b, bias, transa, transb):
     m = a.shape[1] if transa else a.shape[0]
     n = b.shape[0] if transb else b.shape[1]
     return a.new_empty(m, n)
 
 
-def _gemm_setup(ctx, inputs, output):
-    a, b, bias, transa, transb = inputs
-    if transa or not transb:
-        raise NotImplementedError("tec::gemm differentiates x @ w^T (+ bias) only")
-    ctx.save_for_backward(a, b)
-    ctx.has_bias = bias is not None
+gemm_op = _define("gemm(Tensor a, Tensor b, Tensor? bias, bool transa, bool transb) -> Tensor", _gemm, _gemm_fake)
 
 
-def _gemm_backward(ctx, dy):
-    x, w = ctx.saved_tensors
-    dy = dy.contiguous()
-    need = ctx.needs_input_grad
-    dx = gemm(dy, w, None, False, False) if need[0] else None
-    dw = gemm(dy, x, None, True, False) if need[1] else None
-    db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and need[2] else None
-    return dx, dw, db, None, None
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        return gemm_op(x, w, bias, False, True)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        need = ctx.needs_input_grad
+        dx = gemm_op(dy, w, None, False, False) if need[0] else None
+        dw = gemm_op(dy, x, None, True, False) if need[1] else None
+        db = dy.sum(0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and need[2] else None
+        return dx, dw, db
 
 
-gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+def linear(x, w, bias=None):
+    """x @ w^T (+ bias) through tec::gemm, differentiable."""
+    return _Linear.apply(x, w, bias)

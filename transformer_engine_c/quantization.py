@@ -129,6 +129,7 @@ class FP8GlobalStateManager:
     def reset(cls):
         """Back to the state at import (tests; after a failed step)."""
         cls.FP8_ENABLED = cls.FP8_CALIBRATION = cls.FP8_PARAMETERS = cls.HIGH_PRECISION_INIT_VAL = False
+        _mirror(cls)
         cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = None
         cls.IS_FIRST_FP8_MODULE = cls.FP8_GRAPH_CAPTURING = False
         cls.AUTOCAST_DEPTH = 0
@@ -255,6 +256,7 @@ class FP8GlobalStateManager:
     def set_autocast_state(cls, state):
         (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
          cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING) = state
+        _mirror(cls)
 
     # TE's older names
     get_fp8_autocast_state = get_autocast_state
@@ -278,6 +280,7 @@ class FP8GlobalStateManager:
         cls.autocast_arguments[cls.get_unique_autocast_key(recipe, fp8_group)] = (recipe, fp8_group)
         cls.FP8_ENABLED = bool(enabled)
         cls.FP8_CALIBRATION = bool(calibrating)
+        _mirror(cls)
         cls.FP8_RECIPE = recipe
         cls.FP8_DISTRIBUTED_GROUP = fp8_group
         cls.FP8_GRAPH_CAPTURING = bool(_graph)
@@ -383,6 +386,17 @@ def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=
 def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False):
     """TE's older name of autocast (fp8_recipe, fp8_group)."""
     return _Autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)
+
+
+# FP8_ENABLED mirrored in a module global: torch.compile reads it while
+# tracing a layer, and a module global's value is a guard of the compiled
+# graph on every torch (a class attribute's is not on torch 2.8).
+fp8_enabled = False
+
+
+def _mirror(state):
+    global fp8_enabled
+    fp8_enabled = bool(state.FP8_ENABLED)
 
 
 class _Autocast(contextlib.ContextDecorator):

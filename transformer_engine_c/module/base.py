@@ -32,6 +32,7 @@ from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8Blockwi
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8ParamQuantizer, Float8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
 from .. import _library
+from .. import quantization as _quantization
 from . import _extra_state, _opcall
 from ._config import TPConfig, UBConfig, check_same_size
 from ._plan import PLAN_ATTRS, LinearPlan
@@ -477,7 +478,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         if self.fuse_wgrad_accumulation and len(getattr(self, "weight_names", ())) > 1:
             raise NotImplementedError(f"{type(self).__name__}: fuse_wgrad_accumulation with parameters_split "
                                       "cannot be traced by torch.compile")
-        fp8 = bool(_FP8State.FP8_ENABLED)
+        fp8 = _quantization.fp8_enabled
         return _library.layer_call(self, args, is_first_microbatch, fp8)
 
     def _op_forward(self, args, first_mb, grad, fp8):

@@ -167,7 +167,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         ys = []
         for i, xi in enumerate(torch.split(x, m_splits)):
             b = biases[i].to(dtype) if self.apply_bias else None
-            ys.append(_library.gemm(xi, weights[i].to(dtype), b, False, True))
+            ys.append(_library.linear(xi, weights[i].to(dtype), b))
         return torch.cat(ys)
 
     def forward(self, inp, m_splits, is_first_microbatch=None):

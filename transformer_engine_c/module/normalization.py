@@ -112,8 +112,8 @@ class _Norm(ExtraStateMixin, torch.nn.Module):
             b = b.to(x.dtype)
         if torch.compiler.is_compiling():  # the registered operator (transformer_engine_c/_library.py)
             shape = x.shape
-            y = _library.norm_fwd(x.reshape(-1, shape[-1]).contiguous(), w, b, float(self.eps),
-                                  bool(self.zero_centered_gamma))[0]
+            y = _library.norm(x.reshape(-1, shape[-1]).contiguous(), w, b, float(self.eps),
+                              bool(self.zero_centered_gamma))
             return y.view(shape)
         with torch.autocast(x.device.type, enabled=False):
             return _NormFn.apply(x, w, b, self.eps, self.zero_centered_gamma)
