@@ -13,7 +13,7 @@ _C._init(torch.Tensor, torch.nn.Parameter)
 from . import debug, fp8, module, ops, quantization, recipe, router, tensor  # noqa: E402,F401
 from ._C import CommTimeoutError, EngineError  # noqa: E402
 from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_saved  # noqa: E402
-from .alias import install_as_transformer_engine  # noqa: E402
+from ._alias import install_as_transformer_engine  # noqa: E402
 from .attention import DotProductAttention  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .distributed import allreduce_sequence_parallel_grads, set_collectives  # noqa: E402
@@ -34,3 +34,12 @@ __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTime
            "allreduce_sequence_parallel_grads", "set_collectives", "autocast", "fp8_autocast", "fp8_model_init",
            "quantized_model_init", "make_graphed_callables", "install_as_transformer_engine", "LayerNorm",
            "RMSNorm", "DotProductAttention", "GroupedLinear"]
+
+
+def __getattr__(name):
+    # `alias` is imported on first use, not with the package, so that
+    # `python -m transformer_engine_c.alias` finds it not yet imported
+    if name == "alias":
+        import importlib
+        return importlib.import_module(".alias", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
