@@ -495,6 +495,31 @@ def test_malicious_pickle_is_refused_and_not_run(payload, refused, tmp_path):
     assert not marker.exists()
 
 
+def test_unsafe_pickle_opt_in(monkeypatch):
+    """TE's NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1: what the restricted
+    unpickler refuses is loaded by the full unpickler (a trusted checkpoint;
+    the refusal names the variable). The state is then checked as always."""
+    import fractions
+    from transformer_engine_c._extra_state import UNSAFE_PICKLE_EXTRA_STATE_ENV
+    assert UNSAFE_PICKLE_EXTRA_STATE_ENV == "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+    state = {**scaling_state(1, 4), "recipe": DelayedScaling(amax_history_len=4),
+             "extra_fp8_variables": {"note": fractions.Fraction(1, 3), "kept": 5}}
+    layer = te.Linear(16, 16, device="cpu")
+    sd = {**layer.state_dict(), "_extra_state": as_tensor(pickle.dumps(state))}
+    monkeypatch.delenv(UNSAFE_PICKLE_EXTRA_STATE_ENV, raising=False)
+    with pytest.raises(pickle.UnpicklingError, match=f"fractions.Fraction.*{UNSAFE_PICKLE_EXTRA_STATE_ENV}=1"):
+        layer.load_state_dict(sd, strict=True)
+    monkeypatch.setenv(UNSAFE_PICKLE_EXTRA_STATE_ENV, "1")
+    layer.load_state_dict(sd, strict=True)
+    meta = layer.fp8_meta
+    assert isinstance(meta["recipe"], DelayedScaling) and meta["recipe"].amax_history_len == 4
+    assert meta["kept"] == 5 and "note" not in meta  # only plain values join the fp8_meta
+    torch.testing.assert_close(meta["scaling_fwd"].scale, state["scale_fwd"])
+    monkeypatch.setenv(UNSAFE_PICKLE_EXTRA_STATE_ENV, "true")  # TE's rule: only "1" opts in
+    with pytest.raises(pickle.UnpicklingError):
+        layer.load_state_dict(sd, strict=True)
+
+
 def test_plain_pickle_of_tensors_uses_only_the_allowed_globals():
     """The tensor-rebuild globals plain pickle writes for CPU tensors
     (every protocol) are the ones the unpickler builds."""
