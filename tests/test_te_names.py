@@ -252,7 +252,7 @@ def test_parameters_split(split):
     in _weight / _bias, trailing underscores stripped) acting as one GEMM."""
     m = te.Linear(8, 12, parameters_split=split, device="cpu", name="qkv")
     names = [n for n, _ in m.named_parameters()]
-    assert names == ["query_weight", "query_bias", "key_weight", "key_bias", "value_weight", "value_bias"], names
+    assert names == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"], names
     if isinstance(split, dict):
         assert [tuple(getattr(m, f"{k}_weight").shape) for k in split] == [(4, 8), (2, 8), (6, 8)]
     with torch.no_grad():
@@ -416,3 +416,58 @@ print("OK")
     env = dict(os.environ, PYTHONPATH=root)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# TE 2.x's parameter registration order (its module constructors: the norm's
+# parameters first, then each GEMM's; a split Linear's weights, then its
+# biases; GroupedLinear's weight{i}, bias{i} per GEMM), which is also the
+# state_dict's, followed by _extra_state.
+PARAM_ORDER = [
+    (lambda: te.Linear(16, 8, device="cpu"), ["weight", "bias"]),
+    (lambda: te.Linear(16, 8, bias=False, device="cpu"), ["weight"]),
+    (lambda: te.Linear(16, 12, parameters_split=("q", "k", "v"), device="cpu"),
+     ["q_weight", "k_weight", "v_weight", "q_bias", "k_bias", "v_bias"]),
+    (lambda: te.LayerNormLinear(16, 8, device="cpu"), ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]),
+    (lambda: te.LayerNormLinear(16, 8, normalization="RMSNorm", bias=False, device="cpu"),
+     ["layer_norm_weight", "weight"]),
+    (lambda: te.LayerNormLinear(16, 12, parameters_split={"q": 4, "kv": 8}, device="cpu"),
+     ["layer_norm_weight", "layer_norm_bias", "q_weight", "kv_weight", "q_bias", "kv_bias"]),
+    (lambda: te.LayerNormMLP(16, 32, device="cpu"),
+     ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]),
+    (lambda: te.LayerNormMLP(16, 32, activation="swiglu", device="cpu"),
+     ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]),
+    (lambda: te.LayerNormMLP(16, 32, normalization="RMSNorm", bias=False, device="cpu"),
+     ["layer_norm_weight", "fc1_weight", "fc2_weight"]),
+    (lambda: te.LayerNorm(16, device="cpu"), ["weight", "bias"]),
+    (lambda: te.RMSNorm(16, device="cpu"), ["weight"]),
+    (lambda: te.GroupedLinear(3, 16, 8, device="cpu"), ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]),
+    (lambda: te.GroupedLinear(2, 16, 8, bias=False, device="cpu"), ["weight0", "weight1"]),
+]
+
+
+@pytest.mark.parametrize("make,order", PARAM_ORDER, ids=lambda v: None if callable(v) else "-".join(v[:3]))
+def test_parameter_order_is_te(make, order):
+    m = make()
+    assert [n for n, _ in m.named_parameters()] == order
+    assert list(m.state_dict()) == order + ["_extra_state"]
+    # a state_dict saved by another instance loads, strict, and the order survives it
+    other = make()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn_like(p))
+    m.load_state_dict(other.state_dict(), strict=True)
+    assert [n for n, _ in m.named_parameters()] == order
+    for (n, p), (_, q) in zip(m.named_parameters(), other.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+def test_parameter_order_with_fp8_weights(recipe):
+    """FP8 primary weights replace the weights in place: TE's order stays."""
+    with te.quantized_model_init(enabled=True, recipe=getattr(te.recipe, recipe)()):
+        m = te.LayerNormMLP(16, 32, device="cpu")
+        lin = te.Linear(16, 32, parameters_split=("a", "b"), device="cpu")
+    assert [n for n, _ in m.named_parameters()] == PARAM_ORDER[6][1]
+    assert type(m.fc1_weight).__name__ == "Float8Tensor" and type(m.fc2_weight).__name__ == "Float8Tensor"
+    assert [n for n, _ in lin.named_parameters()] == ["a_weight", "b_weight", "a_bias", "b_bias"]
+
