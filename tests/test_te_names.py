@@ -471,3 +471,36 @@ def test_parameter_order_with_fp8_weights(recipe):
     assert type(m.fc1_weight).__name__ == "Float8Tensor" and type(m.fc2_weight).__name__ == "Float8Tensor"
     assert [n for n, _ in lin.named_parameters()] == ["a_weight", "b_weight", "a_bias", "b_bias"]
 
+
+TE_MODULES = [lambda: te.Linear(16, 16, device="cpu"), lambda: te.LayerNormLinear(16, 16, device="cpu"),
+              lambda: te.LayerNormMLP(16, 32, device="cpu"), lambda: te.GroupedLinear(2, 16, 16, device="cpu"),
+              lambda: te.DotProductAttention(2, 8)]
+
+
+@pytest.mark.parametrize("make", TE_MODULES)
+def test_fp8_meta_from_construction(make):
+    """TE's modules (TransformerEngineBaseModule's) have fp8_meta from their
+    constructor: fp8_checkpoint False and fp8_group None, no tensors yet."""
+    m = make()
+    assert m.fp8_meta == {"fp8_checkpoint": False, "fp8_group": None}
+    assert m.state_dict()["_extra_state"].numel() == 0  # nothing to save yet, as TE
+    assert te.LayerNorm(16).__dict__.get("fp8_meta") is None  # TE's norms are operations, without one
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+def test_fp8_meta_after_an_fp8_call(recipe):
+    m = te.Linear(16, 16, device="cpu")
+    meta = m.fp8_meta
+    r = getattr(te.recipe, recipe)()
+    with te.autocast(enabled=True, recipe=r):
+        m(torch.randn(16, 16)).sum().backward()
+    meta = m.fp8_meta
+    assert meta["recipe"] is r and meta["fp8_checkpoint"] is True and meta["fp8_group"] is None
+    if recipe == "DelayedScaling":  # TE's delayed-scaling layout, made at the first FP8 call
+        assert meta["num_gemms"] == 1 and meta["fp8_max_fwd"] == 448.0
+        assert meta["scaling_fwd"].scale.shape == (3,) and meta["scaling_bwd"].amax_history.shape == (1024, 2)
+    extra = te.module._extra_state.loads(bytes(m.state_dict()["_extra_state"].tolist()))
+    assert extra["extra_fp8_variables"]["fp8_checkpoint"] is True
+    fresh = te.Linear(16, 16, device="cpu")
+    fresh.load_state_dict(m.state_dict())
+    assert fresh.fp8_meta["recipe"] == r

@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from .. import recipe as _recipe
-from .._fp8_meta import fit_history, make_fp8_meta, module_device
+from .._fp8_meta import fit_history, initial_fp8_meta, make_fp8_meta, module_device
 
 __all__ = ["get_extra_state", "set_extra_state", "loads", "UNSAFE_PICKLE_EXTRA_STATE_ENV",
            "unsafe_pickle_extra_state_enabled"]
@@ -274,7 +274,7 @@ def set_extra_state(module, state):
                 m.amax_history.copy_(fit_history(scaling[f"amax_history_{d}"], recipe.amax_history_len))
     else:
         if meta is None or "scaling_fwd" in meta:
-            meta = module.fp8_meta = {"recipe": recipe, "fp8_group": None}
+            meta = module.fp8_meta = initial_fp8_meta()
         meta["recipe"] = recipe
     meta.update({k: v for k, v in extra.items()
                  if isinstance(k, str) and k not in _OWNED_KEYS and isinstance(v, _PLAIN)})
@@ -299,7 +299,7 @@ def get_extra_state(module):
         for key, p, piece in zip(_SCALING_KEYS, parts, flat.split([p.numel() for p in parts])):
             state[key] = piece.view(p.shape).clone()  # each its own storage, pickled once
     extra = {k: v for k, v in meta.items() if k != "buffer_index_and_autocast_key" and isinstance(v, _PLAIN)}
-    extra.setdefault("fp8_checkpoint", True)  # TE's flag: the module has FP8 state to save
+    extra["fp8_checkpoint"] = True  # TE's flag: the module has FP8 state to save
     state["extra_fp8_variables"] = extra
     try:
         data = pickle.dumps(state)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
-from .._fp8_meta import fp8_dtype_of, make_fp8_meta
+from .._fp8_meta import fp8_dtype_of, initial_fp8_meta, make_fp8_meta
 from ..quantization import FP8GlobalStateManager as _FP8State
 from ..recipe import DelayedScaling, Float8BlockScaling
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
@@ -251,6 +251,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         self._wgrads = []            # the WeightGrads of the layer's GEMMs (backward_dw's order)
         self._wgrad_hooks = []
         self._gathered = {}          # id(DistributedWeight) -> (it, the full weight) for is_first_microbatch
+        self.fp8_meta = initial_fp8_meta()  # TE's; its FP8 state joins at the first FP8 call
 
     # -- construction -------------------------------------------------------
 
