@@ -107,6 +107,53 @@ def test_alias_runner_runs_a_script_and_a_module(tmp_path):
     assert out.returncode == 0 and "json.tool" in out.stdout, out.stderr[-3000:]
 
 
+
+def test_alias_pythonpath_prints_only_the_path():
+    """`--pythonpath` goes into shell substitutions: nothing on stderr (no
+    runpy warning about the module being imported already), with or without
+    the environment form already on."""
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    e.pop("TEC_AS_TRANSFORMER_ENGINE", None)
+    for env in (e, dict(e, TEC_AS_TRANSFORMER_ENGINE="1", PYTHONPATH=os.pathsep.join([te.alias.site_dir(), ROOT]))):
+        out = subprocess.run([sys.executable, "-W", "always", "-m", "transformer_engine_c.alias", "--pythonpath"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+        assert out.stdout == te.alias.site_dir() + "\n"
+
+
+def test_alias_provides_te_distribution_metadata():
+    """importlib.metadata sees a `transformer-engine` distribution at the TE
+    API version only while the alias is installed (what Accelerate and
+    packaging-based version checks read)."""
+    proc = run_py("""
+import importlib.metadata as md, importlib.util
+import transformer_engine_c as t
+def version():
+    try:
+        return md.version("transformer-engine")
+    except md.PackageNotFoundError:
+        return None
+assert version() is None
+t.install_as_transformer_engine()
+assert version() == t.alias.TE_API_VERSION == "2.9.0"
+assert md.version("transformer_engine") == md.version("Transformer.Engine") == "2.9.0"
+assert md.metadata("transformer-engine")["Name"] == "transformer-engine"
+assert md.distribution("transformer-engine").files is None
+assert "transformer-engine" in md.packages_distributions().get("transformer_engine", [])
+assert importlib.util.find_spec("transformer_engine") is not None
+try:
+    from packaging.version import Version
+except ImportError:
+    pass
+else:
+    assert Version(version()) >= Version("2.9") and Version(version()) < Version("3")
+t.alias.uninstall_transformer_engine_alias()
+assert version() is None
+print("OK")
+""")
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- _extra_state
 
 # TE's state_dict keys for each module (its parameter names, and _extra_state)

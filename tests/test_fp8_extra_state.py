@@ -32,6 +32,15 @@ NUM_GEMMS = {"Linear": 1, "LayerNormLinear": 1, "LayerNormMLP": 2}
 OUT_FEATURES = {"Linear": 32, "LayerNormLinear": 32, "LayerNormMLP": 16}
 
 
+def no_fp8_state(m):
+    """The module holds no FP8 state: TE's fp8_meta from construction (the
+    norms, as TE's, have none)."""
+    meta = getattr(m, "fp8_meta", None)
+    if isinstance(m, (te.LayerNorm, te.RMSNorm)):
+        return meta is None
+    return meta == {"fp8_checkpoint": False, "fp8_group": None}
+
+
 def as_tensor(b):
     return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
@@ -94,7 +103,7 @@ def test_delayed_scaling_round_trip(name, device):
     assert state["extra_fp8_variables"]["num_gemms"] == n
     # into a fresh layer, strict, through torch.save / torch.load(weights_only=True)
     dst = LAYERS[name](device)
-    assert getattr(dst, "fp8_meta", None) is None
+    assert no_fp8_state(dst)
     dst.load_state_dict(through_torch_save(sd), strict=True)
     assert_same_meta(src.fp8_meta, dst.fp8_meta)
     # and saved again, the same state
@@ -125,7 +134,7 @@ def test_without_fp8_state_strict_loading(name):
     sd = src.state_dict()
     assert sd["_extra_state"].numel() == 0
     dst.load_state_dict(through_torch_save(sd), strict=True)
-    assert getattr(dst, "fp8_meta", None) is None
+    assert no_fp8_state(dst)
     # a layer with FP8 state keeps it when the checkpoint has none (TE: nothing to load)
     meta = fabricate(dst, DelayedScaling(amax_history_len=2), "cpu")
     dst.load_state_dict(sd, strict=True)
@@ -299,7 +308,7 @@ def test_empty_and_stateless_payloads_load_nothing():
     for payload in (None, torch.empty(0, dtype=torch.uint8), as_tensor(pickle.dumps(None)),
                     as_tensor(pickle.dumps({}))):
         layer.set_extra_state(payload)
-        assert getattr(layer, "fp8_meta", None) is None
+        assert no_fp8_state(layer)
 
 
 def test_bad_payloads():
@@ -320,7 +329,7 @@ def test_bad_payloads():
         r = DelayedScaling()
         r.__dict__["amax_history_len"] = 0
         layer.set_extra_state(as_tensor(pickle.dumps({**scaling_state(1, 2), "recipe": r})))
-    assert getattr(layer, "fp8_meta", None) is None
+    assert no_fp8_state(layer)
 
 
 @pytest.mark.parametrize("make", [lambda: te.LayerNorm(16, device="cpu"), lambda: te.RMSNorm(16, device="cpu"),
@@ -332,7 +341,7 @@ def test_modules_without_fp8_state_ignore_it_with_a_warning(make):
     sd = {**m.state_dict(), "_extra_state": as_tensor(pickle.dumps(state))}
     with pytest.warns(UserWarning, match="FP8 metadata .*DelayedScaling.*ignored"):
         m.load_state_dict(sd, strict=True)
-    assert getattr(m, "fp8_meta", None) is None and m.state_dict()["_extra_state"].numel() == 0
+    assert no_fp8_state(m) and m.state_dict()["_extra_state"].numel() == 0
     with pytest.raises(pickle.UnpicklingError, match="posix.system|nt.system"):  # still checked
         m.set_extra_state(as_tensor(pickle.dumps(Evil("true"))))
 
@@ -488,11 +497,36 @@ def test_malicious_pickle_is_refused_and_not_run(payload, refused, tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=refused):
         layer.load_state_dict(sd, strict=True)
     assert not marker.exists()
-    assert getattr(layer, "fp8_meta", None) is None
+    assert no_fp8_state(layer)
     # the refusal names the global for the format's globals too
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         X.loads(data)
     assert not marker.exists()
+
+
+def test_unsafe_pickle_opt_in(monkeypatch):
+    """TE's NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1: what the restricted
+    unpickler refuses is loaded by the full unpickler (a trusted checkpoint;
+    the refusal names the variable). The state is then checked as always."""
+    import fractions
+    from transformer_engine_c._extra_state import UNSAFE_PICKLE_EXTRA_STATE_ENV
+    assert UNSAFE_PICKLE_EXTRA_STATE_ENV == "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+    state = {**scaling_state(1, 4), "recipe": DelayedScaling(amax_history_len=4),
+             "extra_fp8_variables": {"note": fractions.Fraction(1, 3), "kept": 5}}
+    layer = te.Linear(16, 16, device="cpu")
+    sd = {**layer.state_dict(), "_extra_state": as_tensor(pickle.dumps(state))}
+    monkeypatch.delenv(UNSAFE_PICKLE_EXTRA_STATE_ENV, raising=False)
+    with pytest.raises(pickle.UnpicklingError, match=f"fractions.Fraction.*{UNSAFE_PICKLE_EXTRA_STATE_ENV}=1"):
+        layer.load_state_dict(sd, strict=True)
+    monkeypatch.setenv(UNSAFE_PICKLE_EXTRA_STATE_ENV, "1")
+    layer.load_state_dict(sd, strict=True)
+    meta = layer.fp8_meta
+    assert isinstance(meta["recipe"], DelayedScaling) and meta["recipe"].amax_history_len == 4
+    assert meta["kept"] == 5 and "note" not in meta  # only plain values join the fp8_meta
+    torch.testing.assert_close(meta["scaling_fwd"].scale, state["scale_fwd"])
+    monkeypatch.setenv(UNSAFE_PICKLE_EXTRA_STATE_ENV, "true")  # TE's rule: only "1" opts in
+    with pytest.raises(pickle.UnpicklingError):
+        layer.load_state_dict(sd, strict=True)
 
 
 def test_plain_pickle_of_tensors_uses_only_the_allowed_globals():

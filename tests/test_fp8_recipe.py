@@ -371,9 +371,9 @@ def test_fp8_on_an_old_gpu_raises(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "A100")
     ok, reason = G.is_fp8_available()
-    assert ok is False and "compute capability 8.9" in reason and "8.0" in reason
+    assert ok is False and "compute capability 8.9 or higher required" in reason and "8.0" in reason
     assert te.quantization.is_fp8_available() is False
-    with pytest.raises(RuntimeError, match="compute capability 8.9 or newer"):
+    with pytest.raises(RuntimeError, match="compute capability 8.9 or higher"):
         with te.autocast(enabled=True, recipe=DelayedScaling()):
             pass
     assert G.get_autocast_depth() == 0
@@ -384,8 +384,7 @@ def test_fp8_on_an_old_gpu_raises(monkeypatch):
 
 def test_fp8_on_the_cpu_is_emulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    ok, reason = G.is_fp8_available()
-    assert ok is True and "emulated on the CPU" in reason
+    assert G.is_fp8_available() == (True, "")  # TE's answer when available: an empty reason
 
 
 def test_autocast_key_follows_a_changed_recipe():

@@ -6,6 +6,9 @@ plain data, UserBufferQuantizationMode, restore_from_saved /
 restore_from_func_ctx with TE's signatures, symmetric_ar_type, and ub_* flags
 that do not apply to a layer (ignored, at most one warning)."""
 import inspect
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -114,8 +117,8 @@ def test_recipes_take_te_fields():
 def test_fp8_global_state():
     ok, reason = te.fp8.FP8GlobalStateManager.is_fp8_available()
     assert isinstance(ok, bool) and isinstance(reason, str)
-    if not torch.cuda.is_available():
-        assert ok is True and "emulated on the CPU" in reason
+    if not torch.cuda.is_available():  # emulated on the CPU: available, TE's empty reason
+        assert ok is True and reason == ""
     assert te.fp8.FP8GlobalStateManager.is_fp8_enabled() is False
     with te.fp8_autocast(enabled=True):
         assert te.fp8.FP8GlobalStateManager.is_fp8_enabled() is True
@@ -249,7 +252,7 @@ def test_parameters_split(split):
     in _weight / _bias, trailing underscores stripped) acting as one GEMM."""
     m = te.Linear(8, 12, parameters_split=split, device="cpu", name="qkv")
     names = [n for n, _ in m.named_parameters()]
-    assert names == ["query_weight", "query_bias", "key_weight", "key_bias", "value_weight", "value_bias"], names
+    assert names == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"], names
     if isinstance(split, dict):
         assert [tuple(getattr(m, f"{k}_weight").shape) for k in split] == [(4, 8), (2, 8), (6, 8)]
     with torch.no_grad():
@@ -264,3 +267,240 @@ def test_parameters_split(split):
     y.backward(torch.ones_like(y))
     assert torch.allclose(m.key_bias.grad, torch.full_like(m.key_bias, 5.0))
     assert m.name == "qkv"
+
+
+# ------------------------------------------------- names TE's test_numerics.py and Accelerate import
+
+def test_utils_init_methods_and_mask_func():
+    torch.manual_seed(0)
+    w = torch.empty(400, 500)
+    assert te.utils.init_method_normal(0.02)(w) is w
+    assert abs(w.std().item() - 0.02) < 0.02 * 0.02 and abs(w.mean().item()) < 1e-3
+    te.utils.scaled_init_method_normal(0.02, 8)(w)  # N(0, sigma / sqrt(2 * num_layers))
+    assert abs(w.std().item() - 0.02 / 4) < 0.02 / 4 * 0.02
+    scores = torch.randn(2, 3, 4, 4)
+    mask = torch.rand(2, 1, 4, 4) > 0.5
+    out = te.utils.attention_mask_func(scores, mask)
+    assert out is scores  # in place, as TE's
+    assert (scores[mask.expand_as(scores)] == -10000.0).all() and (scores[~mask.expand_as(scores)] != -10000.0).all()
+
+
+def test_device_queries():
+    cc = te.get_device_compute_capability()
+    assert isinstance(cc, tuple) and len(cc) == 2
+    if torch.cuda.is_available():
+        assert cc == torch.cuda.get_device_capability()
+        assert te.is_bf16_available() is (cc[0] >= 8)
+    else:  # the CPU: no compute capability; bf16 computed by the CPU engine
+        assert cc == (0, 0) and not cc >= (8, 0)
+        assert te.is_bf16_available() is True and te.is_bf16_available(return_reason=True) == (True, "")
+
+
+def _as_gpu(monkeypatch, cc, cuda="13.0", name="NVIDIA H200"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cc)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+
+
+MXFP8_TE = "Device compute capability 10.0 or higher required for MXFP8 execution."
+BLOCK_TE = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
+
+
+def test_support_checks_answer_as_te_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fp8 = te.fp8
+    assert fp8.check_fp8_support() == (True, "")  # FP8 emulated on the CPU; TE's empty reason when available
+    assert fp8.check_fp8_block_scaling_support() == (True, "")
+    assert fp8.check_mxfp8_support() == (False, MXFP8_TE)
+    assert fp8.check_nvfp4_support()[0] is False
+    assert te.is_fp8_available(return_reason=True) == (True, "") and te.is_mxfp8_available() is False
+    assert te.is_fp8_block_scaling_available() is True and te.is_nvfp4_available() is False
+    G = fp8.FP8GlobalStateManager
+    assert G.is_mxfp8_available() == (False, MXFP8_TE) and G.is_fp8_available() == (True, "")
+
+
+def test_support_checks_answer_as_te_on_an_h200(monkeypatch):
+    _as_gpu(monkeypatch, (9, 0))
+    fp8 = te.fp8
+    assert fp8.check_fp8_support() == (True, "")
+    assert fp8.check_fp8_block_scaling_support() == (True, "")
+    assert fp8.check_mxfp8_support() == (False, MXFP8_TE)  # Accelerate reads this for use_mxfp8_block_scaling
+    assert isinstance(fp8.get_default_fp8_recipe(), te.recipe.DelayedScaling)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert fp8.check_fp8_block_scaling_support() == (False, BLOCK_TE)
+    _as_gpu(monkeypatch, (8, 0), name="A100")
+    ok, reason = fp8.check_fp8_support()
+    assert not ok and reason.startswith("Device compute capability 8.9 or higher required for FP8 execution")
+    assert fp8.check_fp8_block_scaling_support() == (False, BLOCK_TE)
+    _as_gpu(monkeypatch, (10, 0), name="B200")  # TE would offer MXFP8 here; this package does not
+    ok, reason = fp8.check_mxfp8_support()
+    assert not ok and "not offered" in reason
+
+
+def test_quantizers_take_te_dtype():
+    from transformer_engine_c import DType
+    assert DType.kFloat8E4M3 == 7 and DType.kFloat8E5M2 == 8 and DType.kBFloat16 == 6  # transformer_engine.h
+    x = torch.randn(16, 32)
+    q = te.Float8Quantizer(torch.ones(1).squeeze(), torch.zeros(1).squeeze(), DType.kFloat8E4M3)
+    assert q.dtype is torch.float8_e4m3fn
+    t = q(x)
+    assert isinstance(t, te.Float8Tensor) and isinstance(t, te.QuantizedTensor)
+    assert isinstance(t, te.Float8TensorStorage) and isinstance(t, te.QuantizedTensorStorage)
+    assert not isinstance(t, (te.MXFP8Tensor, te.NVFP4Tensor, te.MXFP8TensorStorage))
+    ref = x.to(torch.float8_e4m3fn).float()
+    assert torch.equal(t.dequantize(), ref)
+    c = te.Float8CurrentScalingQuantizer(fp8_dtype=DType.kFloat8E5M2, device="cpu")
+    assert c.dtype is torch.float8_e5m2 and isinstance(c, te.Quantizer)
+    b = te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False)
+    assert b.dtype is torch.float8_e4m3fn and isinstance(b, te.Quantizer)
+    with pytest.raises(ValueError, match="FP4"):
+        te.Float8CurrentScalingQuantizer(DType.kFloat4E2M1, "cpu")
+
+
+@pytest.mark.parametrize("cls", ["MXFP8Quantizer", "NVFP4Quantizer", "MXFP8Tensor", "NVFP4Tensor"])
+def test_blackwell_classes_refuse_construction(cls):
+    c = getattr(te, cls)
+    fmt = cls[:5]
+    with pytest.raises(NotImplementedError, match=f"{fmt}.*Blackwell"):
+        c(fp8_dtype=te.DType.kFloat8E4M3) if cls == "MXFP8Quantizer" else c()
+    base = te.Quantizer if cls.endswith("Quantizer") else te.QuantizedTensor
+    assert issubclass(c, base)
+    assert not isinstance(te.Float8CurrentScalingQuantizer(torch.float8_e4m3fn, "cpu"), c)
+
+
+def test_inference_params():
+    p = te.InferenceParams(2, 64, num_heads_kv=4, head_dim_k=16, dtype=torch.bfloat16)
+    assert p.max_batch_size == 2 and p.max_sequence_length == 64 and p.input_qkv_format == "bshd"
+    for call in (lambda: p.pre_step({1: 1}), lambda: p.allocate_memory(1), lambda: p.reset(),
+                 lambda: p.step(1, None, None, "bshd")):
+        with pytest.raises(NotImplementedError, match="InferenceParams"):
+            call()
+    with pytest.raises(ValueError, match="max_batch_size"):
+        te.InferenceParams(0, 64)
+    attn = te.DotProductAttention(2, 8)
+    q = torch.randn(4, 1, 2, 8)
+    with pytest.raises(NotImplementedError, match="inference_params"):
+        attn(q, q, q, inference_params=p)
+
+
+def test_te_names_through_the_alias():
+    """What TE's tests/pytorch/test_numerics.py and Accelerate import, under
+    TE's module paths (a fresh interpreter: the alias changes the import
+    system)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = """
+import transformer_engine_c as t
+t.install_as_transformer_engine()
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+from transformer_engine.pytorch._extra_state import UNSAFE_PICKLE_EXTRA_STATE_ENV
+from transformer_engine.pytorch.utils import init_method_normal, scaled_init_method_normal, attention_mask_func
+from transformer_engine.pytorch import (autocast, quantized_model_init, DotProductAttention, LayerNormLinear,
+    LayerNormMLP, Linear, RMSNorm, LayerNorm, Float8Quantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer,
+    get_device_compute_capability, is_fp8_available, is_mxfp8_available, is_fp8_block_scaling_available,
+    is_bf16_available, is_nvfp4_available, DType, QuantizedTensor, InferenceParams, get_default_recipe)
+from transformer_engine.pytorch import checkpoint as te_checkpoint
+from transformer_engine.pytorch.fp8 import check_fp8_support, check_mxfp8_support, check_fp8_block_scaling_support
+import transformer_engine.pytorch.tensor as tensor
+from transformer_engine.common import recipe
+assert UNSAFE_PICKLE_EXTRA_STATE_ENV == "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+te_names = ["Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",
+            "NVFP4Quantizer", "QuantizedTensorStorage", "Float8TensorStorage", "MXFP8TensorStorage",
+            "Float8BlockwiseQTensorStorage", "NVFP4TensorStorage", "QuantizedTensor", "Float8Tensor", "MXFP8Tensor",
+            "Float8BlockwiseQTensor", "NVFP4Tensor", "prepare_for_saving", "restore_from_saved"]
+missing = [n for n in te_names if not hasattr(tensor, n)]
+assert not missing and sorted(tensor.__all__) == sorted(te_names), missing
+assert get_device_compute_capability() >= (0, 0) and isinstance(is_bf16_available(), bool)
+print("OK")
+"""
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# TE 2.x's parameter registration order (its module constructors: the norm's
+# parameters first, then each GEMM's; a split Linear's weights, then its
+# biases; GroupedLinear's weight{i}, bias{i} per GEMM), which is also the
+# state_dict's, followed by _extra_state.
+PARAM_ORDER = [
+    (lambda: te.Linear(16, 8, device="cpu"), ["weight", "bias"]),
+    (lambda: te.Linear(16, 8, bias=False, device="cpu"), ["weight"]),
+    (lambda: te.Linear(16, 12, parameters_split=("q", "k", "v"), device="cpu"),
+     ["q_weight", "k_weight", "v_weight", "q_bias", "k_bias", "v_bias"]),
+    (lambda: te.LayerNormLinear(16, 8, device="cpu"), ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]),
+    (lambda: te.LayerNormLinear(16, 8, normalization="RMSNorm", bias=False, device="cpu"),
+     ["layer_norm_weight", "weight"]),
+    (lambda: te.LayerNormLinear(16, 12, parameters_split={"q": 4, "kv": 8}, device="cpu"),
+     ["layer_norm_weight", "layer_norm_bias", "q_weight", "kv_weight", "q_bias", "kv_bias"]),
+    (lambda: te.LayerNormMLP(16, 32, device="cpu"),
+     ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]),
+    (lambda: te.LayerNormMLP(16, 32, activation="swiglu", device="cpu"),
+     ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]),
+    (lambda: te.LayerNormMLP(16, 32, normalization="RMSNorm", bias=False, device="cpu"),
+     ["layer_norm_weight", "fc1_weight", "fc2_weight"]),
+    (lambda: te.LayerNorm(16, device="cpu"), ["weight", "bias"]),
+    (lambda: te.RMSNorm(16, device="cpu"), ["weight"]),
+    (lambda: te.GroupedLinear(3, 16, 8, device="cpu"), ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]),
+    (lambda: te.GroupedLinear(2, 16, 8, bias=False, device="cpu"), ["weight0", "weight1"]),
+]
+
+
+@pytest.mark.parametrize("make,order", PARAM_ORDER, ids=lambda v: None if callable(v) else "-".join(v[:3]))
+def test_parameter_order_is_te(make, order):
+    m = make()
+    assert [n for n, _ in m.named_parameters()] == order
+    assert list(m.state_dict()) == order + ["_extra_state"]
+    # a state_dict saved by another instance loads, strict, and the order survives it
+    other = make()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn_like(p))
+    m.load_state_dict(other.state_dict(), strict=True)
+    assert [n for n, _ in m.named_parameters()] == order
+    for (n, p), (_, q) in zip(m.named_parameters(), other.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+def test_parameter_order_with_fp8_weights(recipe):
+    """FP8 primary weights replace the weights in place: TE's order stays."""
+    with te.quantized_model_init(enabled=True, recipe=getattr(te.recipe, recipe)()):
+        m = te.LayerNormMLP(16, 32, device="cpu")
+        lin = te.Linear(16, 32, parameters_split=("a", "b"), device="cpu")
+    assert [n for n, _ in m.named_parameters()] == PARAM_ORDER[6][1]
+    assert type(m.fc1_weight).__name__ == "Float8Tensor" and type(m.fc2_weight).__name__ == "Float8Tensor"
+    assert [n for n, _ in lin.named_parameters()] == ["a_weight", "b_weight", "a_bias", "b_bias"]
+
+
+TE_MODULES = [lambda: te.Linear(16, 16, device="cpu"), lambda: te.LayerNormLinear(16, 16, device="cpu"),
+              lambda: te.LayerNormMLP(16, 32, device="cpu"), lambda: te.GroupedLinear(2, 16, 16, device="cpu"),
+              lambda: te.DotProductAttention(2, 8)]
+
+
+@pytest.mark.parametrize("make", TE_MODULES)
+def test_fp8_meta_from_construction(make):
+    """TE's modules (TransformerEngineBaseModule's) have fp8_meta from their
+    constructor: fp8_checkpoint False and fp8_group None, no tensors yet."""
+    m = make()
+    assert m.fp8_meta == {"fp8_checkpoint": False, "fp8_group": None}
+    assert m.state_dict()["_extra_state"].numel() == 0  # nothing to save yet, as TE
+    assert te.LayerNorm(16).__dict__.get("fp8_meta") is None  # TE's norms are operations, without one
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+def test_fp8_meta_after_an_fp8_call(recipe):
+    m = te.Linear(16, 16, device="cpu")
+    meta = m.fp8_meta
+    r = getattr(te.recipe, recipe)()
+    with te.autocast(enabled=True, recipe=r):
+        m(torch.randn(16, 16)).sum().backward()
+    meta = m.fp8_meta
+    assert meta["recipe"] is r and meta["fp8_checkpoint"] is True and meta["fp8_group"] is None
+    if recipe == "DelayedScaling":  # TE's delayed-scaling layout, made at the first FP8 call
+        assert meta["num_gemms"] == 1 and meta["fp8_max_fwd"] == 448.0
+        assert meta["scaling_fwd"].scale.shape == (3,) and meta["scaling_bwd"].amax_history.shape == (1024, 2)
+    extra = te.module._extra_state.loads(bytes(m.state_dict()["_extra_state"].tolist()))
+    assert extra["extra_fp8_variables"]["fp8_checkpoint"] is True
+    fresh = te.Linear(16, 16, device="cpu")
+    fresh.load_state_dict(m.state_dict())
+    assert fresh.fp8_meta["recipe"] == r

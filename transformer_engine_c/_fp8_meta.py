@@ -87,6 +87,14 @@ class FP8TensorMeta:
                 f"device={self.scale.device})")
 
 
+def initial_fp8_meta():
+    """A module's fp8_meta from its construction, TE's: whether it has FP8
+    state to checkpoint (not yet) and its amax reduction group (none yet).
+    The recipe and, under delayed scaling, the scaling tensors join it at
+    the first FP8 call (module/_fp8.py) or with FP8 primary weights."""
+    return {"fp8_checkpoint": False, "fp8_group": None}
+
+
 def make_fp8_meta(recipe, num_gemms=1, device=None):
     """A fresh fp8_meta for a module of num_gemms GEMMs under `recipe`."""
     if not isinstance(recipe, DelayedScaling):
@@ -95,6 +103,7 @@ def make_fp8_meta(recipe, num_gemms=1, device=None):
         raise ValueError(f"make_fp8_meta: num_gemms must be 1, 2 or 3, got {num_gemms!r}")
     n = recipe.amax_history_len
     return {
+        "fp8_checkpoint": False,
         "recipe": recipe,
         "fp8_group": None,
         "num_gemms": num_gemms,

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._fp8_meta import initial_fp8_meta
 from .module.base import ExtraStateMixin
 
 __all__ = ["DotProductAttention"]
@@ -135,6 +136,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                  attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p",
                  softmax_scale=None, softmax_type="vanilla", return_max_logit=False, name=None):
         super().__init__()
+        self.fp8_meta = initial_fp8_meta()  # TE's (its DotProductAttention is a TE module)
         _check_choice("qkv_format", qkv_format, QKV_FORMATS)
         _check_choice("attn_mask_type", attn_mask_type, MASK_TYPES)
         _check_choice("attention_type", attention_type, ("self", "cross"))

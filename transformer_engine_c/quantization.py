@@ -25,24 +25,44 @@ from .recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recip
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "get_default_fp8_recipe",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available", "check_fp8_support", "get_fp8_torch_dtype"]
+           "is_nvfp4_available", "check_fp8_support", "check_mxfp8_support", "check_nvfp4_support",
+           "check_fp8_block_scaling_support", "get_fp8_torch_dtype", "get_default_recipe"]
+
+def _cuda_version():
+    return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+
 
 def check_fp8_support():
-    """(available, reason). On CUDA: compute capability 8.9 or newer (Ada,
-    Hopper). Without CUDA, FP8 is emulated exactly on the CPU."""
+    """(available, reason) for per-tensor FP8 (DelayedScaling,
+    Float8CurrentScaling), TE's answer: on CUDA compute capability 8.9 or
+    newer (Ada with CUDA 12.1+, Hopper); the reason is empty when available.
+    Without CUDA, FP8 is emulated exactly on the CPU: available."""
     if not torch.cuda.is_available():
-        return True, "no CUDA device: FP8 is emulated on the CPU (float32 arithmetic on the FP8 values)"
+        return True, ""
     cc = torch.cuda.get_device_capability()
     if cc < (8, 9):
-        return False, (f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                       f"{torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}")
+        return False, (f"Device compute capability 8.9 or higher required for FP8 execution "
+                       f"({torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}).")
+    if cc < (9, 0) and _cuda_version() < (12, 1):
+        return False, "Cuda version 12.1 or higher required for FP8 execution on Ada."
     return True, ""
 
 
-def _blackwell_only(name):
-    def check():
-        return False, f"{name} needs a Blackwell GPU (sm_100) and is not offered by transformer_engine_c"
-    return check
+def check_mxfp8_support():
+    """(available, reason) for MXFP8BlockScaling: never available here. TE's
+    reason where TE would refuse too (below compute capability 10.0, the
+    CPU), else that this package does not offer it."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
+        return False, "MXFP8 (Blackwell's block scaling) is not offered by transformer_engine_c."
+    return False, "Device compute capability 10.0 or higher required for MXFP8 execution."
+
+
+def check_nvfp4_support():
+    """(available, reason) for NVFP4BlockScaling: never available here (see
+    check_mxfp8_support)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
+        return False, "NVFP4 (Blackwell's FP4 block scaling) is not offered by transformer_engine_c."
+    return False, "Device compute capability 10.0 or higher required for NVFP4 execution."
 
 
 def is_fp8_available(return_reason=False):
@@ -52,24 +72,19 @@ def is_fp8_available(return_reason=False):
 
 
 def check_fp8_block_scaling_support():
-    """(available, reason) for Float8BlockScaling: TE's rule for Hopper
+    """(available, reason) for Float8BlockScaling, TE's answer for Hopper
     (compute capability 9.x with CUDA 12.9+, whose cuBLASLt has the 1x128
-    and 128x128 scale modes); TE emulates the recipe with MXFP8 on sm_100+,
-    which this package does not. Without CUDA it is emulated exactly on the
-    CPU."""
+    and 128x128 scale modes). TE emulates the recipe with MXFP8 on sm_100+,
+    which this package does not: unavailable there. Without CUDA it is
+    emulated exactly on the CPU: available."""
     if not torch.cuda.is_available():
-        return True, "no CUDA device: Float8BlockScaling is emulated on the CPU (float32 arithmetic on the FP8 values)"
+        return True, ""
     cc = torch.cuda.get_device_capability()
     if cc >= (10, 0):
         return False, (f"Float8BlockScaling on compute capability {cc[0]}.{cc[1]}: TE emulates it with MXFP8 there, "
                        "which transformer_engine_c does not offer (it runs block scaling on Hopper, 9.0)")
-    if cc < (9, 0):
-        return False, (f"FP8 block scaled GEMM requires compute capability 9.0 (Hopper); "
-                       f"{torch.cuda.get_device_name()} is {cc[0]}.{cc[1]}")
-    version = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    if version < (12, 9):
-        return False, f"FP8 block scaled GEMM requires CUDA 12.9 or newer (cuBLASLt's block scale modes); " \
-                      f"torch reports CUDA {torch.version.cuda}"
+    if cc < (9, 0) or _cuda_version() < (12, 9):
+        return False, "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
     return True, ""
 
 
@@ -85,6 +100,11 @@ def get_default_fp8_recipe():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
         return MXFP8BlockScaling()
     return DelayedScaling()
+
+
+def get_default_recipe():
+    """TE's name: the default training recipe (get_default_fp8_recipe)."""
+    return get_default_fp8_recipe()
 
 
 _key_memo = {}  # (id(recipe), id(group)) -> (recipe, group, its field values then, the key)
@@ -144,8 +164,8 @@ class FP8GlobalStateManager:
     # ---- availability
 
     is_fp8_available = staticmethod(check_fp8_support)
-    is_mxfp8_available = staticmethod(_blackwell_only("MXFP8"))
-    is_nvfp4_available = staticmethod(_blackwell_only("NVFP4"))
+    is_mxfp8_available = staticmethod(check_mxfp8_support)
+    is_nvfp4_available = staticmethod(check_nvfp4_support)
     is_fp8_block_scaling_available = staticmethod(check_fp8_block_scaling_support)
 
     # ---- queries (TE's names)

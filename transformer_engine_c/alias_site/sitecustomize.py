@@ -19,7 +19,7 @@ def _run_shadowed():
 
 
 if os.environ.get("TEC_AS_TRANSFORMER_ENGINE", "") not in ("", "0"):
-    from transformer_engine_c import alias as _alias
+    from transformer_engine_c import _alias
 
     if _alias._env_on():  # a value other than 0 / 1 raises, naming the variable
         _alias.install_as_transformer_engine()

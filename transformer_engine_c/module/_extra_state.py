@@ -27,15 +27,22 @@ import collections
 import ctypes
 import dataclasses
 import io
+import os
 import pickle
 import warnings
 
 import torch
 
 from .. import recipe as _recipe
-from .._fp8_meta import fit_history, make_fp8_meta, module_device
+from .._fp8_meta import fit_history, initial_fp8_meta, make_fp8_meta, module_device
 
-__all__ = ["get_extra_state", "set_extra_state", "loads"]
+__all__ = ["get_extra_state", "set_extra_state", "loads", "UNSAFE_PICKLE_EXTRA_STATE_ENV",
+           "unsafe_pickle_extra_state_enabled"]
+
+# TE's opt-in: with this variable "1", an _extra_state the restricted
+# unpickler refuses is loaded by Python's full unpickler (which runs
+# whatever the pickle names: only for trusted checkpoints).
+UNSAFE_PICKLE_EXTRA_STATE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 _SCALING_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 # fp8_meta entries that the module and the recipe own: never taken from a checkpoint
@@ -117,10 +124,26 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("_extra_state: persistent ids are not part of the FP8 checkpoint format")
 
 
+def unsafe_pickle_extra_state_enabled():
+    """Whether UNSAFE_PICKLE_EXTRA_STATE_ENV is "1" (TE's rule)."""
+    return os.environ.get(UNSAFE_PICKLE_EXTRA_STATE_ENV, "0") == "1"
+
+
+_UNSAFE_ADVICE = (f"; if the checkpoint is trusted, {UNSAFE_PICKLE_EXTRA_STATE_ENV}=1 loads it with Python's full "
+                  "unpickler, which runs what it names")
+
+
 def loads(data):
     """The object pickled in `data` (bytes), built by the restricted
-    unpickler; pickle.UnpicklingError names what it refused."""
-    return _Unpickler(io.BytesIO(data)).load()
+    unpickler; pickle.UnpicklingError names what it refused. With
+    UNSAFE_PICKLE_EXTRA_STATE_ENV=1 what it refuses is loaded by
+    pickle.loads instead."""
+    try:
+        return _Unpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        if unsafe_pickle_extra_state_enabled():
+            return pickle.loads(data)
+        raise pickle.UnpicklingError(f"{e}{_UNSAFE_ADVICE}") from None
 
 
 def _tensor_bytes(t, name):
@@ -139,8 +162,12 @@ def _load_bytesio(buf, name):
         with torch.serialization.safe_globals(recipes):
             return torch.load(buf, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if unsafe_pickle_extra_state_enabled():
+            buf.seek(0)
+            return torch.load(buf, map_location="cpu", weights_only=False)
         raise pickle.UnpicklingError(f"{name}: refusing the checkpoint's _extra_state (io.BytesIO): it holds more "
-                                     f"than the FP8 checkpoint format ({_weights_only_detail(e)})") from None
+                                     f"than the FP8 checkpoint format ({_weights_only_detail(e)}){_UNSAFE_ADVICE}"
+                                     ) from None
 
 
 def _checked_recipe(r, name):
@@ -247,7 +274,7 @@ def set_extra_state(module, state):
                 m.amax_history.copy_(fit_history(scaling[f"amax_history_{d}"], recipe.amax_history_len))
     else:
         if meta is None or "scaling_fwd" in meta:
-            meta = module.fp8_meta = {"recipe": recipe, "fp8_group": None}
+            meta = module.fp8_meta = initial_fp8_meta()
         meta["recipe"] = recipe
     meta.update({k: v for k, v in extra.items()
                  if isinstance(k, str) and k not in _OWNED_KEYS and isinstance(v, _PLAIN)})
@@ -272,7 +299,7 @@ def get_extra_state(module):
         for key, p, piece in zip(_SCALING_KEYS, parts, flat.split([p.numel() for p in parts])):
             state[key] = piece.view(p.shape).clone()  # each its own storage, pickled once
     extra = {k: v for k, v in meta.items() if k != "buffer_index_and_autocast_key" and isinstance(v, _PLAIN)}
-    extra.setdefault("fp8_checkpoint", True)  # TE's flag: the module has FP8 state to save
+    extra["fp8_checkpoint"] = True  # TE's flag: the module has FP8 state to save
     state["extra_fp8_variables"] = extra
     try:
         data = pickle.dumps(state)

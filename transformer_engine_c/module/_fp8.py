@@ -75,7 +75,7 @@ from .. import _C
 from .. import _fp8_engine as E
 from .._comm_overlap import FP8Gemm, FP8Partials
 from .._engine import DTYPE_CODES
-from .._fp8_meta import fit_history, fp8_dtype_of, make_fp8_meta, module_device
+from .._fp8_meta import fit_history, fp8_dtype_of, initial_fp8_meta, make_fp8_meta, module_device
 from ..quantization import FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -132,9 +132,10 @@ def _meta_for(layer, recipe, device):
         elif fwd.amax_history.shape[0] != recipe.amax_history_len:
             _adjust_history(meta, recipe.amax_history_len)
     elif meta is None or "scaling_fwd" in meta:
-        meta = layer.fp8_meta = {"recipe": recipe, "fp8_group": None}
+        meta = layer.fp8_meta = initial_fp8_meta()
     meta["recipe"] = recipe
     meta["fp8_group"] = _State.get_fp8_group()
+    meta["fp8_checkpoint"] = True  # TE's flag: the layer ran in FP8, its state is saved
     return meta
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import userbuffers as _ub
-from .._fp8_meta import fp8_dtype_of, make_fp8_meta
+from .._fp8_meta import fp8_dtype_of, initial_fp8_meta, make_fp8_meta
 from ..quantization import FP8GlobalStateManager as _FP8State
 from ..recipe import DelayedScaling, Float8BlockScaling
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
@@ -254,6 +254,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         self._wgrad_hooks = []
         self._gathered = {}          # id(DistributedWeight) -> (it, the full weight) for is_first_microbatch
         self.__dict__["_op_key"] = _library.register_layer(self)  # how torch.compile's operators find it
+        self.fp8_meta = initial_fp8_meta()  # TE's; its FP8 state joins at the first FP8 call
 
     # -- construction -------------------------------------------------------
 
@@ -318,21 +319,22 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         out_local = sum(sizes)
         weight = torch.empty(out_local, in_local, dtype=dtype, device=device)
         biases = torch.zeros(out_local, dtype=dtype, device=device) if bias else None
-        row = 0
-        for i, n in enumerate(sizes):
+        # TE's registration order: every weight slice, then every bias slice
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for name, row, n in zip(self.weight_names, starts, sizes):
             w = torch.nn.Parameter(weight[row:row + n])
             _init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name, 1 if self.tp.mode == "row" else 0)
-            self.register_parameter(self.weight_names[i], w)
+            self.register_parameter(name, w)
+        for name, row, n in zip(self.bias_names, starts, sizes):
             if bias:
                 b = torch.nn.Parameter(biases[row:row + n])
                 if self.tp.mode == "row":
                     b.sequence_parallel = self.tp.sp
                 elif self.tp.mode == "column":
                     _set_tp_attributes(b, True, 0)
-                self.register_parameter(self.bias_names[i], b)
+                self.register_parameter(name, b)
             else:  # as TE: an empty tensor, not a parameter
-                setattr(self, self.bias_names[i], torch.empty(0, dtype=dtype, device=device))
-            row += n
+                setattr(self, name, torch.empty(0, dtype=dtype, device=device))
         self.use_bias = bool(bias)
         self._quantize_weights([(name, 0) for name in self.weight_names])
         for role, c in self.ub.comms.items():

@@ -284,19 +284,22 @@ class LayerNormMLP(TransformerEngineBaseModule):
         fc1_out = 2 * self.size_per_partition if gated else self.size_per_partition
         dtype, device = default_dtype(params_dtype), default_device(device)
         self._make_norm_params(hidden_size, normalization, dtype, device)
+        # TE's registration order: fc1_weight, fc1_bias, fc2_weight, fc2_bias
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
         _init_weight(self.fc1_weight, init_method, get_rng_state_tracker, rng_tracker_name, 0)
+        if bias:
+            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
+            _set_tp_attributes(self.fc1_bias, True, 0)
+        else:  # as TE: empty tensors, not parameters
+            self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, self.size_per_partition, dtype=dtype,
                                                          device=device))
         _init_weight(self.fc2_weight, output_layer_init_method, get_rng_state_tracker, rng_tracker_name, 1)
         if bias:
-            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
-            _set_tp_attributes(self.fc1_bias, True, 0)
             self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
             if spm:
                 self.fc2_bias.sequence_parallel = self.tp.sp
-        else:  # as TE: empty tensors, not parameters
-            self.fc1_bias = torch.empty(0, dtype=dtype, device=device)
+        else:
             self.fc2_bias = torch.empty(0, dtype=dtype, device=device)
         self._quantize_weights([("fc1_weight", 0), ("fc2_weight", 1)])  # inside quantized_model_init
         # backward_dw's order: fc2, then fc1 (fc1's bias gradient comes from the activation's backward)

@@ -23,9 +23,10 @@ import copy
 import torch
 
 from .. import _fp8_engine
-from .quantized_tensor import QuantizedTensor, on_values
+from .float8_tensor import _fp8_dtype
+from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, on_values
 
-__all__ = ["Float8BlockwiseQTensor", "Float8BlockQuantizer"]
+__all__ = ["Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage", "Float8BlockQuantizer"]
 
 _aten = torch.ops.aten
 
@@ -42,7 +43,11 @@ def _block_values(data, scale_inv, block_dim, fp8_dtype):
     return data.view(fp8_dtype).float() * s
 
 
-class Float8BlockwiseQTensor(QuantizedTensor):
+class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
+    """TE's storage class of block-scaled FP8 data (isinstance checks)."""
+
+
+class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """A block-scaled FP8 tensor (TE's constructor keywords)."""
 
     @staticmethod
@@ -219,7 +224,7 @@ def _transposed_grid(scale_inv, shape):
     return out
 
 
-class Float8BlockQuantizer:
+class Float8BlockQuantizer(Quantizer):
     """Block scaling's quantizer (TE's keywords): block_scaling_dim 1 for
     1x128 blocks (activations, gradients), 2 for 128x128 (weights); each
     block's scale is fp8_max / its amax (floored at amax_epsilon), rounded
@@ -228,7 +233,7 @@ class Float8BlockQuantizer:
 
     def __init__(self, fp8_dtype, *, rowwise, columnwise, amax_epsilon=0.0, force_pow_2_scales=True,
                  block_scaling_dim=2):
-        _fp8_engine.fp8_code(fp8_dtype)
+        fp8_dtype = _fp8_dtype(fp8_dtype)
         if block_scaling_dim not in (1, 2):
             raise ValueError(f"Float8BlockQuantizer: block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
         if not isinstance(amax_epsilon, (int, float)) or not amax_epsilon >= 0:

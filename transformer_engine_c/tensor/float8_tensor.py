@@ -30,14 +30,19 @@ import weakref
 import torch
 
 from .. import _fp8_engine
-from .quantized_tensor import QuantizedTensor, on_values
+from ..constants import DType
+from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, on_values
 
-__all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8ParamQuantizer"]
+__all__ = ["Float8Tensor", "Float8TensorStorage", "Float8Quantizer", "Float8CurrentScalingQuantizer",
+           "Float8ParamQuantizer"]
 
 _aten = torch.ops.aten
 
 
 def _fp8_dtype(fp8_dtype):
+    """torch's float8 dtype of `fp8_dtype`, given as one or as TE's DType."""
+    if isinstance(fp8_dtype, DType):
+        fp8_dtype = fp8_dtype.torch_dtype()
     _fp8_engine.fp8_code(fp8_dtype)
     return fp8_dtype
 
@@ -49,7 +54,11 @@ def _make_in_reduce_ex(data, fp8_scale_inv, fp8_dtype, dtype, shape, data_transp
                         data_transpose=data_transpose)
 
 
-class Float8Tensor(QuantizedTensor):
+class Float8TensorStorage(QuantizedTensorStorage):
+    """TE's storage class of per-tensor FP8 data (isinstance checks)."""
+
+
+class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     """An FP8 tensor with one scale (TE's constructor keywords)."""
 
     @staticmethod
@@ -216,7 +225,7 @@ class Float8Tensor(QuantizedTensor):
         return on_values(func, args, kwargs)
 
 
-class _Quantizer:
+class _Quantizer(Quantizer):
     """What the two quantizers share: TE's usage flags and call forms."""
 
     def __init__(self, fp8_dtype, rowwise, columnwise):

@@ -8,7 +8,19 @@ both share: dequantized arguments, and TE's in-place rule (the result cast
 back into each quantized tensor an op writes)."""
 import torch
 
-__all__ = ["QuantizedTensor"]
+__all__ = ["QuantizedTensor", "QuantizedTensorStorage", "Quantizer"]
+
+
+class QuantizedTensorStorage:
+    """TE's base of the quantized tensors' storage classes (the data and
+    scales without the torch.Tensor around them), for isinstance checks:
+    every quantized tensor of this package is one."""
+
+
+class Quantizer:
+    """TE's base class of the quantizers (Float8Quantizer,
+    Float8CurrentScalingQuantizer, Float8BlockQuantizer, ...), for
+    isinstance checks; the base itself quantizes nothing."""
 
 
 class QuantizedTensor(torch.Tensor):

@@ -51,10 +51,43 @@ static tec_status cpu_norm_fwd(int device, const tec_norm_fwd_args *a, void *str
     return TEC_OK;
 }
 
+/* The parameter gradients are column sums over the rows. Each block of
+ * NORM_BLOCK rows is summed in order into a block partial; the block
+ * partials are then added pairwise (a binary counter of partials: level k
+ * holds the sum of 2^k blocks), so the error grows with NORM_BLOCK + log2 of
+ * the block count instead of with the row count, and the order, hence the
+ * result, is fixed. Workspace: the block partial and one partial per level,
+ * each dgamma and dbeta (2 * cols floats). */
+enum { NORM_BLOCK = 16 };
+
+static int norm_levels(int64_t rows)
+{
+    int64_t blocks = (rows + NORM_BLOCK - 1) / NORM_BLOCK;
+    int levels = 1;
+    while (blocks > 1) {
+        blocks = (blocks + 1) / 2;
+        levels++;
+    }
+    return levels;
+}
+
 static size_t cpu_norm_bwd_ws(int device, int64_t rows, int64_t cols)
 {
-    (void)device; (void)rows;
-    return (size_t)cols * 2 * sizeof(float); /* dgamma, dbeta accumulators */
+    (void)device;
+    return (size_t)cols * 2 * (size_t)(1 + norm_levels(rows)) * sizeof(float);
+}
+
+/* Carry the finished block partial blk (2n floats, zeroed after) into the
+ * levels: `done` blocks were carried before it. */
+static void norm_carry(float *blk, float *levels, int64_t n2, int64_t done)
+{
+    int k = 0;
+    for (; done & ((int64_t)1 << k); k++) {
+        const float *lv = levels + (int64_t)k * n2;
+        for (int64_t j = 0; j < n2; j++) blk[j] += lv[j];
+    }
+    memcpy(levels + (int64_t)k * n2, blk, (size_t)n2 * sizeof(float));
+    memset(blk, 0, (size_t)n2 * sizeof(float));
 }
 
 static tec_status cpu_norm_bwd(int device, const tec_norm_bwd_args *a, void *stream)
@@ -67,7 +100,8 @@ static tec_status cpu_norm_bwd(int device, const tec_norm_bwd_args *a, void *str
     if (!buf)
         return tec_set_error(TEC_ERR_NO_MEMORY, "norm backward: no memory for %lld floats", (long long)n * 3);
     float *xr = buf, *dyr = buf + n, *g = buf + 2 * n;
-    float *dg = a->workspace, *db = dg + n;
+    float *dg = a->workspace, *db = dg + n, *levels = dg + 2 * n;
+    int64_t done = 0; /* blocks carried into the levels */
     memset(dg, 0, (size_t)n * 2 * sizeof(float));
     tec_load_row(g, a->gamma, n, a->dtype);
     if (a->zero_centered_gamma)
@@ -89,7 +123,15 @@ static tec_status cpu_norm_bwd(int device, const tec_norm_bwd_args *a, void *str
         for (int64_t j = 0; j < n; j++)
             xr[j] = rs * (dyr[j] * g[j] - m1 - xr[j] * m2);
         tec_store_row((char *)a->dx + r * n * es, xr, n, a->dtype);
+        if ((r + 1) % NORM_BLOCK == 0 || r + 1 == a->rows)
+            norm_carry(dg, levels, 2 * n, done++);
     }
+    /* the levels still holding a partial, smallest first */
+    for (int k = 0; done >> k; k++)
+        if (done & ((int64_t)1 << k)) {
+            const float *lv = levels + (int64_t)k * 2 * n;
+            for (int64_t j = 0; j < 2 * n; j++) dg[j] += lv[j];
+        }
     tec_store_row(a->dgamma, dg, n, a->dtype);
     if (!rms)
         tec_store_row(a->dbeta, db, n, a->dtype);
