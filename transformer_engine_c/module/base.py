@@ -315,13 +315,15 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         out_local = sum(sizes)
         weight = torch.empty(out_local, in_local, dtype=dtype, device=device)
         biases = torch.zeros(out_local, dtype=dtype, device=device) if bias else None
-        row = 0
+        # TE's registration order: every weight slice, then every bias slice
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
         for i, n in enumerate(sizes):
-            w = torch.nn.Parameter(weight[row:row + n])
+            w = torch.nn.Parameter(weight[starts[i]:starts[i] + n])
             _init_weight(w, init_method, get_rng_state_tracker, rng_tracker_name, 1 if self.tp.mode == "row" else 0)
             self.register_parameter(self.weight_names[i], w)
+        for i, n in enumerate(sizes):
             if bias:
-                b = torch.nn.Parameter(biases[row:row + n])
+                b = torch.nn.Parameter(biases[starts[i]:starts[i] + n])
                 if self.tp.mode == "row":
                     b.sequence_parallel = self.tp.sp
                 elif self.tp.mode == "column":
@@ -329,7 +331,6 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
                 self.register_parameter(self.bias_names[i], b)
             else:  # as TE: an empty tensor, not a parameter
                 setattr(self, self.bias_names[i], torch.empty(0, dtype=dtype, device=device))
-            row += n
         self.use_bias = bool(bias)
         self._quantize_weights([(name, 0) for name in self.weight_names])
         for role, c in self.ub.comms.items():
