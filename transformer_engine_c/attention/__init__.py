@@ -1,0 +1,7 @@
+"""TransformerEngine's `pytorch.attention` package: DotProductAttention
+(dot_product_attention.py), MultiheadAttention (multi_head_attention.py)
+and rotary position embedding (rope.py)."""
+from .dot_product_attention import DotProductAttention
+
+
+__all__ = ["DotProductAttention"]
