@@ -2,6 +2,6 @@
 (dot_product_attention.py), MultiheadAttention (multi_head_attention.py)
 and rotary position embedding (rope.py)."""
 from .dot_product_attention import DotProductAttention
+from .rope import RotaryPositionEmbedding
 
-
-__all__ = ["DotProductAttention"]
+__all__ = ["DotProductAttention", "RotaryPositionEmbedding"]
