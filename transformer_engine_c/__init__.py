@@ -14,7 +14,7 @@ from . import debug, fp8, module, ops, quantization, recipe, router, tensor  # n
 from ._C import CommTimeoutError, EngineError  # noqa: E402
 from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_saved  # noqa: E402
 from .alias import install_as_transformer_engine  # noqa: E402
-from .attention import DotProductAttention, RotaryPositionEmbedding  # noqa: E402
+from .attention import DotProductAttention, MultiheadAttention, RotaryPositionEmbedding  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .distributed import allreduce_sequence_parallel_grads, set_collectives  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
@@ -25,6 +25,7 @@ from .module.layernorm_linear import LayerNormLinear  # noqa: E402
 from .module.layernorm_mlp import LayerNormMLP  # noqa: E402
 from .module.linear import Linear  # noqa: E402
 from .module.normalization import LayerNorm, RMSNorm  # noqa: E402
+from .transformer import TransformerLayer  # noqa: E402
 from .quantization import autocast, fp8_autocast, fp8_model_init, quantized_model_init  # noqa: E402
 from .userbuffers import LAYER_NAMES, CommOverlap, close_comms  # noqa: E402
 
@@ -33,4 +34,5 @@ __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTime
            "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
            "allreduce_sequence_parallel_grads", "set_collectives", "autocast", "fp8_autocast", "fp8_model_init",
            "quantized_model_init", "make_graphed_callables", "install_as_transformer_engine", "LayerNorm",
-           "RMSNorm", "DotProductAttention", "GroupedLinear", "RotaryPositionEmbedding"]
+           "RMSNorm", "DotProductAttention", "GroupedLinear", "RotaryPositionEmbedding",
+           "MultiheadAttention", "TransformerLayer"]
