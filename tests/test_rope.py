@@ -11,7 +11,8 @@ import torch
 
 import transformer_engine_c as te
 from transformer_engine_c import _engine
-from transformer_engine_c.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from transformer_engine_c.attention.rope import (RotaryPositionEmbedding, apply_fused_qkv_rotary_pos_emb,
+                                                 apply_rotary_pos_emb)
 from helpers import TOL, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -135,6 +136,37 @@ def test_context_parallel_positions(device, fmt, cp_rank):
     for fused in (True, False):
         y = apply_rotary_pos_emb(x, freqs, fmt, fused=fused, cu_seqlens=cu, cp_size=2, cp_rank=cp_rank)
         assert rel_err(y, ref) < 2e-6, fused
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_qkv(device, fmt, interleaved):
+    """TE's test_fused_qkv_rope: the packed qkv's query and key rotated as
+    apply_rotary_pos_emb rotates them split, forward and backward."""
+    torch.manual_seed(4)
+    d, h = 8, 2
+    qkv = torch.randn(6, 3, h, 6 * d, device=device)
+    if fmt == "bshd":
+        qkv = qkv.transpose(0, 1).contiguous()
+    fq = RotaryPositionEmbedding(d, interleaved=interleaved)(6).to(device)
+    fk = RotaryPositionEmbedding(d, rotary_percent=0.5, interleaved=interleaved)(6).to(device)
+    outs, grads = [], []
+    for packed in (True, False):
+        t = qkv.detach().clone().requires_grad_()
+        if packed:
+            q, k, v = apply_fused_qkv_rotary_pos_emb(t, fq, fk, [4 * d, d, d], fmt, interleaved=interleaved)
+        else:
+            q, k, v = torch.split(t, [4 * d, d, d], dim=-1)
+            q = apply_rotary_pos_emb(q.reshape(*q.shape[:2], 4 * h, d), fq, fmt, interleaved=interleaved)
+            k = apply_rotary_pos_emb(k, fk, fmt, interleaved=interleaved)
+        (q.square().sum() + (k * 3).sum() + v.sum()).backward()
+        outs.append((q.detach(), k.detach(), v.detach()))
+        grads.append(t.grad)
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and rel_err(a, b) < 2e-6
+    assert rel_err(grads[0], grads[1]) < 2e-6
+    with pytest.raises(ValueError, match="qkv_split_arg_list"):
+        apply_fused_qkv_rotary_pos_emb(qkv, fq, fk, [4 * d, d, 2 * d], fmt)
 
 
 def test_thd_tokens_outside_sequences_are_zero():

@@ -21,7 +21,7 @@ import torch
 
 from .. import _engine
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb"]
 
 FORMATS = ("sbhd", "bshd", "thd")
 
@@ -197,3 +197,26 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                                 int(cp_size), int(cp_rank))
     return _unfused(t, freqs, tensor_format, start_positions, bool(interleaved), cu_seqlens, int(cp_size),
                     int(cp_rank))
+
+
+def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
+                                   start_positions=None, interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0):
+    """TE's RoPE of a packed qkv [s, b, h, q + k + v] (or bshd), split along
+    the last dimension by qkv_split_arg_list = [q, k, v] channels: returns
+    (query [s, b, h * q / k, k] rotated by q_freqs, key [s, b, h, k] rotated
+    by k_freqs, value [s, b, h, v]); the head size is the key's. Two engine
+    calls (query, key), each reading its part of qkv in place; sbhd and bshd
+    only, as TE; cu_seqlens is accepted and unused, as in TE."""
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"apply_fused_qkv_rotary_pos_emb: tensor_format must be 'sbhd' or 'bshd', got "
+                         f"{tensor_format!r}")
+    sizes = [int(n) for n in qkv_split_arg_list]
+    if len(sizes) != 3 or qkv.dim() != 4 or sum(sizes) != qkv.shape[-1] or sizes[1] <= 0 or sizes[0] % sizes[1]:
+        raise ValueError(f"apply_fused_qkv_rotary_pos_emb: qkv_split_arg_list {qkv_split_arg_list} must be "
+                         f"[q, k, v] channels adding up to qkv's last dimension ({tuple(qkv.shape)}), q a multiple "
+                         "of k")
+    q, k, v = torch.split(qkv, sizes, dim=-1)
+    q = q.reshape(*q.shape[:2], -1, sizes[1])
+    kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved, fused=True,
+              cp_size=cp_size, cp_rank=cp_rank)
+    return apply_rotary_pos_emb(q, q_freqs, **kw), apply_rotary_pos_emb(k, k_freqs, **kw), v
