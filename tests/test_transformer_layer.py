@@ -439,3 +439,28 @@ def test_refusals():
         layer(x, self_attn_mask_type="padding", attention_mask=torch.zeros(B, 1, 1, S))
     with pytest.raises(ValueError, match="encoder_output"):
         _layer("cpu", layer_type="decoder")(x)
+
+
+def test_fp8_autocast():
+    """Under FP8 autocast the layers' GEMMs run in FP8 and attention in the
+    compute dtype (TE's recipes without fp8_dpa): the output is within FP8's
+    error of the bf16 layer's."""
+    from transformer_engine_c import recipe
+    block = _layer("cpu", torch.bfloat16)
+    x = torch.randn(2 * S, B, H, dtype=torch.bfloat16, requires_grad=True)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+        y = block(x)
+    y.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert rel_err(y, block(x)) < 0.05
+
+
+def test_drop_path():
+    block = _layer("cpu", drop_path_rate=0.5).train()
+    out = block.drop_path(torch.ones(400, 2, 3))
+    kept = out[:, 0, 0] != 0
+    assert torch.equal(out[kept], torch.full_like(out[kept], 2.0))  # whole first-dimension slices, scaled
+    assert 120 < int(kept.sum()) < 280
+    assert (out == 0).all(dim=(1, 2)).sum() == (~kept).sum()
+    block.eval()
+    assert torch.equal(block.drop_path(torch.ones(4, 2, 3)), torch.ones(4, 2, 3))

@@ -23,6 +23,7 @@ import torch
 
 from .attention.multi_head_attention import MultiheadAttention
 from .distributed import resolve_tp
+from .module._config import TPConfig
 from .module.layernorm_mlp import LayerNormMLP
 from .module.normalization import LayerNorm, RMSNorm
 
@@ -118,6 +119,8 @@ class TransformerLayer(torch.nn.Module):
         self.kv_channels = kv_channels if kv_channels else hidden_size // num_attention_heads
         self.tp_size = resolve_tp(tp_group, tp_size)[1] if tp_group is not None else int(tp_size)
         self.sequence_parallel = self.tp_size > 1 and bool(sequence_parallel)
+        # the layer's group, for what has none of its own (the output LayerNorm's partial gradients)
+        self.tp = TPConfig(None, self.sequence_parallel, tp_group, self.tp_size)
         self.seq_length, self.get_rng_state_tracker = seq_length, get_rng_state_tracker
         self.attn_input_format, self.softmax_type, self.name = attn_input_format, softmax_type, name
         self.hidden_dropout = float(hidden_dropout)
@@ -158,6 +161,7 @@ class TransformerLayer(torch.nn.Module):
 
     def set_tensor_parallel_group(self, tp_group):
         """TE's setter: every sublayer's collectives use `tp_group` from now on."""
+        self.tp = TPConfig(None, self.tp.sp, tp_group, self.tp.size)
         for child in self.modules():
             if child is not self and hasattr(child, "set_tensor_parallel_group"):
                 child.set_tensor_parallel_group(tp_group)

@@ -3,8 +3,9 @@
 single-process layer (tp_size=1) built from the gathered shards, fed the
 whole sequence: output, input grad (and encoder_output's), every parameter
 grad (the shards gathered back; the gradients of parameters carrying
-`sequence_parallel` summed over the group first, as Megatron's
-finalize_model_grads does). Cases: split and fused (per-group interleaved)
+`sequence_parallel` summed over the group first by
+tec.allreduce_sequence_parallel_grads, as Megatron's finalize_model_grads
+does). Cases: split and fused (per-group interleaved)
 qkv, GQA, RoPE, decoder cross-attention, post-LN residuals with
 output_layernorm, parallel_attention_mlp with RMSNorm and a gated
 activation, and ub_tp_comm_overlap through the userbuffers registry (the
@@ -99,9 +100,7 @@ def run_case(name, kw, rank, tp, dev):
         if kw.get("ub_tp_comm_overlap") else None
     y = layer(x_loc, encoder_output=enc_loc if decoder else None, rotary_pos_emb=freqs)
     y.backward(local(dy))
-    sp_grads = [p.grad for p in layer.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    for g in sp_grads:
-        dist.all_reduce(g)
+    tec.allreduce_sequence_parallel_grads(layer)  # the output LayerNorm's too, over the layer's group
 
     close(y, local(y_ref), f"{name}: output")
     close(x_loc.grad, local(x_ref.grad), f"{name}: input grad")
