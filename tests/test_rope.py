@@ -224,3 +224,19 @@ def test_checks():
         te._C.rope(-1, 0, 2, 0, 0, 6, 2, 2, 8, 32, 16, 8, 1, x.data_ptr(), y.data_ptr(), freqs.data_ptr(), 8, 8,
                    0, 0, 1, 0, 0)
     assert math.isfinite(float(_engine.rope(x, freqs, "sbhd", False).sum()))
+
+
+def test_megatron_rope_fusion():
+    """Megatron-Core's apply_rope_fusion=True runs this package's fused RoPE
+    (through the alias) and agrees with Megatron's unfused RoPE."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("megatron.core")
+    from transformer_engine_c.alias import site_dir
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TEC_AS_TRANSFORMER_ENGINE="1",
+               PYTHONPATH=os.pathsep.join([site_dir(), os.path.dirname(here), here]))
+    proc = subprocess.run([sys.executable, os.path.join(here, "megatron_rope_check.py")], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0 and "PASS megatron_rope_check" in proc.stdout, proc.stdout[-4000:]
