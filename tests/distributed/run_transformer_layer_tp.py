@@ -6,8 +6,8 @@ grad (the shards gathered back; the gradients of parameters carrying
 `sequence_parallel` summed over the group first by
 tec.allreduce_sequence_parallel_grads, as Megatron's finalize_model_grads
 does). Cases: split and fused (per-group interleaved)
-qkv, GQA, RoPE, decoder cross-attention, post-LN residuals with
-output_layernorm, parallel_attention_mlp with RMSNorm and a gated
+qkv, GQA, RoPE, decoder cross-attention, post-LN residuals (with
+output_layernorm, and with a decoder), parallel_attention_mlp with RMSNorm and a gated
 activation, and ub_tp_comm_overlap through the userbuffers registry (the
 communicators' stats prove the overlapped paths ran). Prints
 "PASS run_transformer_layer_tp".
@@ -34,6 +34,8 @@ CASES = {
     "fused interleaved gqa rope sp": dict(fuse_qkv_params=True, num_gqa_groups=2, rope=True),
     "decoder sp": dict(layer_type="decoder", rope=True),
     "post-LN output_layernorm sp": dict(apply_residual_connection_post_layernorm=True, output_layernorm=True),
+    "post-LN decoder gqa sp": dict(apply_residual_connection_post_layernorm=True, layer_type="decoder",
+                                   num_gqa_groups=2),
     "parallel_attention_mlp RMSNorm swiglu sp": dict(parallel_attention_mlp=True, normalization="RMSNorm",
                                                      activation="swiglu", bias=False),
     "ub_tp_comm_overlap sp": dict(ub_tp_comm_overlap=True),
