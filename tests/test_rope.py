@@ -223,6 +223,16 @@ def test_checks():
     with pytest.raises(ValueError, match="cu_seqlens"):
         te._C.rope(-1, 0, 2, 0, 0, 6, 2, 2, 8, 32, 16, 8, 1, x.data_ptr(), y.data_ptr(), freqs.data_ptr(), 8, 8,
                    0, 0, 1, 0, 0)
+    starts = torch.zeros(2, dtype=torch.int32)
+    for args, match in (((2, 2, 0), "cp_rank"), ((2, 0, starts.data_ptr()), "start_positions"),
+                        ((2, 1, 0), None)):
+        cp_size, cp_rank, sp = args
+        xs = x[:5] if match is None else x  # an odd local length under context parallelism
+        with pytest.raises(ValueError, match=match or "even"):
+            te._C.rope(-1, 0, 0, 0, 0, xs.shape[0], 2, 2, 8, 32, 16, 8, 1, xs.data_ptr(), y.data_ptr(),
+                       freqs.data_ptr(), 8, 8, 0, sp, cp_size, cp_rank, 0)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        _engine.rope(x.double(), freqs, "sbhd", False)
     assert math.isfinite(float(_engine.rope(x, freqs, "sbhd", False).sum()))
 
 
