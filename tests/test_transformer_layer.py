@@ -464,3 +464,44 @@ def test_drop_path():
     assert (out == 0).all(dim=(1, 2)).sum() == (~kept).sum()
     block.eval()
     assert torch.equal(block.drop_path(torch.ones(4, 2, 3)), torch.ones(4, 2, 3))
+
+
+TE_ARGS = {
+    (te.TransformerLayer, "__init__"): (
+        "hidden_size ffn_hidden_size num_attention_heads num_gqa_groups layernorm_epsilon hidden_dropout "
+        "attention_dropout init_method output_layer_init_method layer_number kv_channels self_attn_mask_type "
+        "window_size enc_dec_attn_mask_type enc_dec_window_size tp_group tp_size params_dtype get_rng_state_tracker "
+        "fuse_wgrad_accumulation seq_length micro_batch_size sequence_parallel "
+        "apply_residual_connection_post_layernorm output_layernorm parallel_attention_mlp layer_type "
+        "drop_path_rate set_parallel_mode fuse_qkv_params rotary_pos_interleaved zero_centered_gamma "
+        "qkv_weight_interleaved ub_tp_comm_overlap ub_overlap_ag ub_overlap_rs ub_overlap_rs_dgrad ub_bulk_dgrad "
+        "ub_bulk_wgrad bias activation normalization device attn_input_format name qk_norm_type qk_norm_eps "
+        "qk_norm_before_rope softmax_type"),
+    (te.TransformerLayer, "forward"): (
+        "hidden_states attention_mask self_attn_mask_type window_size encoder_output enc_dec_attn_mask "
+        "enc_dec_attn_mask_type enc_dec_window_size is_first_microbatch checkpoint_core_attention inference_params "
+        "rotary_pos_emb core_attention_bias_type core_attention_bias alibi_slopes cu_seqlens_q cu_seqlens_kv "
+        "cu_seqlens_q_padded cu_seqlens_kv_padded max_seqlen_q max_seqlen_kv fast_zero_fill pad_between_seqs"),
+    (te.MultiheadAttention, "__init__"): (
+        "hidden_size num_attention_heads kv_channels attention_dropout layernorm_epsilon init_method "
+        "output_layer_init_method layer_number attn_mask_type window_size tp_group tp_size num_gqa_groups "
+        "fuse_wgrad_accumulation get_rng_state_tracker sequence_parallel params_dtype return_bias "
+        "return_layernorm_output input_layernorm attention_type set_parallel_mode fuse_qkv_params "
+        "zero_centered_gamma qkv_weight_interleaved rotary_pos_interleaved ub_overlap_ag ub_overlap_rs "
+        "ub_overlap_rs_dgrad ub_bulk_dgrad ub_bulk_wgrad bias normalization device qkv_format name qk_norm_type "
+        "qk_norm_eps qk_norm_before_rope seq_length micro_batch_size softmax_type"),
+    (te.MultiheadAttention, "forward"): (
+        "hidden_states attention_mask encoder_output attn_mask_type window_size is_first_microbatch "
+        "checkpoint_core_attention inference_params rotary_pos_emb core_attention_bias_type core_attention_bias "
+        "alibi_slopes cu_seqlens_q cu_seqlens_kv cu_seqlens_q_padded cu_seqlens_kv_padded max_seqlen_q "
+        "max_seqlen_kv fast_zero_fill pad_between_seqs"),
+}
+
+
+@pytest.mark.parametrize("key", list(TE_ARGS), ids=lambda k: f"{k[0].__name__}.{k[1]}")
+def test_te_argument_order(key):
+    """TE 2.9's arguments, in TE's order (code passes them positionally)."""
+    import inspect
+    cls, fn = key
+    names = [n for n in inspect.signature(getattr(cls, fn)).parameters if n != "self"]
+    assert names == TE_ARGS[key].split()
