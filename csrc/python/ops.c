@@ -4,7 +4,7 @@
  * arguments converted and nothing composed here. Positional METH_FASTCALL with
  * addresses as ints; friendly checks live in transformer_engine_c/_engine.py
  * and module/_steps.py. tests/test_kernels.py exercises every function here,
- * tests/test_one_path.py the composite steps. */
+ * tests/test_one_path.py the composite steps, tests/test_rope.py RoPE. */
 #include "module.h"
 
 #define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
