@@ -355,7 +355,7 @@ def rope(x, freqs, tensor_format, interleaved, cu_seqlens=None, start_positions=
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.device.type == "cuda" and y.numel():
         if fmt == 2:
-            top = int((torch.diff(cu) // cp_size).max()) if b > 0 else 0
+            top = int((torch.diff(cu) // cp_size).max()) * cp_size if b > 0 else 0  # the whole sequence's
         else:
             top = s * cp_size
         if starts is not None and starts.numel():
