@@ -252,6 +252,7 @@ def test_parameters_split(split):
     in _weight / _bias, trailing underscores stripped) acting as one GEMM."""
     m = te.Linear(8, 12, parameters_split=split, device="cpu", name="qkv")
     names = [n for n, _ in m.named_parameters()]
+    # TE registers every weight slice, then every bias slice
     assert names == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"], names
     if isinstance(split, dict):
         assert [tuple(getattr(m, f"{k}_weight").shape) for k in split] == [(4, 8), (2, 8), (6, 8)]

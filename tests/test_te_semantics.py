@@ -116,7 +116,7 @@ def test_torch_autocast(layer):
 def test_parameters_split(device):
     m = _make("Linear", device, parameters_split={"query_": 8, "key_": 8, "value_": 8})
     names = [n for n, _ in m.named_parameters()]
-    assert names == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"]
+    assert names == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"]  # TE's order
     assert m.key_weight.shape == (8, 32) and m.key_weight.data_ptr() == m.query_weight.data_ptr() + 8 * 32 * 4
     x = torch.randn(8, 32, device=device, requires_grad=True)
     dy = torch.randn(8, 24, device=device)

@@ -14,7 +14,7 @@ from . import debug, fp8, module, ops, quantization, recipe, router, tensor, uti
 from ._C import CommTimeoutError, EngineError  # noqa: E402
 from ._saved import prepare_for_saving, restore_from_func_ctx, restore_from_saved  # noqa: E402
 from ._alias import install_as_transformer_engine  # noqa: E402
-from .attention import DotProductAttention  # noqa: E402
+from .attention import DotProductAttention, MultiheadAttention, RotaryPositionEmbedding  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .distributed import allreduce_sequence_parallel_grads, set_collectives  # noqa: E402
 from .distributed_weight import DistributedWeight  # noqa: E402
@@ -35,6 +35,7 @@ from .tensor import (Float8BlockQuantizer, Float8BlockwiseQTensor, Float8Blockwi
                      MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage, NVFP4Quantizer, NVFP4Tensor,
                      NVFP4TensorStorage, QuantizedTensor, QuantizedTensorStorage, Quantizer)
 from .utils import get_device_compute_capability, is_bf16_available  # noqa: E402
+from .transformer import TransformerLayer  # noqa: E402
 from .userbuffers import LAYER_NAMES, CommOverlap, close_comms  # noqa: E402
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTimeoutError", "prepare_for_saving",
@@ -42,7 +43,8 @@ __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "EngineError", "CommTime
            "initialize_ub", "get_ub", "destroy_ub", "close_comms", "UserBufferQuantizationMode",
            "allreduce_sequence_parallel_grads", "set_collectives", "autocast", "fp8_autocast", "fp8_model_init",
            "quantized_model_init", "make_graphed_callables", "install_as_transformer_engine", "LayerNorm",
-           "RMSNorm", "DotProductAttention", "GroupedLinear", "DType", "InferenceParams", "get_default_recipe",
+           "RMSNorm", "DotProductAttention", "GroupedLinear", "RotaryPositionEmbedding",
+           "MultiheadAttention", "TransformerLayer", "DType", "InferenceParams", "get_default_recipe",
            "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available",
            "get_device_compute_capability", "is_bf16_available", "Quantizer", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer", "NVFP4Quantizer",

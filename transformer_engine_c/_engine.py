@@ -307,3 +307,62 @@ def act_bwd(dy, x, activation, dbias=False, limit=7.0, alpha=1.702, glu_linear_o
     _C.act_bwd(dev, code, DTYPE_CODES[x.dtype], rows, cols, _addr(dy), _addr(x), _addr(dx), _addr(db),
                _addr(ws), nbytes, float(limit), float(alpha), float(glu_linear_offset), stream_of(x.device))
     return (dx, db) if dbias else dx
+
+
+ROPE_FORMATS = {"sbhd": 0, "bshd": 1, "thd": 2}
+
+
+def _rope_int32(t, name, device):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        raise ValueError(f"rope: {name} must be a 1-D tensor")
+    if t.device != device:
+        raise ValueError(f"rope: {name} is on {t.device}; expected {device} (the input's device)")
+    return t.to(torch.int32).contiguous()
+
+
+def rope(x, freqs, tensor_format, interleaved, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0,
+         backward=False):
+    """RoPE's apply (tec.h, tec_rope): x [s, b, h, d] / [b, s, h, d] / [t, h, d]
+    in any strides, freqs [s2, 1, 1, d2] (cast to float32). Returns the
+    rotated tensor, contiguous in x's shape; with backward=True x is the
+    output's gradient and the result the input's. thd tokens outside every
+    sequence of cu_seqlens come out zero. Positions past freqs' rows raise
+    (on CUDA the positions that depend on cu_seqlens or start_positions are
+    checked here, at the cost of one synchronisation)."""
+    fmt = ROPE_FORMATS[tensor_format]
+    dt = dtype_code(x.dtype, "t")
+    if x.dim() != (3 if fmt == 2 else 4):
+        raise ValueError(f"rope: t must be {3 if fmt == 2 else 4}-D in {tensor_format}, got {tuple(x.shape)}")
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    if table.dtype != torch.float32 or not table.is_contiguous() or table.device != x.device:
+        table = table.to(device=x.device, dtype=torch.float32).contiguous()
+    rows, d2 = table.shape
+    cu = _rope_int32(cu_seqlens, "cu_seqlens", x.device)
+    starts = _rope_int32(start_positions, "start_positions", x.device)
+    if fmt == 2:
+        s, b = x.shape[0], cu.numel() - 1
+        stride_s, stride_b = x.stride(0), 0
+        h, d = x.shape[1], x.shape[2]
+        stride_h, stride_d = x.stride(1), x.stride(2)
+        y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        s, b = (x.shape[0], x.shape[1]) if fmt == 0 else (x.shape[1], x.shape[0])
+        stride_s, stride_b = (x.stride(0), x.stride(1)) if fmt == 0 else (x.stride(1), x.stride(0))
+        h, d = x.shape[2], x.shape[3]
+        stride_h, stride_d = x.stride(2), x.stride(3)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.device.type == "cuda" and y.numel():
+        if fmt == 2:
+            top = int((torch.diff(cu) // cp_size).max()) * cp_size if b > 0 else 0  # the whole sequence's
+        else:
+            top = s * cp_size
+        if starts is not None and starts.numel():
+            top += int(starts.max())
+        if top > rows:
+            raise ValueError(f"rope: positions up to {top - 1} but freqs has {rows} rows")
+    _C.rope(device_code(x.device), dt, fmt, int(bool(interleaved)), int(bool(backward)), s, b, h, d,
+            stride_s, stride_b, stride_h, stride_d, _addr(x), _addr(y), _addr(table), rows, d2, _addr(cu),
+            _addr(starts), int(cp_size), int(cp_rank), stream_of(x.device))
+    return y

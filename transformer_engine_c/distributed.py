@@ -352,11 +352,18 @@ def allreduce_sequence_parallel_grads(*modules):
     Megatron's finalize_model_grads runs for TransformerEngine layers; call
     it after backward (and before the optimizer) in other training loops,
     with the model (or several modules).
+    A module without a group of its own (a TransformerLayer's output
+    LayerNorm) uses the group of the nearest enclosing module that has one.
     One all-reduce per group, of all such gradients flattened together
     (collective: every rank of a group must hold the same gradients)."""
+    def walk(m, inherited):
+        tp = getattr(m, "tp", None) or inherited
+        yield m, tp
+        for child in m.children():
+            yield from walk(child, tp)
+
     by_group, seen = {}, set()
-    for m in (sub for module in modules for sub in module.modules()):
-        tp = getattr(m, "tp", None)
+    for m, tp in (pair for module in modules for pair in walk(module, None)):
         if tp is None or getattr(tp, "size", 1) == 1:
             continue
         for p in m.parameters(recurse=False):

@@ -70,13 +70,15 @@ typedef struct tec_backend {
     /* Block-scaled FP8 quantization (NULL: none); the FP8 GEMM takes the
      * block scale modes of tec_fp8_gemm_args. */
     const tec_fp8_block_ops *fp8_block;
+    /* RoPE's apply (tec.h), called by rope.c after its checks. */
+    tec_status (*rope)(int device, const tec_rope_args *a, void *stream);
 } tec_backend;
 
-#define TEC_BACKEND_ABI 13 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
+#define TEC_BACKEND_ABI 14 /* 3: transport; hooks at load; no last_error. 4: activations. 5: nccl. 6: fp8.
                              * 7: fp8 delayed_update. 8: fp8_block; the FP8 GEMM's scale modes. 9: fp8
                              * quantize's dbias. 10: fp8 quantize's noop flag. 11: the FP8 GEMM's
                              * sm_margin. 12: fp8 quantize's fused activation. 13: the FP8 GEMM's FP8
-                             * output; the transport's reduce of FP8 partials */
+                             * output; the transport's reduce of FP8 partials. 14: rope */
 
 /* What the core hands the CUDA library on load (it keeps the pointer). */
 typedef struct tec_core_hooks {

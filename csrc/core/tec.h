@@ -228,6 +228,47 @@ tec_status tec_act_bwd(int device, const tec_act_bwd_args *a, void *stream);
 /* Workspace of a backward with dbias (0 if the backend is not loaded). */
 size_t tec_act_bwd_workspace_bytes(int device, tec_activation act, int64_t rows, int64_t cols);
 
+/* ------------------------------------------------- rotary position embedding
+ *
+ * RoPE's apply, forward and backward (csrc/core/rope.c checks and
+ * dispatches; cpu/rope.c, cuda/rope.cu; tests/test_rope.py). For each token
+ * at position p and each head, the first d2 channels turn pairwise by the
+ * angles freqs[p, 0..d2): y[c] = x[c] cos f[c] + r[c] sin f[c], where r is
+ * (-x[c + d2/2] | x[c - d2/2]) for the halves, or, with `interleaved`,
+ * (-x[c + 1] | x[c - 1]) for even | odd c. Channels d2..d are copied. The
+ * backward (`backward` = 1) applies the transpose: dx[c] = dy[c] cos f[c]
+ * + r'[c], r'[c] = dy[c + d2/2] sin f[c + d2/2] | -dy[c - d2/2] sin f[c - d2/2]
+ * (pairs (c, c + 1) alike when interleaved). Arithmetic in float32.
+ *
+ * Formats: SBHD x[s, b, h, d], BSHD x[b, s, h, d], THD x[t, h, d] with
+ * `cu_seqlens` [b + 1] (int32, on the device of x; sequence i holds rows
+ * cu_seqlens[i] / cp_size .. cu_seqlens[i + 1] / cp_size of x). x is read
+ * through its element strides (stride_b unused for THD); y is contiguous
+ * in x's shape. A token's position: its index j in its sequence of local
+ * length n, plus start_positions[i] (int32 [b], or NULL); under context
+ * parallelism (cp_size > 1) the position in the whole sequence instead:
+ * j < n/2 ? cp_rank * n/2 + j : cp_size * n - (cp_rank + 1) * n/2 + j - n/2.
+ * Every position must be below freqs_rows (the CPU reports one that is
+ * not; callers of CUDA check first). */
+typedef enum { TEC_ROPE_SBHD = 0, TEC_ROPE_BSHD = 1, TEC_ROPE_THD = 2 } tec_rope_format;
+
+typedef struct {
+    tec_dtype dtype;           /* of x and y */
+    tec_rope_format format;
+    int interleaved, backward;
+    int64_t s, b, h, d;        /* THD: s = tokens t, b = sequences */
+    int64_t stride_s, stride_b, stride_h, stride_d; /* of x, in elements */
+    const void *x;
+    void *y;
+    const float *freqs;        /* [freqs_rows, d2], contiguous */
+    int64_t freqs_rows, d2;    /* d2 even, 0 < d2 <= d */
+    const int32_t *cu_seqlens; /* THD only */
+    const int32_t *start_positions; /* [b] or NULL */
+    int cp_size, cp_rank;
+} tec_rope_args;
+
+tec_status tec_rope(int device, const tec_rope_args *a, void *stream);
+
 /* ------------------------------------------------------ composite steps
  *
  * A layer's steps that chain the operations above, one call each (the

@@ -1,10 +1,10 @@
 /* ops.c - CPython entry points for the engine's stateless operations
- * (normalisation, GEMM, activations, backend loading, and the layers'
+ * (normalisation, GEMM, activations, RoPE, backend loading, and the layers'
  * composite steps: linear_bwd, norm_linear_fwd/bwd), one tec.h call each,
  * arguments converted and nothing composed here. Positional METH_FASTCALL with
  * addresses as ints; friendly checks live in transformer_engine_c/_engine.py
  * and module/_steps.py. tests/test_kernels.py exercises every function here,
- * tests/test_one_path.py the composite steps. */
+ * tests/test_one_path.py the composite steps, tests/test_rope.py RoPE. */
 #include "module.h"
 
 #define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
@@ -231,6 +231,28 @@ static PyObject *py_act_bwd_ws(PyObject *m, PyObject *const *args, Py_ssize_t na
     return PyLong_FromSize_t(tec_act_bwd_workspace_bytes((int)dev, (tec_activation)act, rows, cols));
 }
 
+/* rope(device, dtype, format, interleaved, backward, s, b, h, d, stride_s,
+ *      stride_b, stride_h, stride_d, x, y, freqs, freqs_rows, d2,
+ *      cu_seqlens, start_positions, cp_size, cp_rank, stream) */
+static PyObject *py_rope(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("rope", 23);
+    int dev, fmt;
+    tec_rope_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); INT(2, fmt, 0, 2, "format");
+    BOOL(3, a.interleaved, "interleaved"); BOOL(4, a.backward, "backward");
+    I64(5, a.s); I64(6, a.b); I64(7, a.h); I64(8, a.d);
+    I64(9, a.stride_s); I64(10, a.stride_b); I64(11, a.stride_h); I64(12, a.stride_d);
+    PTR(13, a.x); PTR(14, a.y); PTR(15, a.freqs); I64(16, a.freqs_rows); I64(17, a.d2);
+    PTR(18, a.cu_seqlens); PTR(19, a.start_positions);
+    INT(20, a.cp_size, 1, 1 << 20, "cp_size"); INT(21, a.cp_rank, 0, 1 << 20, "cp_rank"); PTR(22, stream);
+    a.format = (tec_rope_format)fmt;
+    tec_status st;
+    CALL(tec_rope(dev, &a, stream));
+    return run(m, st);
+}
+
 /* load_cuda_backend(path: str, gemm_policy: int) (TEC_GEMM_* bits of tec.h) */
 static PyObject *py_load_cuda(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -268,6 +290,7 @@ PyMethodDef tec_ops_methods[] = {
     {"act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL, "Activation forward (see tec.h)."},
     {"act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL, "Activation backward, optional dbias."},
     {"act_bwd_workspace_bytes", (PyCFunction)(void (*)(void))py_act_bwd_ws, METH_FASTCALL, "Workspace of act_bwd with dbias."},
+    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, "RoPE's apply, forward or backward (see tec.h)."},
     {"load_cuda_backend", (PyCFunction)(void (*)(void))py_load_cuda, METH_FASTCALL, "Load the CUDA backend library."},
     {"has_cuda_backend", (PyCFunction)(void (*)(void))py_has_cuda, METH_FASTCALL, "Whether CUDA is loaded."},
     {NULL, NULL, 0, NULL},

@@ -7,6 +7,7 @@
 
 #include "../backend.h"
 #include "../error.h"
+#include "../rope.h"
 #include "cpu_dtype.h"
 
 /* ------------------------------------------------------------ norm */
@@ -269,4 +270,5 @@ const tec_backend tec_cpu_backend = {
     .act_bwd_workspace_bytes = tec_cpu_act_bwd_workspace_bytes,
     .fp8 = &tec_cpu_fp8,
     .fp8_block = &tec_cpu_fp8_block,
+    .rope = tec_cpu_rope,
 };

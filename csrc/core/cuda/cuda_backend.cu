@@ -1,8 +1,9 @@
 /* cuda_backend.cu - the CUDA library's one exported entry: it keeps the
  * core's hooks (errors, GEMM policy) and returns the backend table (norm,
- * GEMM, the CUDA IPC transport, the engine collectives, FP8 and block-scaled FP8). Loaded by tec_load_cuda_backend; every
+ * GEMM, the CUDA IPC transport, the engine collectives, FP8 and block-scaled FP8, RoPE). Loaded by tec_load_cuda_backend; every
  * CUDA test uses it. */
 #include "cuda_common.h"
+#include "rope.h"
 
 static const tec_backend tec_cuda_backend = {
     TEC_BACKEND_ABI,                    /* abi_version */
@@ -19,6 +20,7 @@ static const tec_backend tec_cuda_backend = {
     &tec_cuda_nccl,                     /* nccl (nccl.cu) */
     &tec_cuda_fp8,                      /* fp8 (fp8.cu) */
     &tec_cuda_fp8_block,                /* fp8_block (fp8_block.cu) */
+    tec_cuda_rope,                      /* rope (rope.cu) */
 };
 
 TEC_CUDA_EXPORT const tec_backend *tec_cuda_backend_init(const tec_core_hooks *hooks)

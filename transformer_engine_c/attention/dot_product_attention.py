@@ -24,9 +24,10 @@ num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
 the RNG tracker's fork() when one is given and sequence_parallel is off, as
 TE does.
 
-Raises NotImplementedError naming the feature: context parallelism (a
-cp_group of more than one rank), FP8 attention (fp8_output; inside an FP8
-autocast attention runs in high precision, as TE's without fp8_dpa),
+Under FP8 autocast attention runs in the compute dtype (TE's recipes
+without fp8_dpa / fp8_mha). Raises NotImplementedError naming the feature:
+context parallelism (a cp_group of more than one rank), FP8 attention
+(fp8_output, a recipe's fp8_dpa / fp8_mha),
 softmax types other than vanilla, return_max_logit, ALiBi, KV-cache
 inference (inference_params), score_mod."""
 import contextlib
@@ -36,14 +37,25 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._fp8_meta import initial_fp8_meta
-from .module.base import ExtraStateMixin
+from .._fp8_meta import initial_fp8_meta
+from ..module.base import ExtraStateMixin
+from ..quantization import FP8GlobalStateManager
 
 __all__ = ["DotProductAttention"]
 
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
               "padding_causal_bottom_right", "arbitrary")
 QKV_FORMATS = ("sbhd", "bshd", "thd")
+
+
+def _fp8_attention_asked():
+    """Whether FP8 autocast's recipe asks for FP8 attention. Without fp8_dpa /
+    fp8_mha, attention under FP8 autocast runs in the compute dtype, as in
+    TE."""
+    if not FP8GlobalStateManager.is_fp8_enabled():
+        return False
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    return bool(getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False))
 
 
 def _check_choice(name, value, choices):
@@ -210,6 +222,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         # Inside an FP8 autocast attention computes in high precision, as TE's does
         # without the recipe's fp8_dpa (which the recipes here refuse).
         for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
+                           (_fp8_attention_asked(), "FP8 attention (the recipe's fp8_dpa / fp8_mha)"),
                            (alibi_slopes is not None or core_attention_bias_type == "alibi", "ALiBi"),
                            (inference_params is not None, "inference_params (KV-cache inference)"),
                            (score_mod is not None or score_mod_bprop is not None, "score_mod"),
@@ -237,7 +250,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         args = (q, k, v, attention_mask, fmt, mask_type, window, bias, cu_seqlens_q, cu_seqlens_kv,
                 cu_seqlens_q_padded, cu_seqlens_kv_padded, br)
         if checkpoint_core_attention and torch.is_grad_enabled():
-            from .checkpoint import checkpoint
+            from ..checkpoint import checkpoint
             tracker = self.rng_states_tracker
             return checkpoint(self._forward, *args, use_reentrant=False,
                               get_rng_state_tracker=(lambda: tracker) if tracker is not None else None)
