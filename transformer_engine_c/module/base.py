@@ -327,7 +327,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
             self.register_parameter(name, w)
         for name, row, n in zip(self.bias_names, starts, sizes):
             if bias:
-                b = torch.nn.Parameter(biases[starts[i]:starts[i] + n])
+                b = torch.nn.Parameter(biases[row:row + n])
                 if self.tp.mode == "row":
                     b.sequence_parallel = self.tp.sp
                 elif self.tp.mode == "column":
