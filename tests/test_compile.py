@@ -126,6 +126,41 @@ def test_dot_product_attention_fullgraph():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_rope_fullgraph():
+    from transformer_engine_c.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+
+    torch.manual_seed(17)
+    freqs = RotaryPositionEmbedding(16)(8).to(DEV)
+    t = torch.randn(8, 2, 4, 16, device=DEV, requires_grad=True)
+
+    def f(t, fmt):
+        return apply_rotary_pos_emb(t, freqs, fmt, fused=True)
+
+    g = torch.randn_like(t)
+    for fmt in ("sbhd", "bshd"):
+        te = t.detach().clone().requires_grad_()
+        tc = t.detach().clone().requires_grad_()
+        ye, yc = f(te, fmt), torch.compile(f, fullgraph=True)(tc, fmt)
+        ye.backward(g)
+        yc.backward(g)
+        _same(ye, yc)
+        _same(te.grad, tc.grad)
+    assert _breaks() == 0
+
+
+@pytest.mark.parametrize("kw", [dict(self_attn_mask_type="causal"),
+                                dict(normalization="RMSNorm", activation="swiglu", num_gqa_groups=2),
+                                dict(layer_type="decoder")], ids=["causal", "rms-swiglu-gqa", "decoder"])
+def test_transformer_layer_fullgraph(kw):
+    from transformer_engine_c.attention.rope import RotaryPositionEmbedding
+
+    torch.manual_seed(18)
+    layer = tec.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, device=DEV, **kw)
+    rope = RotaryPositionEmbedding(16)(8).to(DEV)
+    extra = {"encoder_output": torch.randn(8, 2, 64, device=DEV)} if kw.get("layer_type") == "decoder" else {}
+    check_compiled(layer, torch.randn(8, 2, 64, device=DEV), rotary_pos_emb=rope, **extra)
+
+
 class Block(torch.nn.Module):
     """A GPT-style pre-LN block of the package's layers."""
 

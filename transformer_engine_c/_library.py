@@ -228,3 +228,18 @@ class _Linear(torch.autograd.Function):
 def linear(x, w, bias=None):
     """x @ w^T (+ bias) through tec::gemm, differentiable."""
     return _Linear.apply(x, w, bias)
+
+
+# ---------------------------------------------------------------- RoPE
+
+def _rope(x, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward):
+    return _engine.rope(x, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                        backward=backward)
+
+
+def _rope_fake(x, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward):
+    return x.new_empty(x.shape)
+
+
+rope_op = _define("rope(Tensor x, Tensor freqs, str fmt, bool interleaved, Tensor? cu_seqlens, "
+                  "Tensor? start_positions, int cp_size, int cp_rank, bool backward) -> Tensor", _rope, _rope_fake)

@@ -19,7 +19,7 @@ this rank's two chunks (chunk cp_rank and chunk 2 * cp_size - 1 - cp_rank,
 the load-balanced split). Exercised by tests/test_rope.py."""
 import torch
 
-from .. import _engine
+from .. import _engine, _library
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb"]
 
@@ -136,10 +136,18 @@ def _check_rows(pos, table):
                          "freqs")
 
 
+def _rope(*args, backward=False):
+    """The engine's RoPE: straight to it eagerly, through its registered
+    operator while torch.compile traces (transformer_engine_c/_library.py)."""
+    if torch.compiler.is_compiling():
+        return _library.rope_op(*args, backward)
+    return _engine.rope(*args, backward=backward)
+
+
 class _FusedRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank):
-        out = _engine.rope(t, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
+        out = _rope(t, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
         ctx.save_for_backward(freqs, cu_seqlens, start_positions)
         ctx.args = (fmt, interleaved, cp_size, cp_rank)
         return out
@@ -148,8 +156,7 @@ class _FusedRoPE(torch.autograd.Function):
     def backward(ctx, dy):
         freqs, cu_seqlens, start_positions = ctx.saved_tensors
         fmt, interleaved, cp_size, cp_rank = ctx.args
-        dx = _engine.rope(dy, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
-                          backward=True)
+        dx = _rope(dy, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)
         return dx, None, None, None, None, None, None, None
 
 
