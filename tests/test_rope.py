@@ -39,6 +39,12 @@ def _positions(n, cp_size, cp_rank):
 
 
 def _reference(t, freqs, fmt, interleaved, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
+    """The rotation in float64 on the CPU, returned on t's device."""
+    return _reference_cpu(t, freqs.cpu(), fmt, interleaved, cu_seqlens, start_positions, cp_size,
+                          cp_rank).to(t.device)
+
+
+def _reference_cpu(t, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_rank):
     table = freqs.reshape(freqs.shape[0], -1).double()
     out = torch.empty(t.shape, dtype=torch.float64)
     if fmt == "thd":
@@ -178,12 +184,12 @@ def test_thd_tokens_outside_sequences_are_zero():
 
 def test_rotary_position_embedding_table():
     rpe = RotaryPositionEmbedding(8, rotary_base=500.0)
-    f = rpe(6, offset=2)
+    f = rpe(6, offset=2).cpu()  # the table is made on the current CUDA device where there is one, as TE's
     assert f.shape == (6, 1, 1, 8) and f.dtype == torch.float32
     inv = [500.0 ** (-j / 8) for j in (0, 2, 4, 6)]
     expect = torch.tensor([[(p + 2) * v for v in inv] * 2 for p in range(6)])
     assert torch.allclose(f.view(6, 8), expect, rtol=1e-6)
-    fi = RotaryPositionEmbedding(8, rotary_base=500.0, interleaved=True)(6, offset=2).view(6, 8)
+    fi = RotaryPositionEmbedding(8, rotary_base=500.0, interleaved=True)(6, offset=2).cpu().view(6, 8)
     assert torch.allclose(fi, expect[:, :4].repeat_interleave(2, dim=1), rtol=1e-6)
     assert RotaryPositionEmbedding(16, rotary_percent=0.5)(3).shape == (3, 1, 1, 8)
     # linear interpolation needs both arguments, as in TE

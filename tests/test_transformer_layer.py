@@ -262,10 +262,13 @@ def _train(make, x, steps, reload=False):
             torch.save(block.state_dict(), buf)
             grads = [p.grad.clone() for p in block.parameters()]
             rng = torch.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state() if x.is_cuda else None  # dropout draws on x's device
             block = make()
             buf.seek(0)
             block.load_state_dict(torch.load(buf, weights_only=False))
             torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
             for p, g in zip(block.parameters(), grads):
                 p.grad = g
         out = block(x)

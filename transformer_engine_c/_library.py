@@ -84,11 +84,8 @@ def _layer_fwd_fake(key, tensors, given, first_mb, grad, fp8):
 
 def _layer_bwd(key, tensors, given, saved, grads, needs, first_mb, fp8):
     """The gradient of each given tensor, or an empty [0] where it has none."""
-    layer = _layer(key)
-    args = _expand(tensors, given)
-    got = iter(layer._op_backward(args, saved, grads, _expand(needs, given), first_mb, fp8))
-    present = layer._op_grads_present(args, _expand(needs, given))
-    return [next(got) if want else t.new_empty(0) for t, want in zip(tensors, _given(present, given))]
+    got = _layer(key)._op_backward(_expand(tensors, given), saved, grads, _expand(needs, given), first_mb, fp8)
+    return [t.new_empty(0) if g is None else g for t, g in zip(tensors, _given(got, given))]
 
 
 def _layer_bwd_fake(key, tensors, given, saved, grads, needs, first_mb, fp8):

@@ -160,8 +160,12 @@ def twin(tec, ours, hidden, heads, dtype, device):
 
 
 def step(m, x, dy, tec=None, recipe=None):
-    """One forward+backward of m (under an FP8 autocast of `recipe`)."""
+    """One forward+backward of m (under an FP8 autocast of `recipe`). The
+    input's gradient is dropped first, as a training step's is: accumulating
+    into a gradient that a replay of PyTorch's CUDA graphs produced reads
+    memory the next replay overwrites."""
     def run():
+        x.grad = None
         if recipe is None:
             y = m(x)
         else:

@@ -93,8 +93,11 @@ def _check_fp8(layer, call, fp8):
 
 
 def forward(layer, args, first_mb, grad, fp8):
-    with fresh_temporaries():
+    before = fresh_temporaries(True)
+    try:
         return _forward(layer, args, first_mb, grad, fp8)
+    finally:
+        fresh_temporaries(before)
 
 
 def _forward(layer, args, first_mb, grad, fp8):
@@ -102,7 +105,10 @@ def _forward(layer, args, first_mb, grad, fp8):
     the new saved tensors when `grad` (an FP8 call: the token)."""
     spec = layer._op_spec
     plan = layer._plan or layer._make_plan()
-    with torch.set_grad_enabled(grad):  # an FP8 call keeps its operands for a backward (the op runs without grad)
+    if fp8:
+        with torch.set_grad_enabled(grad):  # an FP8 call keeps its operands for a backward (ops run without grad)
+            call = spec.call(layer, plan, args, _first_mb(first_mb))
+    else:
         call = spec.call(layer, plan, args, _first_mb(first_mb))
     _check_fp8(layer, call, fp8)
     if not grad:
@@ -118,11 +124,20 @@ def _forward(layer, args, first_mb, grad, fp8):
         token = torch.tensor([key], dtype=torch.int64)
         weakref.finalize(token, _FP8_CTX.pop, key, None)
         return _owned(layer, outs, ()) + [token]
-    new = []
-    for t, where in zip(ctx.saved_tensors, spec.saved(layer)):
+    new = [t for t, where in zip(ctx.saved_tensors, spec.saved(layer)) if where == "new"]
+    checked = layer.__dict__.setdefault("_op_checked", set())
+    shape = (tuple(args[0].shape), call.ready)
+    if shape not in checked:  # once per input shape: what was saved is what the operator declares
+        _check_saved(layer, spec, call, args, ctx.saved_tensors, new)
+        checked.add(shape)
+    return _owned(layer, outs, new) + new
+
+
+def _check_saved(layer, spec, call, args, saved, new):
+    for t, where in zip(saved, spec.saved(layer)):
         if where == "new":
-            new.append(t)
-        elif where == "x":
+            continue
+        if where == "x":
             x = _saved_x(layer, call, args[0])
             if t.data_ptr() != x.data_ptr() or t.shape != x.shape:
                 _mismatch(layer, "the saved input is not the input")
@@ -131,7 +146,6 @@ def _forward(layer, args, first_mb, grad, fp8):
     declared = spec.new_shapes(layer, args)
     if [(tuple(t.shape), t.dtype) for t in new] != [(tuple(s), d) for s, d in declared]:
         _mismatch(layer, f"saved {[(tuple(t.shape), t.dtype) for t in new]}, declared {declared}")
-    return _owned(layer, outs, new) + new
 
 
 def forward_fake(layer, args, grad, fp8):
@@ -146,13 +160,16 @@ def forward_fake(layer, args, grad, fp8):
 
 
 def backward(layer, args, new, grads, needs, first_mb, fp8):
-    with fresh_temporaries():
+    before = fresh_temporaries(True)
+    try:
         return _backward(layer, args, new, grads, needs, first_mb, fp8)
+    finally:
+        fresh_temporaries(before)
 
 
 def _backward(layer, args, new, grads, needs, first_mb, fp8):
-    """tec::layer_bwd's real work: the gradients of the Function's tensor
-    arguments that `present` (see grads_present) declares, in order."""
+    """tec::layer_bwd's real work: the gradient of each of the Function's
+    tensor arguments, None where grads_present declares none."""
     spec = layer._op_spec
     if fp8:
         ctx = _FP8_CTX.pop(int(new[0].item()), None)
@@ -183,19 +200,14 @@ def _backward(layer, args, new, grads, needs, first_mb, fp8):
 
 
 def _present(layer, res, args, needs):
-    """The gradients the operator declared (grads_present), in order."""
-    present = grads_present(layer, args, needs)
+    """The gradients the operator declared (grads_present); one not asked
+    for (an input gradient the Function always computes) is dropped."""
     out = []
-    for i, (g, want) in enumerate(zip(res, present)):
-        if want:  # one not asked for (an input gradient the Function always computes) is dropped
-            if g is None:
-                _mismatch(layer, f"no gradient for argument {i}, where one was declared")
-            out.append(g)
+    for i, (g, want) in enumerate(zip(res, grads_present(layer, args, needs))):
+        if want and g is None:
+            _mismatch(layer, f"no gradient for argument {i}, where one was declared")
+        out.append(g if want else None)
     return out
-
-
-def backward_fake(layer, args, needs):
-    return [torch.empty_like(a) for a, want in zip(args, grads_present(layer, args, needs)) if want]
 
 
 def grads_present(layer, args, needs):

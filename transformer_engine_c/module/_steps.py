@@ -93,17 +93,14 @@ _sinks = {}
 _outgrown_sinks = []
 
 
-@contextlib.contextmanager
-def fresh_temporaries():
-    """Within: every temporary and statistics sink is a fresh allocation
-    (the operators torch.compile runs: see the temporaries' comment)."""
+def fresh_temporaries(on):
+    """Whether every temporary and statistics sink is a fresh allocation
+    from now on in this thread (the operators torch.compile runs: see the
+    temporaries' comment); returns the setting it replaces."""
     if getattr(_temps, "slots", None) is None:
         _temps.slots = {}
-    before, _temps.fresh = getattr(_temps, "fresh", False), True
-    try:
-        yield
-    finally:
-        _temps.fresh = before
+    before, _temps.fresh = getattr(_temps, "fresh", False), on
+    return before
 
 
 def _stats_sink(device, count):

@@ -492,9 +492,6 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
     def _op_backward(self, args, saved, grads, needs, first_mb, fp8):
         return _opcall.backward(self, args, saved, grads, needs, first_mb, fp8)
 
-    def _op_backward_fake(self, args, needs):
-        return _opcall.backward_fake(self, args, needs)
-
     def _op_grads_present(self, args, needs):
         return _opcall.grads_present(self, args, needs)
 
