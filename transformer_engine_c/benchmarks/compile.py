@@ -161,11 +161,15 @@ def twin(tec, ours, hidden, heads, dtype, device):
 
 def step(m, x, dy, tec=None, recipe=None):
     """One forward+backward of m (under an FP8 autocast of `recipe`). The
-    input's gradient is dropped first, as a training step's is: accumulating
-    into a gradient that a replay of PyTorch's CUDA graphs produced reads
-    memory the next replay overwrites."""
+    gradients are dropped first, as a training step's optimizer.zero_grad
+    drops them: accumulating into a gradient that a replay of PyTorch's CUDA
+    graphs produced reads memory the next replay overwrites."""
+    params = list(m.parameters())
+
     def run():
         x.grad = None
+        for p in params:
+            p.grad = None
         if recipe is None:
             y = m(x)
         else:
