@@ -607,7 +607,7 @@ def test_fp8_calls_follow_a_changed_checkpoint_flag(monkeypatch):
             kept.append(self.keep_t)
     monkeypatch.setattr(_fp8, "FP8Call", Recording)
     layer = te.LayerNormMLP(64, 128)
-    x = torch.randn(16, 64, requires_grad=True)
+    x = torch.randn(16, 64, requires_grad=True, device=layer.fc1_weight.device)
     for checkpoint in (False, True, False):
         layer.checkpoint = checkpoint
         with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
