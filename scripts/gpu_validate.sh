@@ -58,12 +58,12 @@ PARTS[2]="tests/test_layers.py tests/test_one_path.py tests/test_layernorm_mlp.p
   tests/test_saving.py tests/test_debug_checker.py tests/test_fp8_layers.py tests/test_fp8_extra_state.py
   tests/test_fp8_recipe.py tests/test_float8_tensor.py"
 PARTS[3]="tests/test_cuda_graphs.py tests/test_fp8_params.py tests/test_fp8_engine.py tests/test_fp8_block.py
-  tests/test_compile.py"
+  tests/test_compile.py tests/test_rope.py tests/test_transformer_layer.py"
 PARTS[4]="tests/distributed/test_layernorm_mlp_tp.py tests/distributed/test_gemm_with_overlap.py
   tests/distributed/test_comm_gemm_overlap.py tests/distributed/test_grad_mode_overlap.py
   tests/distributed/test_graph_overlap.py tests/distributed/test_temporaries.py tests/distributed/test_tp.py
   tests/distributed/test_sp_reference.py tests/distributed/test_distributed_weight.py
-  tests/distributed/test_compile_tp.py"
+  tests/distributed/test_compile_tp.py tests/distributed/test_transformer_layer_tp.py"
 PARTS[5]="tests/distributed/test_te_dropin.py tests/distributed/test_fp8_layers_tp.py
   tests/distributed/test_megatron_gpt.py tests/distributed/test_engine_collectives.py
   tests/test_megatron_construction.py::test_megatron_tensor_parallel_cuda tests/test_main_job.py::test_main_job_two_gpus"
