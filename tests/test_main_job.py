@@ -82,6 +82,22 @@ def test_main_job_trains_and_overlap_agrees(two_ranks):
         assert "matplotlib is not installed: no PNG" in out and not os.path.exists(png)
 
 
+def test_main_job_compiled_follows_the_eager_curve(tmp_path):
+    """--compile: the same training under torch.compile (fullgraph), overlap
+    off and on: both pass the job's own checks (every overlapped path ran,
+    the checker saw saved tensors and no alias) and follow the eager run's
+    curve step by step (fp32 on 2 CPU ranks: the same engine runs both)."""
+    eager, _ = run_job(tmp_path / "eager", "--nproc", "2")
+    compiled, out = run_job(tmp_path / "compiled", "--nproc", "2", "--compile")
+    assert "under torch.compile" in out
+    for e, c in zip(eager["runs"], compiled["runs"]):
+        assert e["overlap"] == c["overlap"]
+        assert train.curve_gap(c["losses"], e["losses"]) <= 1e-3, (c["losses"][:5], e["losses"][:5])
+        assert c["saved_tensors_checked"] > 0 and c["alias_violations"] == 0
+    st = compiled["runs"][1]["stats"]
+    assert st["qkv_fprop"]["ag_overlap"] >= 80 and st["fc2_fprop"]["rs_overlap"] >= 80, st
+
+
 def test_one_rank_follows_the_same_curve(two_ranks, tmp_path):
     """The tensor-parallel weights are slices of the same full weights, so 1
     rank and 2 ranks train the same model; their curves agree only if every
@@ -102,6 +118,8 @@ def test_one_rank_follows_the_same_curve(two_ranks, tmp_path):
     (["--period", "100"], "--period 100 must be <= --seq 64"),
     (["--steps", "1"], "--steps must be >= 2"),
     (["--layers", "0"], "--layers must be >= 1"),
+    (["--compile", "reduce-overhead"], "--compile reduce-overhead needs CUDA GPUs"),
+    (["--compile", "--distributed-weight"], "a DistributedWeight cannot be traced by torch.compile"),
 ])
 def test_bad_sizes_are_refused(argv, words, capsys, monkeypatch):
     for k in ("RANK", "WORLD_SIZE"):

@@ -60,6 +60,8 @@ def parse(argv=None):
                     help="the head's weight is a DistributedWeight sharded over the ranks (FSDP-style)")
     ap.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                     help="activation checkpointing (tec.checkpoint) around each block")
+    ap.add_argument("--compile", nargs="?", const="default", default=None, choices=["default", "reduce-overhead"],
+                    help="train the model under torch.compile (fullgraph; mode reduce-overhead on GPUs only)")
     ap.add_argument("--out", default=None, metavar="DIR", help="write main_job.json (and main_job.png) here")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not gpus:
@@ -67,6 +69,11 @@ def parse(argv=None):
     for k, v in DEFAULTS[args.device].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.compile == "reduce-overhead" and args.device != "cuda":
+        ap.error("--compile reduce-overhead needs CUDA GPUs (PyTorch's CUDA graphs)")
+    if args.compile and args.distributed_weight:
+        ap.error("--compile with --distributed-weight: a DistributedWeight cannot be traced by torch.compile "
+                 "(its gather is a collective issued per call)")
     args.ffn = args.ffn or 4 * args.hidden
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.nproc = args.nproc or (gpus if args.device == "cuda" else 2)
@@ -115,7 +122,7 @@ def worker(args):
     dtype = getattr(torch, args.dtype)
     tp = dist.new_group(list(range(size)))
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "seq", "batch", "vocab", "period",
-                                         "steps", "lr", "seed", "checkpoint", "distributed_weight")}
+                                         "steps", "lr", "seed", "checkpoint", "distributed_weight", "compile")}
     data = train.MarkovCopyData(args.vocab, args.seq, args.period, n_train=max(512, 8 * args.batch),
                                 n_heldout=4 * args.batch, seed=args.seed)
     optimal = data.optimal_loss(data.heldout)
@@ -125,7 +132,8 @@ def worker(args):
         print(f"  model: {args.layers} block{'s' if args.layers > 1 else ''}, hidden {args.hidden}, "
               f"{args.heads} heads, ffn {args.ffn}, "
               f"vocab {args.vocab}; activation checkpointing {'on' if args.checkpoint else 'off'}"
-              + ("; head weight a DistributedWeight" if args.distributed_weight else ""))
+              + ("; head weight a DistributedWeight" if args.distributed_weight else "")
+              + (f"; under torch.compile (mode {args.compile})" if args.compile else ""))
         print(f"  data: generated sequences of {args.seq} tokens (a Markov chain's first {args.period}, then "
               f"repeated), batch {args.batch}, {len(data.train)} training / {len(data.heldout)} held-out "
               f"sequences; the generator's own held-out loss is {optimal:.3f}", flush=True)

@@ -57,6 +57,14 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, dis
                                       "over tp_group) is not supported; pass False")
         warnings.warn("checkpoint: distribute_saved_activations=True has no effect with use_reentrant=False",
                       stacklevel=2)
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile: PyTorch's non-reentrant checkpoint, which the
+        # compiler turns into a recomputation inside the compiled backward.
+        if get_rng_state_tracker is not None:
+            raise NotImplementedError("checkpoint: get_rng_state_tracker inside a function torch.compile traces "
+                                      "is not supported (call the checkpointed part eagerly)")
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                                 preserve_rng_state=preserve_rng_state, **kwargs)
     function = _recomputable(function, get_rng_state_tracker)
     if use_reentrant:
         if kwargs:

@@ -169,10 +169,13 @@ def saving_layer(name):
 
 
 def _module_pre_hook(module, args):
-    _stack().append(module)
+    if not torch.compiler.is_compiling():  # names come from eager calls (a traced call's saves are the graph's)
+        _stack().append(module)
 
 
 def _module_post_hook(module, args, output):
+    if torch.compiler.is_compiling():
+        return
     s = _stack()
     if s and s[-1] is module:
         s.pop()

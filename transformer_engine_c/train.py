@@ -244,14 +244,15 @@ def lr_at(step, steps, peak):
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
 
-def token_loss(model, seqs, device):
+def token_loss(model, seqs, device, fwd=None):
     """(this rank's summed loss / all tokens, which is this rank's share of the
-    global mean) for seqs [batch, seq + 1]."""
+    global mean) for seqs [batch, seq + 1]; fwd: the model's forward to call
+    (the compiled model), the model itself by default."""
     tokens = seqs[:, :-1].t().contiguous().to(device)          # [seq, batch]
     targets = seqs[:, 1:].t().contiguous().to(device)
     s = tokens.shape[0] // model.tp_size
     lo = model.tp_rank * s
-    logits = model(tokens)                                      # [seq / tp, batch, vocab]
+    logits = (model if fwd is None else fwd)(tokens)            # [seq / tp, batch, vocab]
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets[lo:lo + s].reshape(-1),
                          reduction="sum")
     return ce / targets.numel()
@@ -305,6 +306,9 @@ def run(cfg, data, overlap, device, dtype, tp_group, progress):
         model = GPT(cfg["vocab"], cfg["seq"], cfg["hidden"], cfg["heads"], cfg["ffn"], cfg["layers"], tp_group,
                     overlap, cfg["checkpoint"], dtype, device, cfg["distributed_weight"])
         opt = MixedPrecisionAdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.01)
+        fwd = model
+        if cfg.get("compile"):  # the same model, traced whole (the eager model still answers attribute reads)
+            fwd = torch.compile(model, fullgraph=True, mode=None if cfg["compile"] == "default" else cfg["compile"])
         batches = data.batches(cfg["batch"], cfg["seed"] + 7)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         start_heldout = heldout_loss(model, data, cfg["batch"], device)
@@ -314,7 +318,7 @@ def run(cfg, data, overlap, device, dtype, tp_group, progress):
             for step in range(cfg["steps"]):
                 sync()
                 t0 = time.perf_counter()
-                loss = token_loss(model, next(batches), device)
+                loss = token_loss(model, next(batches), device, fwd)
                 loss.backward()
                 sync_grads(model)
                 opt.step(lr_at(step, cfg["steps"], cfg["lr"]))
