@@ -404,3 +404,36 @@ def test_bench_fp8_variants_start_from_the_same_parameters():
             assert not any(type(m).__name__ == "Float8Linear" for m in ref.modules()), layer
             y, want = block(x), ref(x)
             assert ((y - want).norm() / want.norm()).item() < 0.1, layer
+
+
+def test_bench_compile_command_runs_on_cpu(tmp_path):
+    """--compile: the block eager and compiled, ours and torch.nn's, FP8
+    eager and compiled, on the CPU (the CUDA-only variants say so)."""
+    out = tmp_path / "compile"
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--compile", "--device", "cpu",
+                        "--shapes", "32x64", "--iters", "1", "--warmup", "0", "--batch", "1", "--variants",
+                        "torch,ours,ours_compiled,ours_reduce_overhead,ours_fp8,ours_fp8_compiled", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads((out / "compile.json").read_text())["rows"]
+    st = row["status"]
+    assert {n: st[n] for n in ("torch", "ours", "ours_compiled", "ours_fp8", "ours_fp8_compiled")} == \
+        dict.fromkeys(("torch", "ours", "ours_compiled", "ours_fp8", "ours_fp8_compiled"), "ok"), st
+    assert st["ours_reduce_overhead"] == "skipped: CUDA only"
+    assert row["ratios"]["compiled_vs_ours_eager"] > 0 and row["ratios"]["fp8_compiled_vs_compiled"] > 0
+    assert "| 32 × 64 |" in (out / "compile.md").read_text()
+
+
+def test_compile_bench_blocks_compute_the_same():
+    """Our block and the torch.nn block compute the same function (like with like)."""
+    import torch
+
+    import transformer_engine_c as tec
+    from transformer_engine_c.benchmarks import compile as cb
+
+    torch.manual_seed(0)
+    ours = cb.OurBlock(tec, 64, 2, torch.float32, torch.device("cpu"))
+    ref = cb.TorchBlock(64, 2, torch.float32, torch.device("cpu"))
+    cb.copy_into(ours, ref)
+    x = torch.randn(16, 2, 64)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-4, rtol=1e-4)

@@ -18,10 +18,8 @@ opaque to the compiler and every rank runs the same compiled program, so
 their order is the program's."""
 import itertools
 import weakref
-from typing import List, Optional
 
 import torch
-from torch import Tensor
 
 from . import _engine
 

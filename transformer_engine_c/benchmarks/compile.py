@@ -30,7 +30,6 @@ show that every path runs.
 """
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -323,15 +322,8 @@ def main(argv=None):
     rows = run(args)
     print(table(rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
-                    dtype=str(args.dtype).replace("torch.", ""), batch=args.batch, iters=args.iters,
-                    warmup=args.warmup, torch=torch.__version__)
-        with open(os.path.join(args.out, "compile.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "compile.md"), "w") as f:
-            f.write(markdown(rows, meta))
-        print(f"wrote {args.out}/compile.json, compile.md")
+        meta = tp1.meta_of(args)
+        tp1.write(args.out, "compile", dict(meta=meta, rows=rows), markdown(rows, meta))
     return 0
 
 

@@ -35,7 +35,6 @@ On the CPU the numbers only show that every path runs: timing is not judged.
 import argparse
 import copy
 import json
-import os
 import sys
 
 import torch
@@ -488,21 +487,13 @@ def main(argv=None):
     checks = targets(rows, cuda, have_torchao)
     print(table(rows, checks))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         ao_version = None
         if have_torchao:
             import torchao
             ao_version = torchao.__version__
-        meta = dict(device=(torch.cuda.get_device_name() if cuda else "cpu"),
-                    dtype=str(args.dtype).replace("torch.", ""),
-                    batch=args.batch, iters=args.iters, warmup=args.warmup, torch=torch.__version__,
-                    torchao=ao_version, torchao_compiled=not args.no_compile,
-                    timing="device (CUDA events)" if cuda else "host clock; not judged")
-        with open(os.path.join(args.out, "fp8.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows, targets=checks), f, indent=1)
-        with open(os.path.join(args.out, "fp8.md"), "w") as f:
-            f.write(markdown(rows, checks, meta))
-        print(f"wrote {args.out}/fp8.json, fp8.md")
+        meta = tp1.meta_of(args, torchao=ao_version, torchao_compiled=not args.no_compile,
+                           timing="device (CUDA events)" if cuda else "host clock; not judged")
+        tp1.write(args.out, "fp8", dict(meta=meta, rows=rows, targets=checks), markdown(rows, checks, meta))
     return 0
 
 

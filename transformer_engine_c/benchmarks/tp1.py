@@ -211,20 +211,30 @@ def markdown(rows, meta):
     return "\n".join(out) + "\n"
 
 
+def meta_of(args, **extra):
+    """The run's facts that every benchmark's JSON and Markdown begin with."""
+    return dict(device=(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
+                dtype=str(args.dtype).replace("torch.", ""), batch=args.batch, iters=args.iters,
+                warmup=args.warmup, torch=torch.__version__, **extra)
+
+
+def write(out, name, data, md):
+    """NAME.json (data) and NAME.md (md) in the directory out."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(md)
+    print(f"wrote {out}/{name}.json, {name}.md")
+
+
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
     rows = run(args)
     print(table(rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
-                    dtype=str(args.dtype).replace("torch.", ""), batch=args.batch, iters=args.iters,
-                    warmup=args.warmup, torch=torch.__version__)
-        with open(os.path.join(args.out, "tp1.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "tp1.md"), "w") as f:
-            f.write(markdown(rows, meta))
-        print(f"wrote {args.out}/tp1.json, tp1.md")
+        meta = meta_of(args)
+        write(args.out, "tp1", dict(meta=meta, rows=rows), markdown(rows, meta))
     return 0
 
 
