@@ -467,3 +467,17 @@ def test_the_operator_checks_the_gradients_against_its_declaration():
     y = torch.compile(m, fullgraph=True)(torch.randn(8, 32, device=DEV, requires_grad=True))
     with pytest.raises(Exception, match="Linear.*no gradient for argument 1"):
         y.sum().backward()
+
+
+def test_the_traced_key_holds_the_layers_configuration():
+    """A traced call names its layer with the configuration its declared
+    outputs derive from, so a graph cached on disk by another process (where
+    the same registry key may be another kind of layer) is not reused."""
+    a = tec.Linear(32, 48, device=DEV)
+    b = tec.Linear(32, 48, return_bias=True, device=DEV)
+    c = tec.LayerNormMLP(32, 64, return_layernorm_output=True, device=DEV)
+    assert a._op_signature() == b._op_signature()  # the same declared outputs
+    assert c._op_signature() != tec.LayerNormMLP(32, 64, device=DEV)._op_signature()
+    from transformer_engine_c import _library
+    with pytest.raises(RuntimeError, match="configuration changed since the call was traced"):
+        _library._layer(f"{c._op_key}|{a._op_signature()}", check=True)

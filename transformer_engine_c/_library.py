@@ -34,8 +34,15 @@ def register_layer(layer):
     return key
 
 
-def _layer(key):
-    layer = _LAYERS.get(key)
+def _layer(key, check=False):
+    """The live layer of a key "REGISTRY_KEY|CONFIGURATION" (layer_call's);
+    `check`: its configuration is still the one in the key (while tracing; at
+    run time the graph's guards on the layer's attributes see to it)."""
+    name, _, signature = key.partition("|")
+    layer = _LAYERS.get(name)
+    if check and layer is not None and signature != layer._op_signature():
+        raise RuntimeError(f"{type(layer).__name__} {name}: its configuration changed since the call was traced "
+                           f"(traced as {signature}, now {layer._op_signature()})")
     if layer is None:
         raise RuntimeError(f"no live layer is registered as {key!r} (the module was deleted after its call was "
                            "compiled)")
@@ -77,7 +84,7 @@ def _layer_fwd(key, tensors, given, first_mb, grad, fp8):
 
 
 def _layer_fwd_fake(key, tensors, given, first_mb, grad, fp8):
-    return _layer(key)._op_forward_fake(_expand(tensors, given), grad, fp8)
+    return _layer(key, check=True)._op_forward_fake(_expand(tensors, given), grad, fp8)
 
 
 def _layer_bwd(key, tensors, given, saved, grads, needs, first_mb, fp8):
@@ -128,7 +135,8 @@ def layer_call(layer, args, is_first_microbatch, fp8):
     """One traced layer call: the Function's outputs (2-D). fp8: the call
     runs inside an FP8 autocast (read while tracing: a guard of the graph)."""
     n = layer._op_noutputs()
-    outs = _LayerCall.apply(layer._op_key, [a is not None for a in args], first_mb_code(is_first_microbatch),
+    key = f"{layer._op_key}|{layer._op_signature()}"
+    outs = _LayerCall.apply(key, [a is not None for a in args], first_mb_code(is_first_microbatch),
                             torch.is_grad_enabled(), fp8, n, *[a for a in args if a is not None])
     return outs[:n]
 

@@ -483,6 +483,20 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         fp8 = _quantization.fp8_enabled
         return _library.layer_call(self, args, is_first_microbatch, fp8)
 
+    def _op_signature(self):
+        """The configuration the operators' declared outputs derive from. It
+        is part of the key a traced call holds, so a compiled graph that
+        PyTorch's caches keep on disk is reused only for a layer of the same
+        configuration (another process may give another layer the same
+        registry key)."""
+        tp, tp2 = self.tp, getattr(self, "tp2", self.tp)
+        return (f"{tp.mode},{tp.sp},{tp.size},{tp2.mode},{tp2.sp},{tp2.size},{getattr(self, 'in_local', 0)},"
+                f"{getattr(self, 'out_local', 0)},{getattr(self, 'hidden_size', 0)},"
+                f"{getattr(self, 'size_per_partition', 0)},{getattr(self, 'activation', '')},"
+                f"{getattr(self, 'normalization', '')},{getattr(self, 'checkpoint', False)},"
+                f"{getattr(self, 'return_layernorm_output', False)},"
+                f"{getattr(self, 'return_layernorm_output_gathered', False)}")
+
     def _op_forward(self, args, first_mb, grad, fp8):
         return _opcall.forward(self, args, first_mb, grad, fp8)
 
