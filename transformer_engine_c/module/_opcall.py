@@ -21,8 +21,6 @@ import torch
 from ._config import as_2d
 from ._steps import fresh_temporaries, outside_buffers
 
-_Tensor = torch.Tensor
-
 
 class OpSpec:
     """How one layer class's Function is run by the operators.
@@ -50,9 +48,6 @@ class _Ctx:
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors):
-        pass
 
 
 def out_rows(tp, rows):
