@@ -164,15 +164,18 @@ class MultiheadAttention(torch.nn.Module):
             if child is not self and hasattr(child, "set_context_parallel_group"):
                 child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
+    def _project(self, with_norm, plain, hidden_states, is_first_microbatch):
+        """(the projection of hidden_states, the norm's output or None): through
+        the submodule `with_norm` (LayerNormLinear) under input_layernorm, else
+        `plain` (Linear)."""
+        if not self.input_layernorm:
+            return getattr(self, plain)(hidden_states, is_first_microbatch=is_first_microbatch), None
+        out = getattr(self, with_norm)(hidden_states, is_first_microbatch=is_first_microbatch)
+        return out if self.return_layernorm_output else (out, None)
+
     def _self_qkv(self, hidden_states, is_first_microbatch):
         """(q, k, v, the norm's output or None) of self-attention."""
-        ln_out = None
-        if self.input_layernorm:
-            mixed = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-            if self.return_layernorm_output:
-                mixed, ln_out = mixed
-        else:
-            mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+        mixed, ln_out = self._project("layernorm_qkv", "qkv", hidden_states, is_first_microbatch)
         groups, hn = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
         per_group = self.num_attention_heads_per_partition // groups
         lead = mixed.shape[:-1]
@@ -194,13 +197,7 @@ class MultiheadAttention(torch.nn.Module):
         else:  # [..., 2 * groups, hn]: every key, then every value
             k, v = kv.view(*lead, 2 * groups, hn).split(groups, dim=-2)
         k, v = k.reshape(*lead, -1, hn), v.reshape(*lead, -1, hn)
-        ln_out = None
-        if self.input_layernorm:
-            q = self.layernorm_query(hidden_states, is_first_microbatch=is_first_microbatch)
-            if self.return_layernorm_output:
-                q, ln_out = q
-        else:
-            q = self.query_layer(hidden_states, is_first_microbatch=is_first_microbatch)
+        q, ln_out = self._project("layernorm_query", "query_layer", hidden_states, is_first_microbatch)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, hn)
         return q, k, v, ln_out
 

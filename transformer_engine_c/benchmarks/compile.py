@@ -136,19 +136,12 @@ class OurBlock(torch.nn.Module):
 
 def copy_into(ours, ref):
     """ref's parameters take ours' values (the blocks compute the same function)."""
+    pairs = (("ln1", ours.qkv, "layer_norm_"), ("qkv", ours.qkv, ""), ("proj", ours.proj, ""),
+             ("ln2", ours.mlp, "layer_norm_"), ("fc1", ours.mlp, "fc1_"), ("fc2", ours.mlp, "fc2_"))
     with torch.no_grad():
-        ref.ln1.weight.copy_(ours.qkv.layer_norm_weight)
-        ref.ln1.bias.copy_(ours.qkv.layer_norm_bias)
-        ref.qkv.weight.copy_(ours.qkv.weight)
-        ref.qkv.bias.copy_(ours.qkv.bias)
-        ref.proj.weight.copy_(ours.proj.weight)
-        ref.proj.bias.copy_(ours.proj.bias)
-        ref.ln2.weight.copy_(ours.mlp.layer_norm_weight)
-        ref.ln2.bias.copy_(ours.mlp.layer_norm_bias)
-        ref.fc1.weight.copy_(ours.mlp.fc1_weight)
-        ref.fc1.bias.copy_(ours.mlp.fc1_bias)
-        ref.fc2.weight.copy_(ours.mlp.fc2_weight)
-        ref.fc2.bias.copy_(ours.mlp.fc2_bias)
+        for name, layer, prefix in pairs:
+            for kind in ("weight", "bias"):
+                getattr(getattr(ref, name), kind).copy_(getattr(layer, prefix + kind))
 
 
 def twin(tec, ours, hidden, heads, dtype, device):

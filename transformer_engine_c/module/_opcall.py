@@ -111,8 +111,6 @@ def _forward(layer, args, first_mb, grad, fp8):
     ctx = _Ctx()
     out = spec.fn.forward(ctx, *args, call)
     outs = out if isinstance(out, tuple) else (out,)
-    if getattr(ctx, "objects", None) is not None:
-        raise NotImplementedError(f"{type(layer).__name__}: a DistributedWeight cannot be traced by torch.compile")
     if fp8:
         key = next(_FP8_KEYS)
         _FP8_CTX[key] = ctx
