@@ -177,15 +177,22 @@ def test_outside_an_autocast_the_layer_dequantizes(kind):
 
 
 def count_weight_casts(monkeypatch):
-    """Count FP8Call._quantize calls of weight roles (forward role 3i + 1)."""
+    """Count the casts of weight roles (forward role 3i + 1): FP8Call._quantize
+    calls, and the casts the one-call steps make (_fp8._cast_args)."""
     calls = []
-    real = _fp8.FP8Call._quantize
+    real, real_args = _fp8.FP8Call._quantize, _fp8._cast_args
 
     def counting(self, t, fp8_dtype, role, forward, *a, **k):
         if forward and role % 3 == 1:
             calls.append(role)
         return real(self, t, fp8_dtype, role, forward, *a, **k)
+
+    def counting_args(f, t, fp8_dtype, role, forward, *a, **k):
+        if forward and role % 3 == 1:
+            calls.append(role)
+        return real_args(f, t, fp8_dtype, role, forward, *a, **k)
     monkeypatch.setattr(_fp8.FP8Call, "_quantize", counting)
+    monkeypatch.setattr(_fp8, "_cast_args", counting_args)
     return calls
 
 

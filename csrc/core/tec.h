@@ -664,6 +664,84 @@ typedef struct {
 } tec_fp8_gemm_args;
 tec_status tec_fp8_gemm(int device, const tec_fp8_gemm_args *a, void *stream);
 
+/* The FP8 steps of a linear layer, each one engine call (fp8_steps.c
+ * chains the operations above; the CPU emulation and the CUDA kernels are
+ * theirs, so the results are bit for bit those of the separate calls).
+ *
+ * One tensor's cast in such a step: x [rows, cols] of the step's dtype
+ * (NULL: not cast, `data` / `data_t` / `scale_inv` already hold a cast)
+ * into `format` bytes, rowwise (data) and/or transposed (data_t), with:
+ *  - delayed scaling (current NULL): *scale, amax (if given) maxed into
+ *    one entry of an amax history, as tec_fp8_quantize;
+ *  - current scaling (current: two floats of device memory): current[0] =
+ *    x's amax (of act(x) with a fused activation), current[1] its scale
+ *    (tec_fp8_scale_from_amax with pow2 and epsilon), then the cast with
+ *    it; `scale` is not read.
+ * scale_inv receives 1 / the scale used. act_mode / act / act_input: an
+ * activation fused ahead of the cast, as tec_fp8_quantize_args. */
+typedef struct {
+    const void *x;
+    tec_fp8_format format;
+    const float *scale;
+    float *amax;
+    float *scale_inv;
+    uint8_t *data;
+    uint8_t *data_t;
+    float *current;
+    int pow2;
+    float epsilon;
+    int act_mode;
+    tec_activation act;
+    const void *act_input;
+} tec_fp8_cast;
+
+/* Forward: the casts of x [rows, k] and (unless w.x is NULL: a cached
+ * cast) of w [n, k], then y [rows, n] = X W^T (+ bias) as tec_fp8_gemm
+ * (bias: its dtype rule), fast_accum as there. x.data and w.data are
+ * required (the GEMM reads them). */
+typedef struct {
+    int64_t rows, n, k;
+    tec_dtype dtype;
+    tec_fp8_cast x, w;
+    const void *bias;
+    void *y;
+    int fast_accum;
+    void *workspace;
+    size_t workspace_bytes;
+} tec_fp8_linear_fwd_args;
+tec_status tec_fp8_linear_fwd(int device, const tec_fp8_linear_fwd_args *a, void *stream);
+
+/* Backward: the cast of dy [rows, n] (dy.data for dgrad, dy.data_t for
+ * wgrad; dbias, if given, dy's column sums with its workspace, as
+ * tec_fp8_quantize), then, when dx is given, dgrad dx [rows, k] = dY W
+ * from w_t (W's transposed bytes [k, n]), and, when dw is given, wgrad
+ * dw [n, k] (+)= dY^T X from x_t (X's transposed bytes [k, rows]; rows a
+ * multiple of 16), into a dw_dtype tensor (accumulate: added, e.g. an fp32
+ * main_grad). Each GEMM's split accumulation as its flag says. */
+typedef struct {
+    int64_t rows, n, k;
+    tec_dtype dtype;
+    tec_fp8_cast dy;
+    void *dbias;
+    void *dbias_workspace;
+    size_t dbias_workspace_bytes;
+    const uint8_t *w_t;
+    const float *w_scale_inv;
+    tec_fp8_format w_format;
+    void *dx;
+    int dgrad_fast_accum;
+    const uint8_t *x_t;
+    const float *x_scale_inv;
+    tec_fp8_format x_format;
+    void *dw;
+    tec_dtype dw_dtype;
+    int accumulate;
+    int wgrad_fast_accum;
+    void *workspace;
+    size_t workspace_bytes;
+} tec_fp8_linear_bwd_args;
+tec_status tec_fp8_linear_bwd(int device, const tec_fp8_linear_bwd_args *a, void *stream);
+
 /* Block-scaled FP8 (TransformerEngine's Float8BlockScaling; csrc/core/
  * fp8_block.c checks and dispatches, cpu/fp8_block.c and cuda/fp8_block.cu
  * quantize). A scale mode says how an FP8 operand's scale_inv is laid out: */

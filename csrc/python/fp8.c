@@ -155,7 +155,79 @@ static PyObject *py_fp8_block_gemm(PyObject *m, PyObject *const *args, Py_ssize_
     return gemm_call(m, args, nargs, "fp8_block_gemm", 1);
 }
 
+/* One tec_fp8_cast from 13 arguments at i: x, format, scale, amax,
+ * scale_inv, data, data_t, current, pow2, epsilon, act_mode, act,
+ * act_input. */
+static int cast_arg(PyObject *const *args, Py_ssize_t i, tec_fp8_cast *c)
+{
+    int f, act;
+    double eps;
+    if (!tec_arg_ptr(args, i, (void **)&c->x) || !tec_arg_int(args, i + 1, 0, 1, "format", &f) ||
+        !tec_arg_ptr(args, i + 2, (void **)&c->scale) || !tec_arg_ptr(args, i + 3, (void **)&c->amax) ||
+        !tec_arg_ptr(args, i + 4, (void **)&c->scale_inv) || !tec_arg_ptr(args, i + 5, (void **)&c->data) ||
+        !tec_arg_ptr(args, i + 6, (void **)&c->data_t) || !tec_arg_ptr(args, i + 7, (void **)&c->current) ||
+        !tec_arg_int(args, i + 8, 0, 1, "pow2", &c->pow2) || !tec_arg_double(args, i + 9, &eps) ||
+        !tec_arg_int(args, i + 10, TEC_FP8_ACT_NONE, TEC_FP8_ACT_BWD, "act_mode", &c->act_mode) ||
+        !tec_arg_int(args, i + 11, 0, 31, "act", &act) || !tec_arg_ptr(args, i + 12, (void **)&c->act_input))
+        return 0;
+    c->format = (tec_fp8_format)f;
+    c->act = (tec_activation)act;
+    c->epsilon = (float)eps;
+    return 1;
+}
+
+/* fp8_linear_fwd(device, dtype, rows, n, k, <x's cast: 13>, <w's cast: 13>,
+ *                bias, y, fast_accum, workspace, workspace_bytes, stream) */
+static PyObject *py_fp8_linear_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_linear_fwd", 37);
+    int dev;
+    tec_fp8_linear_fwd_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.n); I64(4, a.k);
+    if (!cast_arg(args, 5, &a.x) || !cast_arg(args, 18, &a.w))
+        return NULL;
+    PTR(31, a.bias); PTR(32, a.y); BOOL(33, a.fast_accum, "fast_accum"); PTR(34, a.workspace);
+    SIZE(35, a.workspace_bytes, "workspace_bytes"); PTR(36, stream);
+    tec_status st;
+    CALL(tec_fp8_linear_fwd(dev, &a, stream));
+    return run(m, st);
+}
+
+/* fp8_linear_bwd(device, dtype, rows, n, k, <dy's cast: 13>, dbias,
+ *                dbias_workspace, dbias_workspace_bytes, w_t, w_scale_inv,
+ *                w_format, dx, dgrad_fast_accum, x_t, x_scale_inv, x_format,
+ *                dw, dw_dtype, accumulate, wgrad_fast_accum, workspace,
+ *                workspace_bytes, stream) */
+static PyObject *py_fp8_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_linear_bwd", 36);
+    int dev;
+    tec_fp8_linear_bwd_args a = {0};
+    void *stream;
+    DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.n); I64(4, a.k);
+    if (!cast_arg(args, 5, &a.dy))
+        return NULL;
+    PTR(18, a.dbias); PTR(19, a.dbias_workspace); SIZE(20, a.dbias_workspace_bytes, "dbias_workspace_bytes");
+    PTR(21, a.w_t); PTR(22, a.w_scale_inv); FMT(23, a.w_format, "w_format"); PTR(24, a.dx);
+    BOOL(25, a.dgrad_fast_accum, "dgrad_fast_accum"); PTR(26, a.x_t); PTR(27, a.x_scale_inv);
+    FMT(28, a.x_format, "x_format"); PTR(29, a.dw); DTYPE(30, a.dw_dtype, "dw_dtype");
+    BOOL(31, a.accumulate, "accumulate"); BOOL(32, a.wgrad_fast_accum, "wgrad_fast_accum"); PTR(33, a.workspace);
+    SIZE(34, a.workspace_bytes, "workspace_bytes"); PTR(35, stream);
+    tec_status st;
+    CALL(tec_fp8_linear_bwd(dev, &a, stream));
+    return run(m, st);
+}
+
 PyMethodDef tec_fp8_methods[] = {
+    {"fp8_linear_fwd", (PyCFunction)(void (*)(void))py_fp8_linear_fwd, METH_FASTCALL,
+     "fp8_linear_fwd(device, dtype, rows, n, k, x's cast (13), w's cast (13), bias, y, fast_accum, workspace, "
+     "workspace_bytes, stream); a cast: x, format, scale, amax, scale_inv, data, data_t, current, pow2, epsilon, "
+     "act_mode, act, act_input"},
+    {"fp8_linear_bwd", (PyCFunction)(void (*)(void))py_fp8_linear_bwd, METH_FASTCALL,
+     "fp8_linear_bwd(device, dtype, rows, n, k, dy's cast (13), dbias, dbias_workspace, dbias_workspace_bytes, w_t, "
+     "w_scale_inv, w_format, dx, dgrad_fast_accum, x_t, x_scale_inv, x_format, dw, dw_dtype, accumulate, "
+     "wgrad_fast_accum, workspace, workspace_bytes, stream)"},
     {"fp8_quantize", (PyCFunction)(void (*)(void))py_fp8_quantize, METH_FASTCALL,
      "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, dbias, workspace, "
      "workspace_bytes, noop, act_mode, act, act_input, stream)"},

@@ -629,6 +629,10 @@ def _gemm(c, a, qa, b, qb, out, bias, accumulate, split, ta=False, tb=False):
 
 def fprop(f, x, w, b, out, keep_t):
     """out = X W^T (+ b) in FP8 (x: [rows, k] or 3-D, out its [rows, n])."""
+    if ONE_CALL and keep_t and f.blocks is None and not f.recomputing and f.keep_t and (f.delayed or not f.produced) and \
+            _plain_weight(w) and not _State.fp8_graph_capturing():
+        _fprop_one_call(f, x, w, b, _as_2d(out))
+        return
     qx = f.input(x, keep_t)
     qw = f.weight(w)
     o = _as_2d(out)
@@ -699,3 +703,145 @@ def wgrad(ops, out_dtype, out=None, accumulate=False):
     if out is None:
         out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     return _gemm(c, a, qdy, b, qx, out, None, accumulate, split, ta=True, tb=True)
+
+
+# ------------------------------------------------- one engine call per step
+# The common case of a GEMM's forward and of its backward is one engine call
+# (tec.h's tec_fp8_linear_fwd / _bwd: the casts and the GEMMs): per-tensor
+# scaling, this rank's own rows, a plain weight, no recompute, no graph
+# capture, a plain weight gradient. What those calls read only within the
+# call (the input's rowwise bytes, dY's bytes, the current-scaling amax and
+# scale, the bias-gradient workspace) lives in one temporary; what backward
+# keeps (the input's and the weight's transposes and scale_inv) is an
+# Operand as on the general path, which the general backward also reads.
+
+# Whether the one-call steps run where they may (off: every FP8 step takes
+# the general path; the tests compare the two).
+ONE_CALL = True
+_ALIGN = 256
+_NO_CAST = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0)
+
+
+def _plain_weight(w):
+    return type(w) is not Float8Tensor and type(w) is not Float8BlockwiseQTensor
+
+
+def _up(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _cast_args(f, t, fp8_dtype, role, forward, qp, scale_inv, data, data_t, current, act=(0, 0, 0)):
+    """The 13 arguments of one tec_fp8_cast of t (see _quantize's rules):
+    delayed scaling reads the role's scale and maxes its amax-history entry;
+    current scaling computes the amax and scale into `current` (two
+    floats)."""
+    if f.delayed:
+        m = f.meta["scaling_fwd" if forward else "scaling_bwd"]
+        return (t.data_ptr(), _CODES[fp8_dtype], m.scale.data_ptr() + 4 * role, m.amax_history.data_ptr() + 4 * role,
+                scale_inv, data, data_t, 0, 0, 0.0) + act
+    return (t.data_ptr(), _CODES[fp8_dtype], 0, 0, scale_inv, data, data_t, current, int(qp.power_2_scale),
+            float(qp.amax_epsilon)) + act
+
+
+def _fprop_one_call(f, x, w, b, o):
+    """fprop's one engine call (see above): the casts of X (its transpose
+    kept when backward runs) and of W (unless the layer's cached cast is
+    reused), then the GEMM into o (2-D)."""
+    c, gi, dev = f.call, f.gi, x.device
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    n = w.shape[0]
+    xsrc, act = x, (0, 0, 0)
+    made = f.produced.get(x.data_ptr()) if f.produced else None
+    if made is not None and made[0].numel() == x.numel():
+        xsrc = made[1]
+        act = (1, made[2], 0) if made[3] is None else (2, made[2], made[3].data_ptr())
+    qw = _cached_weight(f, w)
+    # the temporary: X's rowwise bytes, then the amax and scale of X and W under current scaling
+    tmp = _steps.temp_bytes(x, _up(rows * k) + 16, c.dev, c.stream, _steps.T_FP8)
+    p = tmp.data_ptr()
+    cur = 0 if f.delayed else p + _up(rows * k)
+    data_t = torch.empty((k, rows), dtype=_U8, device=dev) if f.grad else None
+    sinv = torch.empty(1, dtype=_F32, device=dev)
+    qp = f.qparams
+    xa = _cast_args(f, xsrc, f.fwd, 3 * gi, True, qp and qp[0], sinv.data_ptr(), p,
+                    0 if data_t is None else data_t.data_ptr(), cur, act)
+    if qw is None:
+        wd = torch.empty((n, k), dtype=_U8, device=dev)
+        wt = torch.empty((k, n), dtype=_U8, device=dev) if f.grad else None
+        qw = Operand(wd, wt, None, torch.empty(1, dtype=_F32, device=dev), f.fwd)
+        wa = _cast_args(f, w, f.fwd, 3 * gi + 1, True, qp and qp[1], qw.scale_inv.data_ptr(), wd.data_ptr(),
+                        0 if wt is None else wt.data_ptr(), cur + 8 if cur else 0)
+        if f.first_mb is not None:
+            f.layer.__dict__.setdefault("_fp8_weights", {})[gi] = qw
+    else:
+        wa = (0, _CODES[f.fwd], 0, 0, qw.scale_inv.data_ptr(), qw.data.data_ptr(), 0, 0, 0, 0.0, 0, 0, 0)
+    fuse = _bias_fused(o, b)
+    _C.fp8_linear_fwd(c.dev, DTYPE_CODES[x.dtype], rows, n, k, *xa, *wa, b.data_ptr() if fuse else 0, o.data_ptr(),
+                      0 if f.split[0] else 1, c.ws, c.nbytes, c.stream)
+    if b is not None and not fuse:
+        o += b
+    if f.grad:
+        f.inputs[gi] = Operand(None, data_t, None, sinv, f.fwd)
+        f.weights[gi] = qw
+
+
+def _cached_weight(f, w):
+    """The layer's cached FP8 weight of GEMM gi when this call may reuse it
+    (a later micro-batch: FP8Call.weight's rule), else None."""
+    if f.first_mb is not False:
+        return None
+    kept = f.layer.__dict__.get("_fp8_weights", {}).get(f.gi)
+    if (kept is not None and kept.dtype is f.fwd and kept.block == 0 and kept.data.shape == w.shape
+            and kept.data.device == w.device and (kept.data_t is not None or not f.grad)):
+        return kept
+    return None
+
+
+def linear_bwd_one_call(f, dy, dx, need_w, with_db):
+    """dgrad into dx (when given) and wgrad (need_w) of GEMM gi in one
+    engine call, with the cast of dY (and its column sums: with_db):
+    (dw, db), or None where the general path must run (block scaling, a
+    recompute, a transpose not kept, a token count wgrad cannot take)."""
+    gi = f.gi
+    qx, qw = f.inputs.get(gi), f.weights.get(gi)
+    if (not ONE_CALL or f.blocks is not None or f.recomputing or dy.dim() < 2 or (dx is not None and (qw is None or qw.data_t is None))
+            or (need_w and (qx is None or qx.data_t is None))):
+        return None
+    n = dy.shape[-1]
+    rows = dy.numel() // n
+    if need_w and rows % 16:
+        return None
+    c, dev = f.call, dy.device
+    k = dx.shape[-1] if dx is not None else qx.data_t.shape[0]
+    q = f.grads.get(gi)
+    if q is not None and same_tensor(q.src, dy) and (q.data_t is not None or not need_w):
+        da = (0, _CODES[q.dtype], 0, 0, q.scale_inv.data_ptr(), q.data.data_ptr() if q.data is not None else 0,
+              0 if q.data_t is None else q.data_t.data_ptr(), 0, 0, 0.0, 0, 0, 0)
+        db, ws, nbytes = (q.dbias if with_db else None), 0, 0
+        with_db = False
+        tmp = None
+    else:
+        nbytes = _C.fp8_quantize_workspace_bytes(rows, n) if with_db else 0
+        size = _up(rows * n)
+        # the temporary: dY's bytes, their transpose, the bias-gradient workspace, scale_inv and (current) amax, scale
+        tmp = _steps.temp_bytes(dy, 2 * size + _up(nbytes) + 16, c.dev, c.stream, _steps.T_FP8)
+        p = tmp.data_ptr()
+        ws = p + 2 * size if nbytes else 0
+        tail = p + 2 * size + _up(nbytes)
+        qp = f.qparams
+        da = _cast_args(f, dy, f.bwd, 2 * gi, False, qp and qp[2], tail, p if dx is not None else 0,
+                        p + size if need_w else 0, tail + 8)
+        db = dy.new_empty(n) if with_db else None
+    dw = torch.empty((n, k), dtype=dy.dtype, device=dev) if need_w else None
+    _C.fp8_linear_bwd(c.dev, DTYPE_CODES[dy.dtype], rows, n, k, *da, 0 if db is None or not with_db else db.data_ptr(),
+                      ws, nbytes, 0 if dx is None else qw.data_t.data_ptr(), 0 if qw is None else qw.scale_inv.data_ptr(),
+                      _CODES[qw.dtype if qw is not None else f.fwd], 0 if dx is None else dx.data_ptr(),
+                      0 if f.split[1] else 1, 0 if dw is None else qx.data_t.data_ptr(),
+                      0 if qx is None else qx.scale_inv.data_ptr(), _CODES[qx.dtype if qx is not None else f.fwd],
+                      0 if dw is None else dw.data_ptr(), DTYPE_CODES[dy.dtype], 0,
+                      0 if f.split[2] else 1, c.ws, c.nbytes, c.stream)
+    return dw, db
+
+
+from . import _steps  # noqa: E402  (the temporaries; _steps imports this module)

@@ -51,7 +51,7 @@ _TEMP_HELD = 64 << 20
 _temps = threading.local()
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 (T_GATHERED, T_PARTIAL, T_DGRAD, T_WGRAD_INPUT, T_DY, T_DACT, T_DH, T_DLN, T_ACT_WS, T_NORM_WS, T_LN_OUT,
- T_FC1_OUT, T_ACT_OUT) = range(13)
+ T_FC1_OUT, T_ACT_OUT, T_FP8) = range(14)
 
 
 def temp(x, shape, dev, stream, role, dtype=None):
@@ -543,6 +543,10 @@ def _fused_linear_bwd(call, rows, dy, x, w, dx, wg, with_db):
     n, k = w.shape
     dw = db = None
     if call.fp8 is not None:  # dgrad and wgrad as two FP8 GEMMs, the bias gradient from dY
+        need_w = wg is not None and wg.plain and wg.need_w
+        done = _fp8.linear_bwd_one_call(call.fp8, dy, dx, need_w, with_db and need_w)
+        if done is not None:
+            return done
         if dx is not None:
             _dgrad_gemm(call, rows, n, k, dy, w, dx)
         if wg is not None and wg.plain and wg.need_w:

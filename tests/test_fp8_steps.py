@@ -1,0 +1,258 @@
+"""The engine's FP8 linear steps (tec_fp8_linear_fwd / _bwd, csrc/core/fp8_steps.c):
+each is one call that casts and multiplies, and must produce exactly what the
+separate calls (_fp8_engine's quantize, amax, scale_from_amax and fp8_gemm)
+produce: the same bytes, amax-history entries, scale_inv, bias gradient and
+GEMM outputs. Delayed and current scaling, a cached weight, a fused bias, an
+accumulated wgrad; and the refusals. On the CPU here, on CUDA where present
+(scripts/gpu_validate.sh)."""
+import pytest
+import torch
+
+from transformer_engine_c import _C
+from transformer_engine_c import _fp8_engine as F
+from transformer_engine_c._engine import DTYPE_CODES
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CODE = F.FP8_DTYPES
+BF16 = torch.bfloat16
+
+
+def f32(n, device, value=0.0):
+    return torch.full((n,), value, dtype=torch.float32, device=device)
+
+
+def u8(shape, device):
+    return torch.full(shape, 0x5A, dtype=torch.uint8, device=device)  # a sentinel, never a cast's whole output
+
+
+def ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def cast_args(x, fmt, scale=None, amax=None, sinv=None, data=None, data_t=None, current=None, pow2=0, eps=0.0):
+    return (ptr(x), CODE[fmt], ptr(scale), ptr(amax), ptr(sinv), ptr(data), ptr(data_t), ptr(current), pow2,
+            eps, 0, 0, 0)
+
+
+def ws(device):
+    return torch.empty(1 << 20, dtype=torch.uint8, device=device)
+
+
+def reference_scale(x, fmt, current, pow2, eps, scale):
+    """The scale the step casts with: `scale` (delayed) or x's own
+    (current scaling, through the separate engine calls)."""
+    if not current:
+        return scale
+    a = F.amax(x)
+    s = torch.empty(1, dtype=torch.float32, device=x.device)
+    F.scale_from_amax(a, fmt, power_2_scale=bool(pow2), amax_epsilon=eps, scale=s)
+    return s
+
+
+@pytest.mark.parametrize("current", [False, True])
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_fwd_equals_the_separate_calls(device, current, cached, bias):
+    gen = torch.Generator().manual_seed(3)
+    rows, n, k = 48, 32, 64
+    x = (torch.randn(rows, k, generator=gen) * 3).to(BF16).to(device)
+    w = torch.randn(n, k, generator=gen).to(BF16).to(device)
+    b = torch.randn(n, generator=gen).to(BF16).to(device) if bias else None
+    sx, sw = f32(1, device, 4.0), f32(1, device, 16.0)
+    # the reference: the separate calls
+    hx, hw = f32(1, device, 0.5), f32(1, device, 0.5)
+    rsx = reference_scale(x, E4M3, current, 1, 1e-3, sx)
+    rsw = reference_scale(w, E4M3, current, 1, 1e-3, sw)
+    qx, qxt, rsinv_x = F.quantize(x, E4M3, rsx, amax=None if current else hx, columnwise=True)
+    qw, qwt, rsinv_w = F.quantize(w, E4M3, rsw, amax=None if current else hw, columnwise=True)
+    want = F.fp8_gemm(qx, rsinv_x, E4M3, qw, rsinv_w, E4M3, out_dtype=BF16, bias=b, use_split_accumulator=False)
+    # the step
+    ax, aw = f32(1, device, 0.5), f32(1, device, 0.5)
+    cur = f32(4, device) if current else None
+    dx, dxt, sinv_x = u8((rows, k), device), u8((k, rows), device), f32(1, device)
+    if cached:  # the weight's earlier cast, not cast again
+        dw, sinv_w = qw.clone(), rsinv_w.clone()
+        wa = cast_args(None, E4M3, sinv=sinv_w, data=dw)
+    else:
+        dw, dwt, sinv_w = u8((n, k), device), u8((k, n), device), f32(1, device)
+        wa = cast_args(w, E4M3, None if current else sw, None if current else aw, sinv_w, dw, dwt,
+                       None if cur is None else cur[2:], 1, 1e-3)
+    xa = cast_args(x, E4M3, None if current else sx, None if current else ax, sinv_x, dx, dxt,
+                   None if cur is None else cur[:2], 1, 1e-3)
+    y = torch.empty(rows, n, dtype=BF16, device=device)
+    work = ws(device)
+    stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
+    dev = -1 if device == "cpu" else torch.cuda.current_device()
+    _C.fp8_linear_fwd(dev, DTYPE_CODES[BF16], rows, n, k, *xa, *wa, ptr(b), y.data_ptr(), 1, work.data_ptr(),
+                      work.numel(), stream)
+    assert torch.equal(dx, qx) and torch.equal(dxt, qxt) and torch.equal(sinv_x, rsinv_x)
+    assert torch.equal(dw, qw) and torch.equal(sinv_w, rsinv_w)
+    if not cached:
+        assert torch.equal(dwt, qwt)
+    if not current:
+        assert torch.equal(ax, hx) and (cached or torch.equal(aw, hw))
+        assert float(ax) > 0.5  # the history entry was maxed into, not left
+    assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("current", [False, True])
+@pytest.mark.parametrize("parts", ["both", "dgrad", "wgrad"])
+@pytest.mark.parametrize("dbias", [False, True])
+def test_linear_bwd_equals_the_separate_calls(device, current, parts, dbias):
+    gen = torch.Generator().manual_seed(5)
+    rows, n, k = 32, 48, 64
+    dy = (torch.randn(rows, n, generator=gen) * 0.01).to(BF16).to(device)
+    x = torch.randn(rows, k, generator=gen).to(BF16).to(device)
+    w = torch.randn(n, k, generator=gen).to(BF16).to(device)
+    _, qxt, sinv_x = F.quantize(x, E4M3, f32(1, device, 8.0), rowwise=False, columnwise=True)
+    _, qwt, sinv_w = F.quantize(w, E4M3, f32(1, device, 32.0), rowwise=False, columnwise=True)
+    dgrad, wgrad = parts in ("both", "dgrad"), parts in ("both", "wgrad")
+    sdy, hdy = f32(1, device, 2.0 ** 12), f32(1, device)
+    rs = reference_scale(dy, E5M2, current, 0, 0.0, sdy)
+    rdb = torch.empty(n, dtype=BF16, device=device) if dbias else None
+    qdy, qdyt, rsinv = F.quantize(dy, E5M2, rs, amax=None if current else hdy, columnwise=True, dbias=rdb)
+    want_dx = F.fp8_gemm(qdy, rsinv, E5M2, qwt, sinv_w, E4M3, out_dtype=BF16)
+    main = torch.randn(n, k, generator=gen).to(device)
+    want_dw = F.fp8_gemm(qdyt, rsinv, E5M2, qxt, sinv_x, E4M3, out_dtype=torch.float32, out=main.clone(),
+                         accumulate=True)
+    d, dt, sinv, amax = u8((rows, n), device), u8((n, rows), device), f32(1, device), f32(1, device)
+    cur = f32(2, device) if current else None
+    dya = cast_args(dy, E5M2, None if current else sdy, None if current else amax, sinv, d if dgrad else None,
+                    dt if wgrad else None, cur)
+    db = torch.empty(n, dtype=BF16, device=device) if dbias else None
+    nb = _C.fp8_quantize_workspace_bytes(rows, n) if dbias else 0
+    dbws = torch.empty(max(nb, 1), dtype=torch.uint8, device=device)
+    dx = torch.empty(rows, k, dtype=BF16, device=device) if dgrad else None
+    dw = main.clone() if wgrad else None
+    work = ws(device)
+    stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
+    dev = -1 if device == "cpu" else torch.cuda.current_device()
+    _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], rows, n, k, *dya, ptr(db), ptr(dbws) if dbias else 0, nb,
+                      qwt.data_ptr(), sinv_w.data_ptr(), CODE[E4M3], ptr(dx), 0, qxt.data_ptr(), sinv_x.data_ptr(),
+                      CODE[E4M3], ptr(dw), DTYPE_CODES[torch.float32], 1, 0, work.data_ptr(), work.numel(), stream)
+    assert torch.equal(sinv, rsinv)
+    if dgrad:
+        assert torch.equal(d, qdy) and torch.equal(dx, want_dx)
+    if wgrad:
+        assert torch.equal(dt, qdyt) and torch.equal(dw, want_dw)
+        assert not torch.equal(dw, main)  # accumulated into, not left
+    if dbias:
+        assert torch.equal(db, rdb)
+    if not current:
+        assert torch.equal(amax, hdy)
+
+
+_KEEP = []  # the tensors behind the addresses the refusal tests pass
+
+
+def keep(*ts):
+    _KEEP.extend(ts)
+    return ts if len(ts) > 1 else ts[0]
+
+
+def _fwd_call(device, **over):
+    rows, n, k = 16, 16, 16
+    x, s = keep(torch.ones(rows, k, dtype=BF16, device=device), f32(1, device, 1.0))
+    a = dict(x=cast_args(x, E4M3, s, None, keep(f32(1, device)), keep(u8((rows, k), device))),
+             w=cast_args(x, E4M3, s, None, keep(f32(1, device)), keep(u8((rows, k), device))), rows=rows)
+    a.update(over)
+    y = torch.empty(rows, n, dtype=BF16, device=device)
+    work = ws(device)
+    dev = -1 if device == "cpu" else torch.cuda.current_device()
+    stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
+    _C.fp8_linear_fwd(dev, DTYPE_CODES[BF16], a["rows"], n, k, *a["x"], *a["w"], 0, y.data_ptr(), 1,
+                      work.data_ptr(), work.numel(), stream)
+    return y
+
+
+def test_steps_refuse_bad_input(device):
+    x = keep(torch.ones(16, 16, dtype=BF16, device=device))
+    assert torch.equal(_fwd_call(device), torch.full((16, 16), 16.0, dtype=BF16, device=device))
+    no_data = cast_args(x, E4M3, keep(f32(1, device, 1.0)), None, keep(f32(1, device)), None)
+    with pytest.raises(ValueError, match="x.data and w.data are required"):
+        _fwd_call(device, x=no_data)
+    with pytest.raises(ValueError, match="negative size"):
+        _fwd_call(device, rows=-1)
+    act = cast_args(x, E4M3, None, None, keep(f32(1, device)), keep(u8((16, 16), device)), None,
+                    keep(f32(2, device)))[:10] + (1, 0, 0)
+    with pytest.raises(ValueError, match="current scaling with a fused activation"):
+        _fwd_call(device, x=act)
+    with pytest.raises(ValueError, match="format"):
+        _fwd_call(device, x=(x.data_ptr(), 7) + no_data[2:])
+    dev = -1 if device == "cpu" else torch.cuda.current_device()
+    dy = cast_args(x, E5M2, keep(f32(1, device, 1.0)), None, keep(f32(1, device)), keep(u8((16, 16), device)),
+                   keep(u8((16, 16), device)))
+    t, sinv = u8((16, 16), device), f32(1, device)
+    out = torch.empty(16, 16, dtype=BF16, device=device)
+    common = (0, 0, 0, t.data_ptr(), sinv.data_ptr(), 0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], 8, 16, 16, *dy, *common, 0, 0, t.data_ptr(), t.data_ptr(), 0,
+                          out.data_ptr(), DTYPE_CODES[BF16], 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="dgrad needs dy.data and w_t"):
+        _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], 16, 16, 16, *dy, 0, 0, 0, 0, 0, 0, out.data_ptr(), 0,
+                          0, 0, 0, 0, DTYPE_CODES[BF16], 0, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="fp8_linear_bwd"):
+        _C.fp8_linear_bwd(dev)
+
+
+# ------------------------------------------------------- through the layers
+
+import transformer_engine_c as te  # noqa: E402
+from transformer_engine_c.module import _fp8  # noqa: E402
+from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+
+def _layer(kind, device, bias):
+    torch.manual_seed(0)
+    kw = dict(params_dtype=BF16, device=device, bias=bias)
+    if kind == "Linear":
+        return te.Linear(64, 96, **kw)
+    if kind == "LayerNormLinear":
+        return te.LayerNormLinear(64, 96, **kw)
+    return te.LayerNormMLP(64, 128, **kw)
+
+
+def _steps(m, recipe, device, first_mb):
+    """Three training steps of m under recipe: each step's output, input
+    gradient and parameter gradients, then the FP8 state."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(3):
+        x = torch.randn(32, 64, generator=gen).to(BF16).to(device).requires_grad_()
+        dy = torch.randn(32, 64 if isinstance(m, te.LayerNormMLP) else 96, generator=gen).to(BF16).to(device)
+        m.zero_grad(set_to_none=True)
+        with te.autocast(enabled=True, recipe=recipe):
+            y = m(x, is_first_microbatch=(i == 0) if first_mb else None)
+        y.backward(dy)
+        out += [y, x.grad] + [p.grad for p in m.parameters()]
+    meta = getattr(m, "fp8_meta", {})
+    for key in ("scaling_fwd", "scaling_bwd"):
+        if key in meta:
+            out += [meta[key].scale, meta[key].scale_inv, meta[key].amax_history]
+    # copies: a later autocast's update also rolls the histories of metas still registered
+    return [None if t is None else t.detach().clone() for t in out]
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("rname", ["delayed", "current"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("first_mb", [False, True])
+def test_layers_one_call_equals_the_general_path(monkeypatch, device, kind, rname, bias, first_mb):
+    """The one-call steps change nothing a layer computes: outputs,
+    gradients and the delayed-scaling state bit for bit against the general
+    path, over steps (a cached weight with is_first_microbatch); and they
+    are the steps that ran (counted)."""
+    recipe = DelayedScaling(amax_history_len=4) if rname == "delayed" else Float8CurrentScaling()
+    calls = []
+    real_fwd, real_bwd = _fp8._fprop_one_call, _fp8.linear_bwd_one_call
+    monkeypatch.setattr(_fp8, "_fprop_one_call", lambda *a: calls.append("f") or real_fwd(*a))
+    monkeypatch.setattr(_fp8, "linear_bwd_one_call", lambda *a: calls.append("b") or real_bwd(*a))
+    one = _steps(_layer(kind, device, bias), recipe, device, first_mb)
+    assert "f" in calls and "b" in calls
+    monkeypatch.setattr(_fp8, "ONE_CALL", False)
+    general = _steps(_layer(kind, device, bias), recipe, device, first_mb)
+    assert len(one) == len(general)
+    for i, (a, b) in enumerate(zip(one, general)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"tensor {i} differs"
