@@ -437,3 +437,42 @@ def test_compile_bench_blocks_compute_the_same():
     cb.copy_into(ours, ref)
     x = torch.randn(16, 2, 64)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-4, rtol=1e-4)
+
+
+def test_bench_fp8_host_command_runs_on_cpu(tmp_path):
+    """--fp8 --host: a row per layer and for the block, every variant's host
+    µs and device ms, the ratios over bf16, and where the bf16 and FP8 steps'
+    host time goes (categories summing to the step's host µs)."""
+    out = tmp_path / "host"
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--fp8", "--host", "--device", "cpu",
+                        "--shapes", "16x32x64", "--block-shapes", "16x32", "--iters", "1", "--warmup", "0",
+                        "--batch", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "fp8_host.json").read_text())
+    assert [(row["layer"], row["shape"]) for row in data["rows"]] == [
+        ("LayerNormLinear", "16x32x64"), ("Linear", "16x32x64"), ("LayerNormMLP", "16x32x64"), ("block", "16x32")]
+    for row in data["rows"]:
+        assert set(row["host_us"]) == {"bf16", "fp8_delayed", "fp8_current"} and min(row["host_us"].values()) > 0
+        for v in ("fp8_delayed", "fp8_current"):
+            assert math.isclose(row["host_ratio"][v], row["host_us"][v] / row["host_us"]["bf16"])
+            assert math.isclose(row["x"][v], row["ms"]["bf16"] / row["ms"][v])
+        for v in ("bf16", "fp8_delayed"):
+            where = row["where"][v]
+            assert math.isclose(sum(where.values()), row["host_us"][v], rel_tol=1e-6), where
+            assert where.get("engine calls", 0) > 0
+        assert row["where"]["fp8_delayed"].get("FP8 bookkeeping", 0) > 0
+    md = (out / "fp8_host.md").read_text()
+    assert "| block | 16x32 |" in md and "where the host time goes" in r.stdout
+
+
+def test_fp8_host_categories():
+    """Each profiled function lands in the category its file or name says
+    (the first that matches); an unknown one in "other"."""
+    from transformer_engine_c.benchmarks import fp8_host as H
+
+    assert H.category(("~", 0, "<built-in method transformer_engine_c._C.fp8_linear_fwd>")) == "engine calls"
+    assert H.category(("~", 0, "<built-in method torch.empty>")) == "allocations"
+    assert H.category(("~", 0, "<method 'run_backward' of 'torch._C._EngineBase' objects>")) == "autograd engine"
+    assert H.category(("/x/transformer_engine_c/module/_fp8.py", 1, "fprop")) == "FP8 bookkeeping"
+    assert H.category(("/x/transformer_engine_c/module/_steps.py", 1, "fprop")) == "layer steps"
+    assert H.category(("/somewhere/else.py", 1, "f")) == "other"

@@ -7,7 +7,9 @@ same layer built from torch.nn modules on one device
 against our bf16 layers, torchao float8 and torch.nn on one device
 (transformer_engine_c.benchmarks.fp8); with --fp8 --fp8-params the memory of
 FP8 primary weights against bf16 parameters
-(transformer_engine_c.benchmarks.fp8_params); with --compile a GPT-style block
+(transformer_engine_c.benchmarks.fp8_params); with --fp8 --host the host's
+time per eager step, bf16 against FP8, and where the FP8 step's goes
+(transformer_engine_c.benchmarks.fp8_host); with --compile a GPT-style block
 under torch.compile, CUDA graphs and eagerly, ours against torch.nn's
 (transformer_engine_c.benchmarks.compile)."""
 import sys
@@ -21,6 +23,9 @@ def main(argv=None):
     if "--tp1" in argv:
         from .benchmarks import tp1
         return tp1.main([a for a in argv if a != "--tp1"])
+    if "--fp8" in argv and "--host" in argv:
+        from .benchmarks import fp8_host
+        return fp8_host.main([a for a in argv if a not in ("--fp8", "--host")])
     if "--fp8" in argv and "--fp8-params" in argv:
         from .benchmarks import fp8_params
         return fp8_params.main([a for a in argv if a not in ("--fp8", "--fp8-params")])
