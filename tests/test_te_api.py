@@ -1,12 +1,18 @@
 """TE's lower-level Python API: cpp_extensions.general_gemm against a
 float64 reference in its three layouts (bf16 / fp16 / fp32 and Float8Tensor
-operands, bias, bias gradient, accumulation, a quantized output), with the
-errors that name the offending argument."""
+operands, bias, bias gradient, accumulation, a quantized output), and
+FP8GlobalStateManager's stash of delayed-scaling tensors for activation
+recompute; each with the errors that name the offending argument."""
+import collections
+
 import pytest
 import torch
 
 import transformer_engine_c as te
+from transformer_engine_c import _fp8_meta as M
 from transformer_engine_c.cpp_extensions import general_gemm
+from transformer_engine_c.quantization import RECOMPUTE_POSITION_KEY, FP8GlobalStateManager as G
+from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling
 
 from helpers import TOL, rel_err
 
@@ -149,3 +155,129 @@ def test_general_gemm_refuses_what_it_does_not_do():
     block = te.Float8BlockQuantizer(E4M3, rowwise=True, columnwise=True)(A)
     with pytest.raises(NotImplementedError, match="A is a Float8BlockwiseQTensor"):
         general_gemm(block, B)
+
+
+# ------------------------------------------------- activation recompute stash
+
+@pytest.fixture
+def fresh_state():
+    G.reset()
+    yield
+    G.reset()
+
+
+def _delayed_meta():
+    recipe = DelayedScaling()
+    meta = M.make_fp8_meta(recipe, 1, "cpu")
+    meta["recipe"] = recipe
+    fwd = meta["scaling_fwd"]
+    fwd.scale.copy_(torch.tensor([2.0, 4.0, 8.0]))
+    fwd.scale_inv.copy_(1 / fwd.scale)
+    fwd.amax_history.uniform_()
+    return meta
+
+
+def _tensors(meta):
+    fwd = meta["scaling_fwd"]
+    return [fwd.amax_history.clone(), fwd.scale.clone(), fwd.scale_inv.clone()]
+
+
+def _assert_tensors(meta, expected):
+    for now, want in zip(_tensors(meta), expected):
+        assert torch.equal(now, want)
+
+
+def _step(meta, factor):
+    """What an autocast exit does to the live tensors (in place)."""
+    fwd = meta["scaling_fwd"]
+    fwd.scale.mul_(factor)
+    fwd.scale_inv.copy_(1 / fwd.scale)
+    fwd.amax_history.add_(factor)
+
+
+def test_recompute_stash_round_trip(fresh_state):
+    meta = _delayed_meta()
+    first = _tensors(meta)
+    G.copy_forward_fp8_meta_tensors_for_recompute(meta)  # checkpointed forward 1
+    _step(meta, 2.0)
+    second = _tensors(meta)
+    G.copy_forward_fp8_meta_tensors_for_recompute(meta)  # checkpointed forward 2
+    _step(meta, 3.0)
+    latest = _tensors(meta)
+    assert RECOMPUTE_POSITION_KEY in meta
+    assert len(G.fp8_tensors_recompute_buffer[meta[RECOMPUTE_POSITION_KEY]]) == 2
+
+    # recomputes run oldest first; each casts with its forward's tensors, then the latest come back
+    for stashed in (first, second):
+        G.get_old_fp8_meta_tensors_for_recompute(meta)
+        _assert_tensors(meta, stashed)
+        G.restore_fp8_meta_tensors(meta)
+        _assert_tensors(meta, latest)
+    assert not G.fp8_tensors_recompute_buffer[meta[RECOMPUTE_POSITION_KEY]]
+
+
+def test_recompute_stash_is_per_meta_and_delayed_only(fresh_state):
+    a, b = _delayed_meta(), _delayed_meta()
+    b["scaling_fwd"].scale.fill_(16.0)
+    want_b = _tensors(b)
+    G.copy_forward_fp8_meta_tensors_for_recompute(a)
+    G.copy_forward_fp8_meta_tensors_for_recompute(b)
+    assert a[RECOMPUTE_POSITION_KEY] != b[RECOMPUTE_POSITION_KEY]
+    _step(b, 5.0)
+    G.get_old_fp8_meta_tensors_for_recompute(b)
+    _assert_tensors(b, want_b)
+
+    current = {"recipe": Float8CurrentScaling()}  # other recipes: nothing to stash, nothing to restore
+    G.copy_forward_fp8_meta_tensors_for_recompute(current)
+    G.get_old_fp8_meta_tensors_for_recompute(current)
+    G.restore_fp8_meta_tensors(current)
+    assert current == {"recipe": current["recipe"]}
+
+
+def test_recompute_stash_after_a_reset_starts_a_new_queue(fresh_state):
+    old = _delayed_meta()
+    G.copy_forward_fp8_meta_tensors_for_recompute(old)
+    G.reset()
+    meta = _delayed_meta()
+    G.copy_forward_fp8_meta_tensors_for_recompute(meta)  # takes position 0 again
+    assert meta[RECOMPUTE_POSITION_KEY] == old[RECOMPUTE_POSITION_KEY] == 0
+    with pytest.raises(RuntimeError, match="no stashed forward scales"):
+        G.get_old_fp8_meta_tensors_for_recompute(old)  # not meta's queue
+    want = _tensors(old)
+    G.copy_forward_fp8_meta_tensors_for_recompute(old)
+    _step(old, 2.0)
+    G.get_old_fp8_meta_tensors_for_recompute(old)
+    _assert_tensors(old, want)
+    assert len(G.fp8_tensors_recompute_buffer) == 2
+
+
+def test_recompute_stash_is_bounded(fresh_state, monkeypatch):
+    import transformer_engine_c.quantization as Q
+    monkeypatch.setattr(Q, "RECOMPUTE_STASH", 2)
+    meta = _delayed_meta()
+    stashed = collections.deque(maxlen=2)
+    for i in range(3):
+        stashed.append(_tensors(meta))
+        G.copy_forward_fp8_meta_tensors_for_recompute(meta)
+        _step(meta, 2.0)
+    for want in stashed:  # the oldest was dropped
+        G.get_old_fp8_meta_tensors_for_recompute(meta)
+        _assert_tensors(meta, want)
+
+
+def test_recompute_stash_errors_name_what_is_wrong(fresh_state):
+    for fn in (G.copy_forward_fp8_meta_tensors_for_recompute, G.get_old_fp8_meta_tensors_for_recompute,
+               G.restore_fp8_meta_tensors):
+        with pytest.raises(TypeError, match="fp8_meta must be a module's fp8_meta dict"):
+            fn(None)
+        with pytest.raises(ValueError, match="'scaling_fwd'"):
+            fn({"recipe": DelayedScaling()})
+    meta = _delayed_meta()
+    with pytest.raises(RuntimeError, match="copy_forward_fp8_meta_tensors_for_recompute stashes them"):
+        G.get_old_fp8_meta_tensors_for_recompute(meta)
+    with pytest.raises(RuntimeError, match="get_old_fp8_meta_tensors_for_recompute keeps them"):
+        G.restore_fp8_meta_tensors(meta)
+    G.copy_forward_fp8_meta_tensors_for_recompute(meta)
+    G.get_old_fp8_meta_tensors_for_recompute(meta)
+    with pytest.raises(RuntimeError, match="the recompute ran twice"):
+        G.get_old_fp8_meta_tensors_for_recompute(meta)
