@@ -401,6 +401,7 @@ from transformer_engine.pytorch import (autocast, quantized_model_init, DotProdu
     get_device_compute_capability, is_fp8_available, is_mxfp8_available, is_fp8_block_scaling_available,
     is_bf16_available, is_nvfp4_available, DType, QuantizedTensor, InferenceParams, get_default_recipe)
 from transformer_engine.pytorch import checkpoint as te_checkpoint
+from transformer_engine.pytorch.cpp_extensions import general_gemm
 from transformer_engine.pytorch.fp8 import check_fp8_support, check_mxfp8_support, check_fp8_block_scaling_support
 import transformer_engine.pytorch.tensor as tensor
 from transformer_engine.common import recipe

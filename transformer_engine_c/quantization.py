@@ -4,9 +4,12 @@
 FP8GlobalStateManager answers (enabled, recipe, group, calibrating, depth,
 first module) and, for DelayedScaling, run the amax reduction and scale
 update of every fp8_meta registered during the block when the outermost
-autocast exits with grad enabled. The recipes (recipe.py), quantizers and
-Float8Tensor (tensor/float8_tensor.py) and the FP8 engine operations
-(_fp8_engine.py) are usable on their own.
+autocast exits with grad enabled. For activation recompute it keeps, per
+delayed-scaling fp8_meta, the forward tensors each checkpointed call cast
+with, for its recompute (TE's copy_forward / get_old / restore methods).
+The recipes (recipe.py), quantizers and Float8Tensor
+(tensor/float8_tensor.py) and the FP8 engine operations (_fp8_engine.py)
+are usable on their own.
 
 Linear, LayerNormLinear and LayerNormMLP compute their GEMMs in FP8 inside
 an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLinear and calibration
@@ -14,6 +17,7 @@ an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLi
 quantized_model_init / fp8_model_init(enabled=True) those layers hold their
 weights in FP8 (Float8Tensor parameters, or Float8BlockwiseQTensor under
 Float8BlockScaling; see docs/fp8.md's "FP8 primary weights")."""
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -122,6 +126,12 @@ def _world_size(group):
     return torch.distributed.get_world_size(group)
 
 
+# fp8_meta's key (TE's) of its queue in FP8GlobalStateManager.fp8_tensors_recompute_buffer
+RECOMPUTE_POSITION_KEY = "global_fp8_buffer_pos_fwd_recompute"
+# checkpointed forwards per fp8_meta whose recompute has not run yet (the oldest dropped beyond this)
+RECOMPUTE_STASH = 1024
+
+
 class FP8GlobalStateManager:
     """TE's global FP8 state: what the active autocast set, and the global
     buffers of the amaxes, histories and scales of every fp8_meta that took
@@ -142,6 +152,8 @@ class FP8GlobalStateManager:
     global_amax_history_buffer = {}
     global_scale_buffer = {}
     global_scale_inv_buffer = {}
+    # activation recompute: per fp8_meta that stashed, its checkpointed forwards' scales, oldest first
+    fp8_tensors_recompute_buffer = []
     _registrations = 0  # counts the registrations that appended to the buffers
     _step_updates = {}  # forward (a bool) -> _StepUpdate made from the buffers at that count
 
@@ -159,6 +171,7 @@ class FP8GlobalStateManager:
         cls.global_amax_history_buffer = {}
         cls.global_scale_buffer = {}
         cls.global_scale_inv_buffer = {}
+        cls.fp8_tensors_recompute_buffer = []
         cls._step_updates = {}
 
     # ---- availability
@@ -369,6 +382,95 @@ class FP8GlobalStateManager:
                 for row, part in zip(amaxes, flat.split([a.numel() for a in amaxes])):
                     row.copy_(part)
             run()
+
+    # ---- activation recompute of delayed scaling (TE's names and fp8_meta keys)
+
+    @classmethod
+    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta):
+        """In a checkpointed forward: stash copies of the forward scales,
+        their inverses and the amax history a delayed-scaling fp8_meta casts
+        with, so that the recompute in backward casts with the same ones.
+        The stash is a queue per fp8_meta (one entry per checkpointed call,
+        the oldest dropped past RECOMPUTE_STASH), found through
+        fp8_meta["global_fp8_buffer_pos_fwd_recompute"]. Other recipes: no-op."""
+        if not _delayed_meta(fp8_meta, "copy_forward_fp8_meta_tensors_for_recompute"):
+            return
+        fwd = fp8_meta["scaling_fwd"]
+        entry = (fwd.amax_history.clone(), fwd.scale.clone(), fwd.scale_inv.clone())
+        buffer = cls.fp8_tensors_recompute_buffer
+        pos = _recompute_position(buffer, fp8_meta)
+        if pos is None:  # its first stash (or the first since a reset)
+            queue = _StashQueue(maxlen=RECOMPUTE_STASH)
+            queue.owner = id(fp8_meta)
+            buffer.append(queue)
+            pos = fp8_meta[RECOMPUTE_POSITION_KEY] = len(buffer) - 1
+        buffer[pos].append(entry)
+
+    @classmethod
+    def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta):
+        """In the recompute: keep the fp8_meta's current forward tensors
+        (fp8_meta["updated_amax_history_fwd"], ["updated_scale_fwd"],
+        ["updated_scale_inv_fwd"]) and copy the oldest stash into them, in
+        place; restore_fp8_meta_tensors puts the current ones back.
+        Other recipes: no-op."""
+        if not _delayed_meta(fp8_meta, "get_old_fp8_meta_tensors_for_recompute"):
+            return
+        buffer = cls.fp8_tensors_recompute_buffer
+        pos = _recompute_position(buffer, fp8_meta)
+        if pos is None or not buffer[pos]:
+            raise RuntimeError("get_old_fp8_meta_tensors_for_recompute: fp8_meta has no stashed forward scales "
+                               "(copy_forward_fp8_meta_tensors_for_recompute stashes them in the checkpointed "
+                               "forward; the FP8 state was reset in between, or the recompute ran twice)")
+        amax_history, scale, scale_inv = buffer[pos].popleft()
+        fwd = fp8_meta["scaling_fwd"]
+        fp8_meta["updated_amax_history_fwd"] = fwd.amax_history.clone()
+        fp8_meta["updated_scale_fwd"] = fwd.scale.clone()
+        fp8_meta["updated_scale_inv_fwd"] = fwd.scale_inv.clone()
+        fwd.amax_history.copy_(amax_history)
+        fwd.scale.copy_(scale)
+        fwd.scale_inv.copy_(scale_inv)
+
+    @staticmethod
+    def restore_fp8_meta_tensors(fp8_meta):
+        """After the recompute: the forward tensors that
+        get_old_fp8_meta_tensors_for_recompute kept, copied back in place.
+        Other recipes: no-op."""
+        if not _delayed_meta(fp8_meta, "restore_fp8_meta_tensors"):
+            return
+        if "updated_scale_fwd" not in fp8_meta:
+            raise RuntimeError("restore_fp8_meta_tensors: fp8_meta holds no kept forward scales "
+                               "(get_old_fp8_meta_tensors_for_recompute keeps them)")
+        fwd = fp8_meta["scaling_fwd"]
+        fwd.amax_history.copy_(fp8_meta["updated_amax_history_fwd"])
+        fwd.scale.copy_(fp8_meta["updated_scale_fwd"])
+        fwd.scale_inv.copy_(fp8_meta["updated_scale_inv_fwd"])
+
+
+class _StashQueue(collections.deque):
+    """One fp8_meta's stashed forward tensors; `owner` is the meta's id."""
+    owner = None
+
+
+def _recompute_position(buffer, fp8_meta):
+    """fp8_meta's queue's index in `buffer`, or None where it has none (a
+    position left from before a reset names another meta's queue or none)."""
+    pos = fp8_meta.get(RECOMPUTE_POSITION_KEY)
+    if pos is None or pos >= len(buffer) or buffer[pos].owner != id(fp8_meta):
+        return None
+    return pos
+
+
+def _delayed_meta(fp8_meta, name):
+    """Whether fp8_meta holds delayed scaling's tensors (its recipe is a
+    DelayedScaling); checks that it is an fp8_meta."""
+    if not isinstance(fp8_meta, dict):
+        raise TypeError(f"{name}: fp8_meta must be a module's fp8_meta dict, got {type(fp8_meta).__name__}")
+    recipe = fp8_meta.get("recipe")
+    if recipe is None or not recipe.delayed():
+        return False
+    if "scaling_fwd" not in fp8_meta:
+        raise ValueError(f"{name}: fp8_meta has a DelayedScaling recipe but no 'scaling_fwd' tensors")
+    return True
 
 
 class _StepUpdate:
