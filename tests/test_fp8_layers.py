@@ -8,13 +8,14 @@ against its rule (test_float8_current_scaling_exact.py), the layers'
 accuracy against high precision (test_numerics.py's FP8 cases), weight
 caching over micro-batches (test_sanity.py), main_grad, delayed wgrad,
 LayerNormMLP's checkpoint, and the errors."""
+import collections
 import math
 
 import pytest
 import torch
 
 import transformer_engine_c as te
-from transformer_engine_c.quantization import FP8GlobalStateManager as G
+from transformer_engine_c.quantization import RECOMPUTE_POSITION_KEY, FP8GlobalStateManager as G
 from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling, QParams
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -614,3 +615,33 @@ def test_fp8_calls_follow_a_changed_checkpoint_flag(monkeypatch):
             y = layer(x)
         y.sum().backward()
     assert kept == [True, False, True]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_te_checkpoint_stashes_through_the_state_manager(reentrant, monkeypatch):
+    """A checkpointed FP8 call stashes its forward tensors and its recompute
+    takes them back through FP8GlobalStateManager's TE methods (which
+    callers may wrap), once each; only the FP8 layer's fp8_meta gets the
+    recompute key, and the recompute empties its queue."""
+    G.reset()
+    calls = collections.Counter()
+    for name in ("copy_forward_fp8_meta_tensors_for_recompute", "get_old_fp8_meta_tensors_for_recompute"):
+        real = getattr(G, name)
+
+        def wrapped(meta, real=real, name=name):
+            calls[name] += 1
+            real(meta)
+        monkeypatch.setattr(G, name, staticmethod(wrapped))
+    plain = te.Linear(64, 64, params_dtype=torch.float32, device="cpu")
+    fp8 = te.Linear(64, 64, params_dtype=torch.float32, device="cpu")
+
+    def body(x):
+        x = plain(x)
+        with te.autocast(recipe=DelayedScaling()):
+            return fp8(x)
+    x = torch.randn(32, 64, requires_grad=True)
+    te.checkpoint(body, x, use_reentrant=reentrant).sum().backward()
+    assert calls == {"copy_forward_fp8_meta_tensors_for_recompute": 1, "get_old_fp8_meta_tensors_for_recompute": 1}
+    assert RECOMPUTE_POSITION_KEY in fp8.fp8_meta and RECOMPUTE_POSITION_KEY not in plain.fp8_meta
+    assert not G.fp8_tensors_recompute_buffer[fp8.fp8_meta[RECOMPUTE_POSITION_KEY]]
+    G.reset()

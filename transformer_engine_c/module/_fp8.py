@@ -76,7 +76,7 @@ from .. import _fp8_engine as E
 from .._comm_overlap import FP8Gemm, FP8Partials
 from .._engine import DTYPE_CODES
 from .._fp8_meta import fit_history, fp8_dtype_of, initial_fp8_meta, make_fp8_meta, module_device
-from ..quantization import FP8GlobalStateManager as _State
+from ..quantization import RECOMPUTE_STASH, FP8GlobalStateManager as _State
 from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
@@ -151,8 +151,9 @@ def _adjust_history(meta, length):
 
 
 _warned = set()
-# checkpointed forwards whose recomputation has not run yet, per layer (the oldest dropped beyond this)
-_RECOMPUTE_STASH = 1024
+# checkpointed forwards whose recomputation has not run yet, per layer (the oldest dropped beyond this;
+# FP8GlobalStateManager's stash of their tensors has the same bound)
+_RECOMPUTE_STASH = RECOMPUTE_STASH
 
 
 def _warn_no_overlap(layer, recipe):
@@ -237,27 +238,32 @@ class FP8Call:
         """Whether this call owns the backward amax reduction (the first FP8
         module of the outermost autocast, when backward runs), with TE's
         activation-recompute rules (tec.checkpoint): a checkpointed forward
-        stashes the delayed-scaling scales and history it used and whether it
-        was the first module; its recomputation in backward pops them, so it
-        casts with the forward's scales (its amaxes go to the copy and are
-        dropped) and the first module's recomputation (the one whose backward
-        runs, under use_reentrant=True) owns the reduction."""
+        stashes the delayed-scaling scales and history it used
+        (FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute)
+        and whether it was the first module; its recomputation in backward
+        takes them back (get_old_fp8_meta_tensors_for_recompute, then
+        restore_fp8_meta_tensors after copying them), so it casts with the
+        forward's scales (its amaxes go to the copy and are dropped) and the
+        first module's recomputation (the one whose backward runs, under
+        use_reentrant=True) owns the reduction."""
         if in_fp8_activation_recompute_phase():
             stash = layer.__dict__.get("_fp8_recompute")
-            if stash:
-                fwd, first = stash.popleft()
-                if fwd is not None:
-                    self.meta = dict(self.meta, scaling_fwd=fwd, recompute=True)
-                return first and grad
-            return False
+            if not stash:
+                return False
+            first = stash.popleft()
+            live = self.meta
+            _State.get_old_fp8_meta_tensors_for_recompute(live)  # live holds the forward's tensors now
+            if self.delayed:
+                m = live["scaling_fwd"]
+                fwd = type(m).of(m.scale.clone(), m.scale_inv.clone(), m.amax_history.clone())
+                _State.restore_fp8_meta_tensors(live)
+                self.meta = dict(live, scaling_fwd=fwd, recompute=True)
+            return first and grad
         if not is_fp8_activation_recompute_enabled():
             return _State.is_first_fp8_module() if grad else False
         first = _State.is_first_fp8_module()
-        fwd = None
-        if self.delayed:
-            m = self.meta["scaling_fwd"]
-            fwd = type(m).of(m.scale.clone(), m.scale_inv.clone(), m.amax_history.clone())
-        layer.__dict__.setdefault("_fp8_recompute", collections.deque(maxlen=_RECOMPUTE_STASH)).append((fwd, first))
+        _State.copy_forward_fp8_meta_tensors_for_recompute(self.meta)
+        layer.__dict__.setdefault("_fp8_recompute", collections.deque(maxlen=_RECOMPUTE_STASH)).append(first)
         return first and grad
 
     # ----------------------------------------------------------- quantizing
