@@ -15,6 +15,8 @@ from transformer_engine_c._engine import DTYPE_CODES
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CODE = F.FP8_DTYPES
 BF16 = torch.bfloat16
+NO_NORM_FWD = (0, 0, 0, 0, 0, 0, 0.0, 0)
+NO_NORM_BWD = (0,) * 10
 
 
 def f32(n, device, value=0.0):
@@ -84,7 +86,7 @@ def test_linear_fwd_equals_the_separate_calls(device, current, cached, bias):
     stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
     dev = -1 if device == "cpu" else torch.cuda.current_device()
     _C.fp8_linear_fwd(dev, DTYPE_CODES[BF16], rows, n, k, *xa, *wa, ptr(b), y.data_ptr(), 1, work.data_ptr(),
-                      work.numel(), stream)
+                      work.numel(), stream, *NO_NORM_FWD)
     assert torch.equal(dx, qx) and torch.equal(dxt, qxt) and torch.equal(sinv_x, rsinv_x)
     assert torch.equal(dw, qw) and torch.equal(sinv_w, rsinv_w)
     if not cached:
@@ -129,7 +131,8 @@ def test_linear_bwd_equals_the_separate_calls(device, current, parts, dbias):
     dev = -1 if device == "cpu" else torch.cuda.current_device()
     _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], rows, n, k, *dya, ptr(db), ptr(dbws) if dbias else 0, nb,
                       qwt.data_ptr(), sinv_w.data_ptr(), CODE[E4M3], ptr(dx), 0, qxt.data_ptr(), sinv_x.data_ptr(),
-                      CODE[E4M3], ptr(dw), DTYPE_CODES[torch.float32], 1, 0, work.data_ptr(), work.numel(), stream)
+                      CODE[E4M3], ptr(dw), DTYPE_CODES[torch.float32], 1, 0, work.data_ptr(), work.numel(), stream,
+                      *NO_NORM_BWD)
     assert torch.equal(sinv, rsinv)
     if dgrad:
         assert torch.equal(d, qdy) and torch.equal(dx, want_dx)
@@ -140,6 +143,68 @@ def test_linear_bwd_equals_the_separate_calls(device, current, parts, dbias):
         assert torch.equal(db, rdb)
     if not current:
         assert torch.equal(amax, hdy)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_steps_equal_the_separate_calls(device, rms):
+    """The norm fused ahead of the forward step (its output is what is
+    cast) and the norm's backward after the backward step (of dgrad's
+    output): exactly the separate norm_fwd / norm_bwd calls around the
+    steps."""
+    gen = torch.Generator().manual_seed(9)
+    rows, n, k = 32, 48, 64
+    dev = -1 if device == "cpu" else torch.cuda.current_device()
+    stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
+    code = DTYPE_CODES[BF16]
+    x = torch.randn(rows, k, generator=gen).to(BF16).to(device)
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).to(BF16).to(device)
+    beta = None if rms else (0.1 * torch.randn(k, generator=gen)).to(BF16).to(device)
+    w = torch.randn(n, k, generator=gen).to(BF16).to(device)
+    work = ws(device)
+
+    def stats():
+        return f32(rows, device), (None if rms else f32(rows, device))
+
+    # reference: the norm, then the forward step on its output
+    ln_ref, (rs_ref, mu_ref) = torch.empty_like(x), stats()
+    _C.norm_fwd(dev, code, rows, k, x.data_ptr(), g.data_ptr(), ptr(beta), ln_ref.data_ptr(), ptr(mu_ref),
+                rs_ref.data_ptr(), 1e-5, 0, stream)
+    outs = []
+    for fused in (False, True):
+        ln, (rs, mu) = (ln_ref, (rs_ref, mu_ref)) if not fused else (torch.empty_like(x), stats())
+        s_x, s_w = f32(1, device, 4.0), f32(1, device, 16.0)
+        d, dt, sx = u8((rows, k), device), u8((k, rows), device), f32(1, device)
+        wd, wt, sw = u8((n, k), device), u8((k, n), device), f32(1, device)
+        y = torch.empty(rows, n, dtype=BF16, device=device)
+        norm = (x.data_ptr(), g.data_ptr(), ptr(beta), ln.data_ptr(), ptr(mu), rs.data_ptr(), 1e-5, 0) if fused \
+            else NO_NORM_FWD
+        _C.fp8_linear_fwd(dev, code, rows, n, k, *cast_args(ln, E4M3, s_x, None, sx, d, dt),
+                          *cast_args(w, E4M3, s_w, None, sw, wd, wt), 0, y.data_ptr(), 1, work.data_ptr(),
+                          work.numel(), stream, *norm)
+        outs.append((ln, rs, y, d, dt, sx))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    # backward: the step's dgrad into dln, then the norm's backward of it
+    dy = (torch.randn(rows, n, generator=gen) * 0.01).to(BF16).to(device)
+    nb = _C.norm_bwd_workspace_bytes(dev, rows, k)
+    grads = []
+    for fused in (False, True):
+        dln, dx = torch.empty_like(x), torch.empty_like(x)
+        dg, db = torch.empty_like(g), (None if rms else torch.empty_like(g))
+        nws = torch.empty(max(nb, 1), dtype=torch.uint8, device=device)
+        q, sinv, sdy = u8((rows, n), device), f32(1, device), f32(1, device, 2.0 ** 10)
+        norm = (x.data_ptr(), ptr(mu_ref), rs_ref.data_ptr(), g.data_ptr(), dx.data_ptr(), dg.data_ptr(), ptr(db),
+                0, nws.data_ptr(), nb) if fused else NO_NORM_BWD
+        _C.fp8_linear_bwd(dev, code, rows, n, k, *cast_args(dy, E5M2, sdy, None, sinv, q),
+                          0, 0, 0, wt.data_ptr(), sw.data_ptr(), CODE[E4M3], dln.data_ptr(), 0, 0, 0, CODE[E4M3],
+                          0, code, 0, 0, work.data_ptr(), work.numel(), stream, *norm)
+        if not fused:
+            _C.norm_bwd(dev, code, rows, k, dln.data_ptr(), x.data_ptr(), ptr(mu_ref), rs_ref.data_ptr(),
+                        g.data_ptr(), dx.data_ptr(), dg.data_ptr(), ptr(db), 0, nws.data_ptr(), nb, stream)
+        grads.append((dln, dx, dg) + (() if rms else (db,)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert grads[1][1].abs().sum() > 0  # the norm's backward ran
 
 
 _KEEP = []  # the tensors behind the addresses the refusal tests pass
@@ -161,7 +226,7 @@ def _fwd_call(device, **over):
     dev = -1 if device == "cpu" else torch.cuda.current_device()
     stream = 0 if device == "cpu" else torch.cuda.current_stream().cuda_stream
     _C.fp8_linear_fwd(dev, DTYPE_CODES[BF16], a["rows"], n, k, *a["x"], *a["w"], 0, y.data_ptr(), 1,
-                      work.data_ptr(), work.numel(), stream)
+                      work.data_ptr(), work.numel(), stream, *a.get("norm", NO_NORM_FWD))
     return y
 
 
@@ -187,10 +252,13 @@ def test_steps_refuse_bad_input(device):
     common = (0, 0, 0, t.data_ptr(), sinv.data_ptr(), 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], 8, 16, 16, *dy, *common, 0, 0, t.data_ptr(), t.data_ptr(), 0,
-                          out.data_ptr(), DTYPE_CODES[BF16], 0, 0, 0, 0, 0)
+                          out.data_ptr(), DTYPE_CODES[BF16], 0, 0, 0, 0, 0, *NO_NORM_BWD)
     with pytest.raises(ValueError, match="dgrad needs dy.data and w_t"):
         _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], 16, 16, 16, *dy, 0, 0, 0, 0, 0, 0, out.data_ptr(), 0,
-                          0, 0, 0, 0, DTYPE_CODES[BF16], 0, 0, 0, 0, 0)
+                          0, 0, 0, 0, DTYPE_CODES[BF16], 0, 0, 0, 0, 0, *NO_NORM_BWD)
+    with pytest.raises(ValueError, match="the norm's backward needs dx"):
+        _C.fp8_linear_bwd(dev, DTYPE_CODES[BF16], 16, 16, 16, *dy, 0, 0, 0, 0, 0, 0, 0, 0,
+                          0, 0, 0, 0, DTYPE_CODES[BF16], 0, 0, 0, 0, 0, x.data_ptr(), *NO_NORM_BWD[1:])
     with pytest.raises(TypeError, match="fp8_linear_bwd"):
         _C.fp8_linear_bwd(dev)
 
@@ -244,8 +312,8 @@ def test_layers_one_call_equals_the_general_path(monkeypatch, device, kind, rnam
     are the steps that ran (counted)."""
     recipe = DelayedScaling(amax_history_len=4) if rname == "delayed" else Float8CurrentScaling()
     calls = []
-    real_fwd, real_bwd = _fp8._fprop_one_call, _fp8.linear_bwd_one_call
-    monkeypatch.setattr(_fp8, "_fprop_one_call", lambda *a: calls.append("f") or real_fwd(*a))
+    real_fwd, real_bwd = _fp8.fprop_one_call, _fp8.linear_bwd_one_call
+    monkeypatch.setattr(_fp8, "fprop_one_call", lambda *a: calls.append("f") or real_fwd(*a))
     monkeypatch.setattr(_fp8, "linear_bwd_one_call", lambda *a: calls.append("b") or real_bwd(*a))
     one = _steps(_layer(kind, device, bias), recipe, device, first_mb)
     assert "f" in calls and "b" in calls

@@ -42,8 +42,19 @@ tec_status tec_fp8_linear_fwd(int device, const tec_fp8_linear_fwd_args *a, void
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 linear_fwd: negative size rows=%lld n=%lld k=%lld",
                              (long long)a->rows, (long long)a->n, (long long)a->k);
     tec_status st = TEC_OK;
-    if (a->x.x)
-        st = cast(device, &a->x, a->rows, a->k, a->dtype, NULL, NULL, 0, stream);
+    tec_fp8_cast x = a->x;
+    if (a->norm) {  /* the norm first: its output is what the cast reads */
+        tec_norm_fwd_args nf = *a->norm;
+        nf.rows = a->rows;
+        nf.cols = a->k;
+        nf.dtype = a->dtype;
+        if (!nf.y)
+            return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 linear_fwd: the norm needs its output (norm.y)");
+        st = tec_norm_fwd(device, &nf, stream);
+        x.x = nf.y;
+    }
+    if (st == TEC_OK && x.x)
+        st = cast(device, &x, a->rows, a->k, a->dtype, NULL, NULL, 0, stream);
     if (st == TEC_OK && a->w.x)
         st = cast(device, &a->w, a->n, a->k, a->dtype, NULL, NULL, 0, stream);
     if (st != TEC_OK)
@@ -62,6 +73,8 @@ tec_status tec_fp8_linear_bwd(int device, const tec_fp8_linear_bwd_args *a, void
     if (a->rows < 0 || a->n < 0 || a->k < 0)
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 linear_bwd: negative size rows=%lld n=%lld k=%lld",
                              (long long)a->rows, (long long)a->n, (long long)a->k);
+    if (a->norm && !a->dx)
+        return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 linear_bwd: the norm's backward needs dx (its dy)");
     if ((a->dx && (!a->dy.data || !a->w_t)) || (a->dw && (!a->dy.data_t || !a->x_t)))
         return tec_set_error(TEC_ERR_INVALID_ARG, "fp8 linear_bwd: dgrad needs dy.data and w_t, wgrad dy.data_t "
                              "and x_t");
@@ -90,6 +103,14 @@ tec_status tec_fp8_linear_bwd(int device, const tec_fp8_linear_bwd_args *a, void
                                .fast_accum = a->wgrad_fast_accum, .workspace = a->workspace,
                                .workspace_bytes = a->workspace_bytes};
         st = tec_fp8_gemm(device, &g, stream);
+    }
+    if (st == TEC_OK && a->norm) {  /* the norm's backward of dgrad's output */
+        tec_norm_bwd_args nb = *a->norm;
+        nb.rows = a->rows;
+        nb.cols = a->k;
+        nb.dtype = a->dtype;
+        nb.dy = a->dx;
+        st = tec_norm_bwd(device, &nb, stream);
     }
     return st;
 }

@@ -695,13 +695,16 @@ typedef struct {
     const void *act_input;
 } tec_fp8_cast;
 
-/* Forward: the casts of x [rows, k] and (unless w.x is NULL: a cached
- * cast) of w [n, k], then y [rows, n] = X W^T (+ bias) as tec_fp8_gemm
- * (bias: its dtype rule), fast_accum as there. x.data and w.data are
- * required (the GEMM reads them). */
+/* Forward: with `norm` (else NULL) first that norm of its x [rows, k]
+ * into its y (tec_norm_fwd; cols k, the step's dtype), which is then the
+ * x cast (x.x is not read); the casts of x [rows, k] and (unless w.x is
+ * NULL: a cached cast) of w [n, k], then y [rows, n] = X W^T (+ bias) as
+ * tec_fp8_gemm (bias: its dtype rule), fast_accum as there. x.data and
+ * w.data are required (the GEMM reads them). */
 typedef struct {
     int64_t rows, n, k;
     tec_dtype dtype;
+    const tec_norm_fwd_args *norm;
     tec_fp8_cast x, w;
     const void *bias;
     void *y;
@@ -717,10 +720,14 @@ tec_status tec_fp8_linear_fwd(int device, const tec_fp8_linear_fwd_args *a, void
  * from w_t (W's transposed bytes [k, n]), and, when dw is given, wgrad
  * dw [n, k] (+)= dY^T X from x_t (X's transposed bytes [k, rows]; rows a
  * multiple of 16), into a dw_dtype tensor (accumulate: added, e.g. an fp32
- * main_grad). Each GEMM's split accumulation as its flag says. */
+ * main_grad). Each GEMM's split accumulation as its flag says. With `norm`
+ * (else NULL; it needs dx) then that norm's backward (tec_norm_bwd; cols
+ * k) of dx, which is its dy (norm->dy is not read): the backward of a
+ * norm whose output the forward's x was. */
 typedef struct {
     int64_t rows, n, k;
     tec_dtype dtype;
+    const tec_norm_bwd_args *norm;
     tec_fp8_cast dy;
     void *dbias;
     void *dbias_workspace;

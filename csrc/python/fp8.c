@@ -177,18 +177,29 @@ static int cast_arg(PyObject *const *args, Py_ssize_t i, tec_fp8_cast *c)
 }
 
 /* fp8_linear_fwd(device, dtype, rows, n, k, <x's cast: 13>, <w's cast: 13>,
- *                bias, y, fast_accum, workspace, workspace_bytes, stream) */
+ *                bias, y, fast_accum, workspace, workspace_bytes, stream,
+ *                norm_x, gamma, beta, ln_out, mu, rsigma, eps,
+ *                zero_centered_gamma): norm_x 0 for no norm. */
 static PyObject *py_fp8_linear_fwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("fp8_linear_fwd", 37);
+    ARGC("fp8_linear_fwd", 45);
     int dev;
     tec_fp8_linear_fwd_args a = {0};
+    tec_norm_fwd_args nf = {0};
     void *stream;
+    double eps;
     DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.n); I64(4, a.k);
     if (!cast_arg(args, 5, &a.x) || !cast_arg(args, 18, &a.w))
         return NULL;
     PTR(31, a.bias); PTR(32, a.y); BOOL(33, a.fast_accum, "fast_accum"); PTR(34, a.workspace);
     SIZE(35, a.workspace_bytes, "workspace_bytes"); PTR(36, stream);
+    PTR(37, nf.x); PTR(38, nf.gamma); PTR(39, nf.beta); PTR(40, nf.y); PTR(41, nf.mu); PTR(42, nf.rsigma);
+    DBL(43, eps); BOOL(44, nf.zero_centered_gamma, "zero_centered_gamma");
+    if (!(eps >= 0.0 && eps <= 3.4e38))
+        return PyErr_Format(PyExc_ValueError, "argument 43 (eps) must be a finite float >= 0, got %R", args[43]);
+    nf.eps = (float)eps;
+    if (nf.x)
+        a.norm = &nf;
     tec_status st;
     CALL(tec_fp8_linear_fwd(dev, &a, stream));
     return run(m, st);
@@ -198,12 +209,16 @@ static PyObject *py_fp8_linear_fwd(PyObject *m, PyObject *const *args, Py_ssize_
  *                dbias_workspace, dbias_workspace_bytes, w_t, w_scale_inv,
  *                w_format, dx, dgrad_fast_accum, x_t, x_scale_inv, x_format,
  *                dw, dw_dtype, accumulate, wgrad_fast_accum, workspace,
- *                workspace_bytes, stream) */
+ *                workspace_bytes, stream, norm_x, mu, rsigma, gamma,
+ *                norm_dx, dgamma, dbeta, zero_centered_gamma,
+ *                norm_workspace, norm_workspace_bytes): norm_x 0 for no
+ *                norm. */
 static PyObject *py_fp8_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("fp8_linear_bwd", 36);
+    ARGC("fp8_linear_bwd", 46);
     int dev;
     tec_fp8_linear_bwd_args a = {0};
+    tec_norm_bwd_args nb = {0};
     void *stream;
     DEV(0, dev); DTYPE(1, a.dtype, "dtype"); I64(2, a.rows); I64(3, a.n); I64(4, a.k);
     if (!cast_arg(args, 5, &a.dy))
@@ -214,6 +229,11 @@ static PyObject *py_fp8_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_
     FMT(28, a.x_format, "x_format"); PTR(29, a.dw); DTYPE(30, a.dw_dtype, "dw_dtype");
     BOOL(31, a.accumulate, "accumulate"); BOOL(32, a.wgrad_fast_accum, "wgrad_fast_accum"); PTR(33, a.workspace);
     SIZE(34, a.workspace_bytes, "workspace_bytes"); PTR(35, stream);
+    PTR(36, nb.x); PTR(37, nb.mu); PTR(38, nb.rsigma); PTR(39, nb.gamma); PTR(40, nb.dx); PTR(41, nb.dgamma);
+    PTR(42, nb.dbeta); BOOL(43, nb.zero_centered_gamma, "zero_centered_gamma"); PTR(44, nb.workspace);
+    SIZE(45, nb.workspace_bytes, "norm_workspace_bytes");
+    if (nb.x)
+        a.norm = &nb;
     tec_status st;
     CALL(tec_fp8_linear_bwd(dev, &a, stream));
     return run(m, st);
@@ -222,12 +242,13 @@ static PyObject *py_fp8_linear_bwd(PyObject *m, PyObject *const *args, Py_ssize_
 PyMethodDef tec_fp8_methods[] = {
     {"fp8_linear_fwd", (PyCFunction)(void (*)(void))py_fp8_linear_fwd, METH_FASTCALL,
      "fp8_linear_fwd(device, dtype, rows, n, k, x's cast (13), w's cast (13), bias, y, fast_accum, workspace, "
-     "workspace_bytes, stream); a cast: x, format, scale, amax, scale_inv, data, data_t, current, pow2, epsilon, "
-     "act_mode, act, act_input"},
+     "workspace_bytes, stream, norm_x, gamma, beta, ln_out, mu, rsigma, eps, zero_centered_gamma); a cast: x, "
+     "format, scale, amax, scale_inv, data, data_t, current, pow2, epsilon, act_mode, act, act_input"},
     {"fp8_linear_bwd", (PyCFunction)(void (*)(void))py_fp8_linear_bwd, METH_FASTCALL,
      "fp8_linear_bwd(device, dtype, rows, n, k, dy's cast (13), dbias, dbias_workspace, dbias_workspace_bytes, w_t, "
      "w_scale_inv, w_format, dx, dgrad_fast_accum, x_t, x_scale_inv, x_format, dw, dw_dtype, accumulate, "
-     "wgrad_fast_accum, workspace, workspace_bytes, stream)"},
+     "wgrad_fast_accum, workspace, workspace_bytes, stream, norm_x, mu, rsigma, gamma, norm_dx, dgamma, dbeta, "
+     "zero_centered_gamma, norm_workspace, norm_workspace_bytes)"},
     {"fp8_quantize", (PyCFunction)(void (*)(void))py_fp8_quantize, METH_FASTCALL,
      "fp8_quantize(device, dtype, format, rows, cols, x, scale, out, out_t, amax, scale_inv, dbias, workspace, "
      "workspace_bytes, noop, act_mode, act, act_input, stream)"},

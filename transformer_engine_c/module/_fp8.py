@@ -654,9 +654,8 @@ def _gemm(c, a, qa, b, qb, out, bias, accumulate, split, ta=False, tb=False):
 
 def fprop(f, x, w, b, out, keep_t):
     """out = X W^T (+ b) in FP8 (x: [rows, k] or 3-D, out its [rows, n])."""
-    if ONE_CALL and keep_t and f.blocks is None and not f.recomputing and f.keep_t and (f.delayed or not f.produced) and \
-            _plain_weight(w) and not _State.fp8_graph_capturing():
-        _fprop_one_call(f, x, w, b, _as_2d(out))
+    if keep_t and one_call_ok(f, w):
+        fprop_one_call(f, x, w, b, _as_2d(out))
         return
     qx = f.input(x, keep_t)
     qw = f.weight(w)
@@ -747,8 +746,17 @@ _ALIGN = 256
 _NO_CAST = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0)
 
 
-def _plain_weight(w):
-    return type(w) is not Float8Tensor and type(w) is not Float8BlockwiseQTensor
+_NO_NORM_FWD = (0, 0, 0, 0, 0, 0, 0.0, 0)
+_NO_NORM_BWD = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def one_call_ok(f, w):
+    """Whether GEMM gi's forward on this rank's rows may be one engine call
+    (see above): per-tensor scaling, no recompute, the transposes kept, no
+    activation to fuse under current scaling, a plain weight, no capture."""
+    return (ONE_CALL and f.blocks is None and not f.recomputing and f.keep_t and (f.delayed or not f.produced)
+            and type(w) is not Float8Tensor and type(w) is not Float8BlockwiseQTensor
+            and not _State.fp8_graph_capturing())
 
 
 def _up(n):
@@ -768,10 +776,13 @@ def _cast_args(f, t, fp8_dtype, role, forward, qp, scale_inv, data, data_t, curr
             float(qp.amax_epsilon)) + act
 
 
-def _fprop_one_call(f, x, w, b, o):
+def fprop_one_call(f, x, w, b, o, norm=_NO_NORM_FWD):
     """fprop's one engine call (see above): the casts of X (its transpose
     kept when backward runs) and of W (unless the layer's cached cast is
-    reused), then the GEMM into o (2-D)."""
+    reused), then the GEMM into o (2-D). norm: the 8 norm arguments of
+    fp8_linear_fwd (its input, gamma, beta, x's address as its output, mu,
+    rsigma, eps, zero_centered_gamma): the norm runs first, in the same
+    call, and x is its output."""
     c, gi, dev = f.call, f.gi, x.device
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
@@ -803,7 +814,7 @@ def _fprop_one_call(f, x, w, b, o):
         wa = (0, _CODES[f.fwd], 0, 0, qw.scale_inv.data_ptr(), qw.data.data_ptr(), 0, 0, 0, 0.0, 0, 0, 0)
     fuse = _bias_fused(o, b)
     _C.fp8_linear_fwd(c.dev, DTYPE_CODES[x.dtype], rows, n, k, *xa, *wa, b.data_ptr() if fuse else 0, o.data_ptr(),
-                      0 if f.split[0] else 1, c.ws, c.nbytes, c.stream)
+                      0 if f.split[0] else 1, c.ws, c.nbytes, c.stream, *norm)
     if b is not None and not fuse:
         o += b
     if f.grad:
@@ -823,20 +834,37 @@ def _cached_weight(f, w):
     return None
 
 
-def linear_bwd_one_call(f, dy, dx, need_w, with_db):
+def bwd_one_call_ok(f, dy, need_dx, need_w):
+    """Whether GEMM gi's backward may be one engine call (linear_bwd_one_call)."""
+    if not ONE_CALL or f.blocks is not None or f.recomputing or dy.dim() < 2:
+        return False
+    gi = f.gi
+    if need_dx:
+        qw = f.weights.get(gi)
+        if qw is None or qw.data_t is None:
+            return False
+    if need_w:
+        qx = f.inputs.get(gi)
+        n = dy.shape[-1]
+        if qx is None or qx.data_t is None or (dy.numel() // n if n else 0) % 16:
+            return False
+    return True
+
+
+def linear_bwd_one_call(f, dy, dx, need_w, with_db, norm=_NO_NORM_BWD):
     """dgrad into dx (when given) and wgrad (need_w) of GEMM gi in one
     engine call, with the cast of dY (and its column sums: with_db):
     (dw, db), or None where the general path must run (block scaling, a
-    recompute, a transpose not kept, a token count wgrad cannot take)."""
+    recompute, a transpose not kept, a token count wgrad cannot take).
+    norm: the 10 norm arguments of fp8_linear_bwd (the norm's input, mu,
+    rsigma, gamma, its dx, dgamma, dbeta, zero_centered_gamma, workspace
+    and its bytes): that norm's backward of dx runs in the same call."""
+    if not bwd_one_call_ok(f, dy, dx is not None, need_w):
+        return None
     gi = f.gi
     qx, qw = f.inputs.get(gi), f.weights.get(gi)
-    if (not ONE_CALL or f.blocks is not None or f.recomputing or dy.dim() < 2 or (dx is not None and (qw is None or qw.data_t is None))
-            or (need_w and (qx is None or qx.data_t is None))):
-        return None
     n = dy.shape[-1]
     rows = dy.numel() // n
-    if need_w and rows % 16:
-        return None
     c, dev = f.call, dy.device
     k = dx.shape[-1] if dx is not None else qx.data_t.shape[0]
     q = f.grads.get(gi)
@@ -865,7 +893,7 @@ def linear_bwd_one_call(f, dy, dx, need_w, with_db):
                       0 if f.split[1] else 1, 0 if dw is None else qx.data_t.data_ptr(),
                       0 if qx is None else qx.scale_inv.data_ptr(), _CODES[qx.dtype if qx is not None else f.fwd],
                       0 if dw is None else dw.data_ptr(), DTYPE_CODES[dy.dtype], 0,
-                      0 if f.split[2] else 1, c.ws, c.nbytes, c.stream)
+                      0 if f.split[2] else 1, c.ws, c.nbytes, c.stream, *norm)
     return dw, db
 
 

@@ -384,7 +384,10 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
             y = fp8_ag_gemm(call, ub.comms["fprop"], _as_2d(ln_out), w, b, tp)
             return y, ln_out, stats, None
         return _norm_ag_gemm(call, ub.comms["fprop"], x, gamma, beta, eps, zcg, w, b, tp, keep, want_gathered)
-    if ub.enabled or fp8 or (tp.mode == "column" and tp.sp and tp.size > 1):
+    column_sp = tp.mode == "column" and tp.sp and tp.size > 1
+    if fp8 and not ub.enabled and not column_sp and rows and _fp8.one_call_ok(call.fp8, w):
+        return _fp8_norm_fprop(call, tp, x, gamma, beta, eps, zcg, w, b, keep)
+    if ub.enabled or fp8 or column_sp:
         ln_out, stats = norm(call, x, gamma, beta, eps, zcg, keep)
         if tp.mode == "column" and tp.sp and tp.size > 1:
             dev, stream = call.dev, call.stream
@@ -409,6 +412,29 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
                        0 if beta is None else beta.data_ptr(), ln_out.data_ptr(), mu, rsigma, eps, zcg,
                        w.data_ptr(), 0 if b is None or row else b.data_ptr(), out.data_ptr(), call.ws, call.nbytes,
                        stream)
+    if row:
+        _reduce(out, y, tp)
+        if b is not None:
+            y += b
+    return y, ln_out, stats, None
+
+
+def _fp8_norm_fprop(call, tp, x, gamma, beta, eps, zcg, w, b, keep):
+    """norm_fprop in FP8 where no collective separates the norm and the
+    GEMM: one engine call (the norm, the casts, the GEMM; a row layer's
+    partial product, reduced, then the bias)."""
+    n = w.shape[0]
+    rows = _rows(x)
+    dev, stream = call.dev, call.stream
+    ln_out = new_like(x) if keep else temp(x, x.shape, dev, stream, T_LN_OUT)
+    stats, sp = norm_stats(call.device, rows, beta is None, keep)
+    mu, rsigma = _mu_rsigma(sp, rows, beta is None)
+    row = tp.mode == "row"
+    y = x.new_empty(*out_dims(x, n, tp))
+    out = temp(x, x.shape[:-1] + (n,), dev, stream, T_PARTIAL) if row and tp.sp and tp.size > 1 else y
+    _fp8.fprop_one_call(call.fp8, ln_out, w, None if row else b, _as_2d(out),
+                        (x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(), ln_out.data_ptr(),
+                         mu, rsigma, eps, zcg))
     if row:
         _reduce(out, y, tp)
         if b is not None:
@@ -737,6 +763,38 @@ def norm_backward(call, dln, x, stats, gamma, zcg, rms, dx=None):
     return dx, dgamma, dbeta
 
 
+def _fp8_norm_linear_backward(call, dy, x, ln_out, stats, gamma, zcg, rms, w, wg, gi):
+    """norm_linear_backward in FP8 where no collective separates dgrad and
+    the norm's backward: one engine call (dY's cast, dgrad into dln, wgrad,
+    the norm's backward), or None where the general path must run."""
+    f = call.fp8
+    n, k = w.shape
+    rows = _rows(x)
+    dev, stream = call.dev, call.stream
+    need_w = wg is not None and wg.need_w
+    with_db = wg is not None and wg.with_bias
+    f.begin_backward(gi, need_w, with_db and not wg.bias_from_local)
+    if not _fp8.bwd_one_call_ok(f, dy, True, need_w):
+        return None
+    try:
+        dln = temp(ln_out, ln_out.shape, dev, stream, T_DLN)
+        dx = new_like(x)
+        dgamma = gamma.new_empty(k)
+        dbeta = None if rms else gamma.new_empty(k)
+        nbytes = _C.norm_bwd_workspace_bytes(dev, rows, k)
+        ws = temp_bytes(x, nbytes, dev, stream, T_NORM_WS)
+        mu, rsigma = _mu_rsigma(stats.data_ptr(), rows, rms)
+        dw, db = _fp8.linear_bwd_one_call(f, dy, dln, need_w, with_db and need_w,
+                                          (x.data_ptr(), mu, rsigma, gamma.data_ptr(), dx.data_ptr(),
+                                           dgamma.data_ptr(), 0 if dbeta is None else dbeta.data_ptr(), zcg,
+                                           ws.data_ptr(), nbytes))
+        if with_db and not need_w:  # only the bias gradient (a frozen weight): dY's column sums
+            db = bias_grad_only(dy, n)
+        return dx, dgamma, dbeta, dw, db
+    finally:  # GEMM gi's FP8 operands are dropped once its backward is done
+        f.end_gemm(gi)
+
+
 def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w, wg, dln_extra=None, gi=0):
     """The backward of norm_fprop: (dx, dgamma, dbeta, dw, db). Where no
     collective separates them (no userbuffers; a row layer, or a column
@@ -748,8 +806,12 @@ def norm_linear_backward(call, tp, ub, dy, x, ln_out, stats, gamma, zcg, rms, w,
     rows = _rows(x)
     dev, stream = call.dev, call.stream
     fused = (not ub.enabled and rows and dln_extra is None and (tp.mode != "column" or tp.size == 1)
-             and (wg is None or wg.plain) and call.fp8 is None)
-    if not fused:
+             and (wg is None or wg.plain))
+    if fused and call.fp8 is not None and (tp.size == 1 or tp.mode == "row" and not tp.sp):
+        done = _fp8_norm_linear_backward(call, dy, x, ln_out, stats, gamma, zcg, rms, w, wg, gi)
+        if done is not None:
+            return done
+    if not fused or call.fp8 is not None:
         dln = temp(ln_out, ln_out.shape, dev, stream, T_DLN)
         dln, dw, db = linear_backward(call, tp, ub, dy, ln_out, w, True, wg, dln, gi)
         if dln_extra is not None:
