@@ -452,8 +452,9 @@ def test_bench_fp8_host_command_runs_on_cpu(tmp_path):
     assert [(row["layer"], row["shape"]) for row in data["rows"]] == [
         ("LayerNormLinear", "16x32x64"), ("Linear", "16x32x64"), ("LayerNormMLP", "16x32x64"), ("block", "16x32")]
     for row in data["rows"]:
-        assert set(row["host_us"]) == {"bf16", "fp8_delayed", "fp8_current"} and min(row["host_us"].values()) > 0
-        for v in ("fp8_delayed", "fp8_current"):
+        assert set(row["host_us"]) == {"bf16", "fp8_delayed", "fp8_current", "fp8_delayed_general"}
+        assert min(row["host_us"].values()) > 0
+        for v in ("fp8_delayed", "fp8_current", "fp8_delayed_general"):
             assert math.isclose(row["host_ratio"][v], row["host_us"][v] / row["host_us"]["bf16"])
             assert math.isclose(row["x"][v], row["ms"]["bf16"] / row["ms"][v])
         for v in ("bf16", "fp8_delayed"):
@@ -463,6 +464,17 @@ def test_bench_fp8_host_command_runs_on_cpu(tmp_path):
         assert row["where"]["fp8_delayed"].get("FP8 bookkeeping", 0) > 0
     md = (out / "fp8_host.md").read_text()
     assert "| block | 16x32 |" in md and "where the host time goes" in r.stdout
+
+
+def test_fp8_host_general_variant_runs_the_general_path(monkeypatch):
+    """fp8_delayed_general turns the one-call steps off for its step only."""
+    from transformer_engine_c.benchmarks import fp8_host as H
+    from transformer_engine_c.module import _fp8
+
+    seen = []
+    step = H.general_path(lambda: seen.append(_fp8.ONE_CALL))
+    step()
+    assert seen == [False] and _fp8.ONE_CALL is True
 
 
 def test_fp8_host_categories():

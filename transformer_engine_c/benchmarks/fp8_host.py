@@ -9,7 +9,8 @@ and the block of --compile (LayerNormLinear qkv, causal attention, Linear
 proj, LayerNormMLP; TOKENSxHIDDEN), each a forward+backward step with
 grad_output given, in bf16 ("bf16") and under FP8 DelayedScaling and
 Float8CurrentScaling (the autocast entered around the forward per step, as
-in training). Each variant is sampled as --tp1 samples (interleaved rounds,
+in training), and DelayedScaling with the one-call FP8 steps off
+("fp8_delayed_general": each cast and GEMM its own engine call). Each variant is sampled as --tp1 samples (interleaved rounds,
 the median of --iters samples of --batch steps): host µs is the host's time
 to issue a step, device ms the device's time per step (CUDA events; the host
 clock on the CPU). host ratio = FP8 host µs / bf16 host µs (the target is
@@ -41,7 +42,7 @@ GPU_BLOCK_SHAPES = [(1024, 1024), (2048, 2048)]
 CPU_LAYER_SHAPES = [(64, 64, 128)]
 CPU_BLOCK_SHAPES = [(64, 64)]
 LAYERS = ("LayerNormLinear", "Linear", "LayerNormMLP")
-VARIANTS = ("bf16", "fp8_delayed", "fp8_current")
+VARIANTS = ("bf16", "fp8_delayed", "fp8_current", "fp8_delayed_general")
 # (category, test on (file, function name)), the first that matches
 CATEGORIES = (
     ("engine calls", lambda f, n: f == "~" and n.startswith("<built-in method transformer_engine_c.")),
@@ -101,9 +102,25 @@ def layer_steps(tec, recipe_mod, layer, shape, dtype, device):
     dy = torch.randn(T, H if layer == "LayerNormMLP" else N, dtype=dtype, device=device)
     delayed = fp8_bench.fp8_twin(tec, layer, H, N, dtype, device, ours)
     current = fp8_bench.fp8_twin(tec, layer, H, N, dtype, device, ours)
+    general = fp8_bench.fp8_twin(tec, layer, H, N, dtype, device, ours)
     return {"bf16": tp1.steps(ours, x, dy)["fwd+bwd"],
             "fp8_delayed": fp8_bench.fp8_step(tec, delayed, x, dy, recipe_mod.DelayedScaling()),
-            "fp8_current": fp8_bench.fp8_step(tec, current, x, dy, recipe_mod.Float8CurrentScaling())}
+            "fp8_current": fp8_bench.fp8_step(tec, current, x, dy, recipe_mod.Float8CurrentScaling()),
+            "fp8_delayed_general": general_path(fp8_bench.fp8_step(tec, general, x, dy, recipe_mod.DelayedScaling()))}
+
+
+def general_path(step):
+    """step with the FP8 one-call steps off (module/_fp8.ONE_CALL): each
+    cast and GEMM its own engine call, as before they existed."""
+    from transformer_engine_c.module import _fp8
+
+    def run():
+        _fp8.ONE_CALL = False
+        try:
+            step()
+        finally:
+            _fp8.ONE_CALL = True
+    return run
 
 
 def block_steps(tec, recipe_mod, shape, dtype, device):
@@ -115,9 +132,11 @@ def block_steps(tec, recipe_mod, shape, dtype, device):
     dy = torch.randn(seq, batch, hidden, dtype=dtype, device=device)
     delayed = block_bench.twin(tec, ours, hidden, heads, dtype, device)
     current = block_bench.twin(tec, ours, hidden, heads, dtype, device)
+    general = block_bench.twin(tec, ours, hidden, heads, dtype, device)
     return {"bf16": block_bench.step(ours, x, dy),
             "fp8_delayed": block_bench.step(delayed, x, dy, tec, recipe_mod.DelayedScaling()),
-            "fp8_current": block_bench.step(current, x, dy, tec, recipe_mod.Float8CurrentScaling())}
+            "fp8_current": block_bench.step(current, x, dy, tec, recipe_mod.Float8CurrentScaling()),
+            "fp8_delayed_general": general_path(block_bench.step(general, x, dy, tec, recipe_mod.DelayedScaling()))}
 
 
 def category(key):
@@ -183,17 +202,18 @@ def run(args):
 
 
 def table(rows):
-    head = (f"{'layer':<16} {'shape':<16} {'bf16 us':>9} {'delayed us':>10} {'current us':>10} {'host d':>7} "
-            f"{'host c':>7} {'bf16 ms':>9} {'x d':>6} {'x c':>6}")
+    head = (f"{'layer':<16} {'shape':<16} {'bf16 us':>9} {'delayed us':>10} {'current us':>10} {'general us':>10} "
+            f"{'host d':>7} {'host c':>7} {'host g':>7} {'bf16 ms':>9} {'x d':>6} {'x c':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         h, m = r["host_us"], r["ms"]
+        hr = r["host_ratio"]
         lines.append(f"{r['layer']:<16} {r['shape']:<16} {h['bf16']:>9.1f} {h['fp8_delayed']:>10.1f} "
-                     f"{h['fp8_current']:>10.1f} {r['host_ratio']['fp8_delayed']:>7.3f} "
-                     f"{r['host_ratio']['fp8_current']:>7.3f} {m['bf16']:>9.4f} {r['x']['fp8_delayed']:>6.3f} "
-                     f"{r['x']['fp8_current']:>6.3f}")
-    lines.append("us: host µs per step; host d / c: FP8 (delayed / current) host µs over bf16's (target <= 1.15); "
-                 "x: bf16 ms / FP8 ms")
+                     f"{h['fp8_current']:>10.1f} {h['fp8_delayed_general']:>10.1f} {hr['fp8_delayed']:>7.3f} "
+                     f"{hr['fp8_current']:>7.3f} {hr['fp8_delayed_general']:>7.3f} {m['bf16']:>9.4f} "
+                     f"{r['x']['fp8_delayed']:>6.3f} {r['x']['fp8_current']:>6.3f}")
+    lines.append("us: host µs per step; host d / c / g: FP8 (delayed / current / delayed on the general path) host "
+                 "µs over bf16's (target <= 1.15); x: bf16 ms / FP8 ms")
     lines += ["", "where the host time goes (µs per step, bf16 -> FP8 DelayedScaling):"]
     for r in rows:
         b, f = r["where"]["bf16"], r["where"]["fp8_delayed"]
@@ -209,14 +229,15 @@ def markdown(rows, meta):
     out = ["# transformer_engine_c --fp8 --host benchmark", "", json.dumps(meta), "",
            "host µs: the host's time to issue one eager forward+backward step (median); host ratio = FP8 µs / "
            "bf16 µs (target ≤ 1.15); x = bf16 ms / FP8 ms (device time).", "",
-           "| layer | shape | bf16 host µs | FP8 delayed µs | FP8 current µs | host ratio delayed | host ratio "
-           "current | bf16 ms | x delayed | x current |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| layer | shape | bf16 host µs | FP8 delayed µs | FP8 current µs | FP8 delayed, general path µs | "
+           "host ratio delayed | host ratio current | host ratio general | bf16 ms | x delayed | x current |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        h = r["host_us"]
+        h, hr = r["host_us"], r["host_ratio"]
         out.append(f"| {r['layer']} | {r['shape']} | {h['bf16']:.1f} | {h['fp8_delayed']:.1f} | "
-                   f"{h['fp8_current']:.1f} | {r['host_ratio']['fp8_delayed']:.3f} | "
-                   f"{r['host_ratio']['fp8_current']:.3f} | {r['ms']['bf16']:.4f} | {r['x']['fp8_delayed']:.3f} | "
-                   f"{r['x']['fp8_current']:.3f} |")
+                   f"{h['fp8_current']:.1f} | {h['fp8_delayed_general']:.1f} | {hr['fp8_delayed']:.3f} | "
+                   f"{hr['fp8_current']:.3f} | {hr['fp8_delayed_general']:.3f} | {r['ms']['bf16']:.4f} | "
+                   f"{r['x']['fp8_delayed']:.3f} | {r['x']['fp8_current']:.3f} |")
     out += ["", "Where the host time goes (µs per step, cProfile's own time per category scaled to the measured "
             "host µs): bf16 → FP8 DelayedScaling.", ""]
     cats = [c for c, _ in CATEGORIES]
