@@ -272,7 +272,7 @@ def test_bench_tp1_command_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads((out / "tp1.json").read_text())
     got = {(row["layer"], row["mode"]) for row in data["rows"]}
-    assert got == {(layer, mode) for layer in ("Linear", "LayerNormLinear", "LayerNormMLP")
+    assert got == {(layer, mode) for layer in ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
                    for mode in ("fwd+bwd", "fwd (no_grad)")}
     assert all(row["ours_ms"] > 0 and row["torch_host_us"] > 0 for row in data["rows"])
     assert "| LayerNormMLP | fwd+bwd | 8×16×32 |" in (out / "tp1.md").read_text()
@@ -287,15 +287,63 @@ def test_bench_tp1_same_numbers_as_torch_layers():
 
     torch.manual_seed(0)
     x = torch.randn(6, 16, dtype=torch.float64).float()
-    for layer in tp1.LAYERS:
+    for layer in ("Linear", "LayerNormLinear", "LayerNormMLP"):
         ours, ref = tp1.build(tec, layer, 16, 32, torch.float32, torch.device("cpu"))
         assert torch.allclose(ours(x), ref(x), atol=1e-4, rtol=1e-4), layer
+
+
+def test_bench_tp1_transformer_layer_twin_computes_the_same():
+    """The torch.nn TransformerLayer (TorchBlock with our parameter values)
+    computes our TransformerLayer's function: output, input gradient and the
+    qkv and fc1 weights' gradients, float32 on the CPU; hidden 512 has 4
+    heads of 128, so a qkv split in another order would show."""
+    import torch
+
+    import transformer_engine_c as tec
+    from transformer_engine_c.benchmarks import tp1
+
+    torch.manual_seed(0)
+    ours, ref = tp1.build(tec, "TransformerLayer", 512, 128, torch.float32, torch.device("cpu"))
+    assert ref.heads == ours.self_attention.num_attention_heads_per_partition == 4
+    x = torch.randn(12, 2, 512, dtype=torch.float64).float().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    dy = torch.randn(12, 2, 512)
+    y, y_ref = ours(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
+    qkv = ours.self_attention.layernorm_qkv
+    torch.testing.assert_close(torch.cat([qkv.query_weight.grad, qkv.key_weight.grad, qkv.value_weight.grad]),
+                               ref.qkv.weight.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.layernorm_mlp.fc1_weight.grad, ref.fc1.weight.grad, atol=1e-5, rtol=1e-4)
+    causal = x.detach().clone()
+    causal[-1] += 1.0  # the last position changes no earlier position's output, in either
+    assert torch.equal(ref(causal)[:-1], ref(x.detach())[:-1]) and torch.equal(ours(causal)[:-1], ours(x)[:-1])
+
+
+def test_bench_tp1_transformer_layer_row_runs_on_cpu(tmp_path):
+    """--tp1 --layers TransformerLayer: its two rows at the given shape
+    (TOKENSxHIDDENxFFN; sequences of min(TOKENS, 2048))."""
+    out = tmp_path / "tp1"
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--tp1", "--device", "cpu", "--layers",
+                        "TransformerLayer", "--shapes", "16x32x128", "--iters", "1", "--warmup", "0", "--batch", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((out / "tp1.json").read_text())["rows"]
+    assert [(row["layer"], row["mode"], row["tokens"], row["hidden"], row["n"]) for row in rows] == [
+        ("TransformerLayer", mode, 16, 32, 128) for mode in ("fwd+bwd", "fwd (no_grad)")]
+    assert all(row["ours_ms"] > 0 and row["torch_ms"] > 0 and row["ours_host_us"] > 0 for row in rows)
+    assert "| TransformerLayer | fwd+bwd | 16×32×128 |" in (out / "tp1.md").read_text()
 
 
 def test_bench_tp1_refuses_a_bad_shape():
     r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--tp1", "--device", "cpu", "--shapes",
                         "8x16"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--shapes" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "transformer_engine_c.bench", "--tp1", "--device", "cpu", "--layers",
+                        "TransformerLayer", "--shapes", "3000x512x2048"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not a multiple of the sequence length" in r.stderr, r.stderr
 
 
 def test_bench_fp8_command_runs_on_cpu(tmp_path):

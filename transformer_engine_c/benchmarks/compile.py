@@ -96,16 +96,19 @@ def geometry(tokens, hidden):
 
 
 class TorchBlock(torch.nn.Module):
-    """The block of torch.nn modules."""
+    """The block of torch.nn modules (ffn: the MLP's hidden size, 4 x hidden
+    unless given). Input and output are [s, b, hidden]; the qkv Linear's
+    output is [q heads | k heads | v heads]."""
 
-    def __init__(self, hidden, heads, dtype, device):
+    def __init__(self, hidden, heads, dtype, device, ffn=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
+        ffn = 4 * hidden if ffn is None else ffn
         self.heads = heads
         self.ln1, self.qkv = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 3 * hidden, **kw)
         self.proj = torch.nn.Linear(hidden, hidden, **kw)
-        self.ln2, self.fc1 = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 4 * hidden, **kw)
-        self.fc2 = torch.nn.Linear(4 * hidden, hidden, **kw)
+        self.ln2, self.fc1 = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, ffn, **kw)
+        self.fc2 = torch.nn.Linear(ffn, hidden, **kw)
 
     def forward(self, x):
         s, b, h = x.shape

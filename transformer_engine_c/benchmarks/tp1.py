@@ -3,13 +3,21 @@ on one device (tensor-parallel size 1).
 
     python -m transformer_engine_c.bench --tp1 [--out bench_tp1]
     python -m transformer_engine_c.bench --tp1 --device cpu --shapes 64x64x128 --iters 3
+    python -m transformer_engine_c.bench --tp1 --layers TransformerLayer --shapes 2048x2048x8192
 
 Shapes are TOKENSxHIDDENxN: Linear and LayerNormLinear map HIDDEN to N
-features, LayerNormMLP has hidden size HIDDEN and ffn_hidden_size N. The
-PyTorch layers: nn.Linear; nn.LayerNorm then nn.Linear; nn.LayerNorm,
-nn.Linear, tanh-GELU (TransformerEngine's "gelu"), nn.Linear; with the same
-parameter values. Each is timed forward+backward (grad_output given) and as a
-no-grad forward. A sample is --batch calls issued back to back: "ms" is the
+features, LayerNormMLP has hidden size HIDDEN and ffn_hidden_size N, and so
+has TransformerLayer (causal self-attention, hidden_dropout and
+attention_dropout 0), with --compile's geometry: sequences of min(TOKENS,
+2048) tokens, TOKENS / sequence of them, heads of 128 (of HIDDEN / 2 below
+256), input [sequence, batch, HIDDEN]; 2048x2048x8192 is --compile's block
+(ffn 4 x HIDDEN). The PyTorch layers: nn.Linear; nn.LayerNorm then
+nn.Linear; nn.LayerNorm, nn.Linear, tanh-GELU (TransformerEngine's "gelu"),
+nn.Linear; for TransformerLayer --compile's TorchBlock (nn.LayerNorm, one
+qkv nn.Linear, causal F.scaled_dot_product_attention, nn.Linear proj,
+residual, then the MLP's modules and a residual); all with the same
+parameter values. Each is timed forward+backward (grad_output given) and as
+a no-grad forward. A sample is --batch calls issued back to back: "ms" is the
 device time per call (CUDA events; the host clock on the CPU), "host us" the
 host's time to issue one call (from the same samples). Ours and PyTorch's
 are sampled in interleaved rounds, alternating which goes first; the figure is
@@ -28,7 +36,7 @@ import torch.nn.functional as F
 
 GPU_SHAPES = [(512, 1024, 1024), (2048, 2048, 6144), (8192, 4096, 12288)]
 CPU_SHAPES = [(64, 64, 128)]
-LAYERS = ("Linear", "LayerNormLinear", "LayerNormMLP")
+LAYERS = ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
 
 
 def parse(argv):
@@ -51,6 +59,12 @@ def parse(argv):
     bad = [c for c in args.layers if c not in LAYERS]
     if bad:
         ap.error(f"unknown layer(s) {bad}; expected some of {LAYERS}")
+    if "TransformerLayer" in args.layers:
+        for T, H, _ in args.shapes:
+            try:
+                layer_geometry(T, H)
+            except ValueError as exc:
+                ap.error(f"--shapes {T}x{H}x...: TransformerLayer: {exc}")
     return sampling_defaults(ap, args, cuda, cpu_iters=5)
 
 
@@ -89,16 +103,53 @@ class TorchLNMLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
+def layer_geometry(tokens, hidden):
+    """(sequence, batch, heads) of TransformerLayer at TOKENSxHIDDEN: --compile's
+    geometry (ValueError where the tokens or heads do not divide evenly)."""
+    from .compile import geometry
+
+    seq, batch, heads = geometry(tokens, hidden)
+    if hidden % heads:
+        raise ValueError(f"hidden {hidden} is not a multiple of its {heads} heads")
+    return seq, batch, heads
+
+
 def ours_layer(tec, layer, H, N, dtype, device):
-    """Our layer of that name, HIDDEN -> N (LayerNormMLP: hidden H, ffn N)."""
+    """Our layer of that name, HIDDEN -> N (LayerNormMLP, TransformerLayer: hidden H, ffn N)."""
+    if layer == "TransformerLayer":
+        heads = layer_geometry(1, H)[2]
+        return tec.TransformerLayer(H, N, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+                                    device=device)
     return getattr(tec, layer)(H, N, params_dtype=dtype, device=device)
+
+
+def torch_transformer_layer(ours, H, N, dtype, device):
+    """--compile's TorchBlock with the values of our TransformerLayer's
+    parameters, copied by name (the qkv Linear's rows: our query, key and
+    value weights, one after the other, as the layer splits them)."""
+    from .compile import TorchBlock
+
+    ref = TorchBlock(H, layer_geometry(1, H)[2], dtype, device, ffn=N)
+    attn, mlp = ours.self_attention, ours.layernorm_mlp
+    qkv = attn.layernorm_qkv
+    pairs = {"ln1.weight": qkv.layer_norm_weight, "ln1.bias": qkv.layer_norm_bias,
+             "qkv.weight": torch.cat([qkv.query_weight, qkv.key_weight, qkv.value_weight]),
+             "qkv.bias": torch.cat([qkv.query_bias, qkv.key_bias, qkv.value_bias]),
+             "proj.weight": attn.proj.weight, "proj.bias": attn.proj.bias,
+             "ln2.weight": mlp.layer_norm_weight, "ln2.bias": mlp.layer_norm_bias,
+             "fc1.weight": mlp.fc1_weight, "fc1.bias": mlp.fc1_bias,
+             "fc2.weight": mlp.fc2_weight, "fc2.bias": mlp.fc2_bias}
+    ref.load_state_dict({name: value.detach() for name, value in pairs.items()})  # strict: every name
+    return ref
 
 
 def build(tec, layer, H, N, dtype, device):
     """(ours, PyTorch's) with the same parameter values."""
     ours = ours_layer(tec, layer, H, N, dtype, device)
     with torch.no_grad():
-        if layer == "Linear":
+        if layer == "TransformerLayer":
+            ref = torch_transformer_layer(ours, H, N, dtype, device)
+        elif layer == "Linear":
             ref = torch.nn.Linear(H, N, dtype=dtype, device=device)
             ref.weight.copy_(ours.weight)
             ref.bias.copy_(ours.bias)
@@ -172,9 +223,13 @@ def run(args):
     for T, H, N in args.shapes:
         for layer in args.layers:
             ours, ref = build(tec, layer, H, N, args.dtype, device)
-            x = torch.randn(T, H, dtype=args.dtype, device=device, requires_grad=True)
-            out_features = H if layer == "LayerNormMLP" else N
-            dy = torch.randn(T, out_features, dtype=args.dtype, device=device)
+            if layer == "TransformerLayer":
+                seq, batch, _ = layer_geometry(T, H)
+                in_shape = out_shape = (seq, batch, H)
+            else:
+                in_shape, out_shape = (T, H), (T, H if layer == "LayerNormMLP" else N)
+            x = torch.randn(in_shape, dtype=args.dtype, device=device, requires_grad=True)
+            dy = torch.randn(out_shape, dtype=args.dtype, device=device)
             a, b = steps(ours, x, dy), steps(ref, x, dy)
             for mode in a:
                 res = compare({"ours": a[mode], "torch": b[mode]}, args, cuda)
