@@ -499,6 +499,49 @@ def test_delayed_update_bad_input():
         F.delayed_update(torch.zeros(4, 2), torch.ones(3), torch.ones(2), 448.0)
 
 
+def test_delayed_updates_in_one_call_equal_one_by_one(device):
+    """delayed_updates_call runs several sets (other lengths, widths,
+    fp8_max, divisors, most_recent) in one engine call per device: the same
+    bits as one delayed_update each, in order."""
+    gen = torch.Generator().manual_seed(3)
+    sets = [(4, 6, 448.0, 1.0, False), (1, 3, 57344.0, 2.0, False), (16, 9, 448.0, 0.5, True)]
+    one, many = [], []
+    for length, n, fp8_max, divisor, recent in sets:
+        h = _history_cases(gen, length, n) if n >= 5 else torch.rand(length, n, generator=gen) + 0.1
+        s0 = torch.rand(n, generator=gen) + 0.5
+        for out in (one, many):
+            out.append((h.clone().to(device), s0.clone().to(device), torch.zeros(n, device=device), fp8_max, divisor,
+                        recent))
+    for t in one:
+        F.delayed_update(*t[:4], divisor=t[4], most_recent=t[5])
+    run = F.delayed_updates_call(many)
+    run()
+    for a, b in zip(one, many):
+        for x, y in zip(a[:3], b[:3]):
+            assert torch.equal(x.cpu().view(torch.int32), y.cpu().view(torch.int32))
+    assert not torch.equal(many[0][1].cpu(), one[0][1].cpu() * 0)  # a real update ran
+    from transformer_engine_c import _C
+    from transformer_engine_c._engine import device_code, stream_of
+
+    # the single-set entry point gives the same bits
+    length, n, fp8_max, divisor, recent = sets[2]
+    h, s0 = _history_cases(torch.Generator().manual_seed(5), length, n).to(device), torch.ones(n, device=device)
+    ref = [h.clone(), s0.clone(), torch.zeros(n, device=device)]
+    got = [h.clone(), s0.clone(), torch.zeros(n, device=device)]
+    F.delayed_updates_call([(*ref, fp8_max, divisor, recent)])()
+    dev = torch.device(device)
+    _C.fp8_delayed_update(device_code(dev), got[0].data_ptr(), got[1].data_ptr(), got[2].data_ptr(), length, n,
+                          fp8_max, divisor, int(recent), stream_of(dev))
+    for x, y in zip(ref, got):
+        assert torch.equal(x.cpu().view(torch.int32), y.cpu().view(torch.int32))
+
+    with pytest.raises(ValueError, match="count"):
+        _C.fp8_delayed_updates(-1, 0, 3, 0)
+    bad = torch.tensor([0, 0, 0, 0, 1, 0, 0, 0], dtype=torch.int64)  # history length 0
+    with pytest.raises(ValueError, match="history length"):
+        _C.fp8_delayed_updates(-1, bad.data_ptr(), 1, 0)
+
+
 # ------------------------------------------------- activation fused with the cast
 
 ELEMENTWISE = ["gelu", "relu", "qgelu", "srelu", "silu"]

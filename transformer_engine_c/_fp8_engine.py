@@ -4,6 +4,8 @@ current-scaling scales, the FP8 GEMM (TN layout), and block scaling's
 quantize (1x128 / 128x128 blocks) and block-scaled GEMM. FP8 data is held as
 torch.uint8 storage of the OCP E4M3 / E5M2 bits; scales are float32 tensors
 on the data's device, read and written by the device (no host sync)."""
+import struct
+
 import torch
 
 from . import _C
@@ -204,16 +206,24 @@ def delayed_updates_call(updates):
         if not 1 <= length <= HISTORY_MAX:
             raise ValueError(f"delayed_update: history length {length} is not in 1..{HISTORY_MAX}")
         per_device.setdefault(history.device, []).append(
-            (device_code(history.device), history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n,
-             float(fp8_max), float(divisor), int(bool(most_recent))))
-    return DelayedUpdates(tuple((d, tuple(args)) for d, args in per_device.items()),
+            (history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n, int(bool(most_recent)),
+             _double_bits(fp8_max), _double_bits(divisor)))
+    return DelayedUpdates(tuple((d, device_code(d), torch.tensor(records, dtype=torch.int64).reshape(-1),
+                                 len(records)) for d, records in per_device.items()),
                           tuple(u[:3] for u in updates))
 
 
+def _double_bits(v):
+    """The int64 whose bits are the IEEE double v (fp8_delayed_updates' records)."""
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
 class DelayedUpdates:
-    """Prepared delayed updates: per device, the engine arguments of each
-    (but the stream, the device's current one, taken once per device when
-    called), and the tensors whose storage the pointers name (held here)."""
+    """Prepared delayed updates: per device, its engine code and the records
+    of every update (fp8_delayed_updates': the addresses, lengths, flags and
+    constants, in one int64 host tensor), run in one engine call per device
+    on the device's current stream; and the tensors whose storage the
+    addresses name (held here)."""
 
     __slots__ = ("per_device", "tensors")
 
@@ -221,10 +231,8 @@ class DelayedUpdates:
         self.per_device, self.tensors = per_device, tensors
 
     def __call__(self):
-        for device, calls in self.per_device:
-            stream = stream_of(device)
-            for args in calls:
-                _C.fp8_delayed_update(*args, stream)
+        for device, code, records, count in self.per_device:
+            _C.fp8_delayed_updates(code, records.data_ptr(), count, stream_of(device))
 
 
 def _gemm_operands(name, a, a_dtype, b, b_dtype):

@@ -6,6 +6,8 @@
  * every function here. */
 #include "module.h"
 
+#include <string.h>
+
 #define ARGC(fn, n) if (!tec_arg_count(fn, nargs, n)) return NULL
 #define I64(i, v) if (!tec_arg_i64(args, i, &(v))) return NULL
 #define PTR(i, v) if (!tec_arg_ptr(args, i, (void **)&(v))) return NULL
@@ -100,6 +102,46 @@ static PyObject *py_fp8_delayed_update(PyObject *m, PyObject *const *args, Py_ss
     tec_status st;
     CALL(tec_fp8_delayed_update(dev, (float *)hist, (float *)scale, (float *)scale_inv, len, n, (float)fp8_max,
                                 (float)divisor, recent, stream));
+    return run(m, st);
+}
+
+/* The delayed updates of several sets of tensors in one call, each a record
+ * of TEC_UPDATE_FIELDS int64s: history, scale, scale_inv (addresses), len,
+ * n, most_recent, then fp8_max and divisor as the bits of IEEE doubles.
+ * Each runs as fp8_delayed_update (its checks), in order; the first error
+ * stops the rest and is raised. */
+#define TEC_UPDATE_FIELDS 8
+
+static tec_status delayed_updates(int dev, const int64_t *r, int64_t count, void *stream)
+{
+    for (int64_t i = 0; i < count; i++, r += TEC_UPDATE_FIELDS) {
+        double fp8_max, divisor;
+        memcpy(&fp8_max, &r[6], sizeof fp8_max);
+        memcpy(&divisor, &r[7], sizeof divisor);
+        tec_status st = tec_fp8_delayed_update(dev, (float *)(intptr_t)r[0], (float *)(intptr_t)r[1],
+                                               (float *)(intptr_t)r[2], r[3], r[4], (float)fp8_max, (float)divisor,
+                                               r[5] != 0, stream);
+        if (st != TEC_OK)
+            return st;
+    }
+    return TEC_OK;
+}
+
+/* fp8_delayed_updates(device, records, count, stream): records the address
+ * of count records (above) in host memory. */
+static PyObject *py_fp8_delayed_updates(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGC("fp8_delayed_updates", 4);
+    int dev;
+    int64_t count;
+    const int64_t *records;
+    void *stream;
+    DEV(0, dev); PTR(1, records); I64(2, count); PTR(3, stream);
+    if (count < 0 || count > ((int64_t)1 << 24) || (count > 0 && !records))
+        return PyErr_Format(PyExc_ValueError, "fp8_delayed_updates: count %lld out of range or no records",
+                            (long long)count);
+    tec_status st;
+    CALL(delayed_updates(dev, records, count, stream));
     return run(m, st);
 }
 
@@ -259,6 +301,9 @@ PyMethodDef tec_fp8_methods[] = {
      "fp8_scale_from_amax(device, n, amax, scale, scale_inv, fp8_max, pow2, epsilon, stream)"},
     {"fp8_delayed_update", (PyCFunction)(void (*)(void))py_fp8_delayed_update, METH_FASTCALL,
      "fp8_delayed_update(device, history, scale, scale_inv, len, n, fp8_max, divisor, most_recent, stream)"},
+    {"fp8_delayed_updates", (PyCFunction)(void (*)(void))py_fp8_delayed_updates, METH_FASTCALL,
+     "fp8_delayed_updates(device, records, count, stream): records of 8 int64 (history, scale, scale_inv, len, n, "
+     "most_recent, the bits of fp8_max and divisor as doubles)"},
     {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_FASTCALL,
      "fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv, b_scale_inv, c, ldc, c_dtype, "
      "bias, accumulate, fast_accum, workspace, workspace_bytes, stream)"},

@@ -20,8 +20,8 @@ from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling
 
 # the engine calls that compute (the workspace-size queries stay)
 COMPUTING = ("gemm", "linear_bwd", "norm_fwd", "norm_bwd", "norm_linear_fwd", "norm_linear_bwd", "act_fwd", "act_bwd",
-             "fp8_quantize", "fp8_gemm", "fp8_amax", "fp8_scale_from_amax", "fp8_delayed_update", "fp8_linear_fwd",
-             "fp8_linear_bwd")
+             "fp8_quantize", "fp8_gemm", "fp8_amax", "fp8_scale_from_amax", "fp8_delayed_update", "fp8_delayed_updates",
+             "fp8_linear_fwd", "fp8_linear_bwd")
 
 
 def timed(fn, n=300, samples=7):
