@@ -280,14 +280,15 @@ def _layer(kind, device, bias):
     return te.LayerNormMLP(64, 128, **kw)
 
 
-def _steps(m, recipe, device, first_mb):
-    """Three training steps of m under recipe: each step's output, input
-    gradient and parameter gradients, then the FP8 state."""
+def _steps(m, recipe, device, first_mb, lead=(32,)):
+    """Three training steps of m under recipe on inputs of leading dims
+    `lead`: each step's output, input gradient and parameter gradients,
+    then the FP8 state."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for i in range(3):
-        x = torch.randn(32, 64, generator=gen).to(BF16).to(device).requires_grad_()
-        dy = torch.randn(32, 64 if isinstance(m, te.LayerNormMLP) else 96, generator=gen).to(BF16).to(device)
+        x = torch.randn(*lead, 64, generator=gen).to(BF16).to(device).requires_grad_()
+        dy = torch.randn(*lead, 64 if isinstance(m, te.LayerNormMLP) else 96, generator=gen).to(BF16).to(device)
         m.zero_grad(set_to_none=True)
         with te.autocast(enabled=True, recipe=recipe):
             y = m(x, is_first_microbatch=(i == 0) if first_mb else None)
@@ -320,6 +321,22 @@ def test_layers_one_call_equals_the_general_path(monkeypatch, device, kind, rnam
     monkeypatch.setattr(_fp8, "ONE_CALL", False)
     general = _steps(_layer(kind, device, bias), recipe, device, first_mb)
     assert len(one) == len(general)
+    for i, (a, b) in enumerate(zip(one, general)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"tensor {i} differs"
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("lead", [(24,), (8, 2), (0,)])
+def test_layers_one_call_other_token_counts(monkeypatch, device, kind, lead):
+    """3-D inputs, a token count wgrad takes on the general path (24: not a
+    multiple of 16, padded there), and no tokens: the same results as the
+    general path."""
+    recipe = DelayedScaling(amax_history_len=4)
+    one = _steps(_layer(kind, device, True), recipe, device, False, lead)
+    monkeypatch.setattr(_fp8, "ONE_CALL", False)
+    general = _steps(_layer(kind, device, True), recipe, device, False, lead)
     for i, (a, b) in enumerate(zip(one, general)):
         assert (a is None) == (b is None), i
         if a is not None:
