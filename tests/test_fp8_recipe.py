@@ -403,3 +403,34 @@ def test_autocast_key_follows_a_changed_recipe():
     before = G.get_unique_autocast_key(c)
     c.fp8_quant_fwd_inp.power_2_scale = not c.fp8_quant_fwd_inp.power_2_scale
     assert G.get_unique_autocast_key(c) != before
+
+
+@pytest.mark.parametrize("modules", [1, 6])
+def test_each_direction_updates_every_module_in_one_engine_call(monkeypatch, modules):
+    """However many modules took part, the autocast's exit updates the
+    forward roles and the end of backward the backward roles of all of them
+    in one engine call each (fp8_delayed_updates, one record per module),
+    and every module's scales do change."""
+    from transformer_engine_c import _C
+
+    G.reset()
+    calls = []
+    real = _C.fp8_delayed_updates
+    monkeypatch.setattr(_C, "fp8_delayed_updates", lambda dev, rec, count, stream: calls.append(count) or
+                        real(dev, rec, count, stream))
+    recipe = DelayedScaling(amax_history_len=2)
+    layers = [te.Linear(32, 32) for _ in range(modules)]
+    x = torch.randn(16, 32, requires_grad=True)
+    for step_ in range(2):
+        calls.clear()
+        with te.autocast(enabled=True, recipe=recipe):
+            y = x
+            for m in layers:
+                y = m(y)
+        assert calls == [modules]  # the forward update, at the exit
+        y.sum().backward()
+        assert calls == [modules, modules]  # and the backward one
+    for m in layers:
+        assert m.fp8_meta["scaling_fwd"].scale[0].item() != 1.0
+        assert m.fp8_meta["scaling_bwd"].scale[0].item() != 1.0
+    G.reset()
