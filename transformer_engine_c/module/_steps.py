@@ -385,18 +385,20 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
             return y, ln_out, stats, None
         return _norm_ag_gemm(call, ub.comms["fprop"], x, gamma, beta, eps, zcg, w, b, tp, keep, want_gathered)
     column_sp = tp.mode == "column" and tp.sp and tp.size > 1
-    if fp8 and not ub.enabled and not column_sp and rows and _fp8.one_call_ok(call.fp8, w):
-        return _fp8_norm_fprop(call, tp, x, gamma, beta, eps, zcg, w, b, keep)
-    if ub.enabled or fp8 or column_sp:
+    # FP8 with the norm, casts and GEMM in one engine call (given tokens: without, the general path still
+    # casts the weight, which records its amax)
+    one_call = fp8 and not ub.enabled and not column_sp and rows > 0 and _fp8.one_call_ok(call.fp8, w)
+    if not one_call and (ub.enabled or fp8 or column_sp):
         ln_out, stats = norm(call, x, gamma, beta, eps, zcg, keep)
-        if tp.mode == "column" and tp.sp and tp.size > 1:
+        if column_sp:
             dev, stream = call.dev, call.stream
             ln_total = gather(ln_out, tp, tmp=None if want_gathered else (dev, stream, T_GATHERED))
             y = new_rows(ln_total, n)
             gemm(call, _rows(ln_total), n, k, ln_total, w, b, y, local=False)
             return y, ln_out, stats, (ln_total if want_gathered else None)
         return fprop(call, tp, ub, ln_out, w, b), ln_out, stats, None
-    # one engine call: the norm, then the GEMM (a row layer's partial product, reduced, then the bias)
+    # one engine call: the norm, then the GEMM (in FP8: the casts and the GEMM), a row layer's partial
+    # product, reduced, then the bias
     dev, stream = call.dev, call.stream
     ln_out = new_like(x) if keep else temp(x, x.shape, dev, stream, T_LN_OUT)
     stats, sp = norm_stats(call.device, rows, beta is None, keep)
@@ -408,33 +410,14 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
         if row:
             _reduce(out, y, tp)
         return y, ln_out, stats, None
-    _C.norm_linear_fwd(dev, call.code, rows, k, n, x.data_ptr(), gamma.data_ptr(),
-                       0 if beta is None else beta.data_ptr(), ln_out.data_ptr(), mu, rsigma, eps, zcg,
-                       w.data_ptr(), 0 if b is None or row else b.data_ptr(), out.data_ptr(), call.ws, call.nbytes,
-                       stream)
-    if row:
-        _reduce(out, y, tp)
-        if b is not None:
-            y += b
-    return y, ln_out, stats, None
-
-
-def _fp8_norm_fprop(call, tp, x, gamma, beta, eps, zcg, w, b, keep):
-    """norm_fprop in FP8 where no collective separates the norm and the
-    GEMM: one engine call (the norm, the casts, the GEMM; a row layer's
-    partial product, reduced, then the bias)."""
-    n = w.shape[0]
-    rows = _rows(x)
-    dev, stream = call.dev, call.stream
-    ln_out = new_like(x) if keep else temp(x, x.shape, dev, stream, T_LN_OUT)
-    stats, sp = norm_stats(call.device, rows, beta is None, keep)
-    mu, rsigma = _mu_rsigma(sp, rows, beta is None)
-    row = tp.mode == "row"
-    y = x.new_empty(*out_dims(x, n, tp))
-    out = temp(x, x.shape[:-1] + (n,), dev, stream, T_PARTIAL) if row and tp.sp and tp.size > 1 else y
-    _fp8.fprop_one_call(call.fp8, ln_out, w, None if row else b, _as_2d(out),
-                        (x.data_ptr(), gamma.data_ptr(), 0 if beta is None else beta.data_ptr(), ln_out.data_ptr(),
-                         mu, rsigma, eps, zcg))
+    beta_p = 0 if beta is None else beta.data_ptr()
+    if one_call:
+        _fp8.fprop_one_call(call.fp8, ln_out, w, None if row else b, _as_2d(out),
+                            (x.data_ptr(), gamma.data_ptr(), beta_p, ln_out.data_ptr(), mu, rsigma, eps, zcg))
+    else:
+        _C.norm_linear_fwd(dev, call.code, rows, k, n, x.data_ptr(), gamma.data_ptr(), beta_p, ln_out.data_ptr(), mu,
+                           rsigma, eps, zcg, w.data_ptr(), 0 if b is None or row else b.data_ptr(), out.data_ptr(),
+                           call.ws, call.nbytes, stream)
     if row:
         _reduce(out, y, tp)
         if b is not None:
