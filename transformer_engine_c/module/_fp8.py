@@ -66,7 +66,6 @@ Under Float8BlockScaling a layer whose flags ask for the overlap runs the
 plain collectives, with one warning.
 """
 import collections
-import copy
 import warnings
 
 import torch
@@ -193,37 +192,6 @@ def layer_call(call, layer, x, grad, first_mb):
     return FP8Call(call, layer, recipe, grad, first_mb)
 
 
-_facts = {}  # id(recipe) -> (recipe, its fields then, _recipe_facts' answer)
-
-
-def _recipe_facts(recipe):
-    """(delayed, forward format, backward format, each GEMM's split
-    accumulation, the QParams of the inputs, weights and output gradients
-    (None under delayed scaling), the block dims of the same (None but under
-    block scaling)) of `recipe`, remembered per recipe object while its
-    fields are unchanged (a call asks once; a recipe changed between calls
-    is read again)."""
-    memo = _facts.get(id(recipe))
-    fields = recipe.__dict__
-    if memo is not None and memo[0] is recipe and memo[1] == fields:
-        return memo[2]
-    delayed = isinstance(recipe, DelayedScaling)
-    fwd, bwd = fp8_dtype_of(recipe.fp8_format, True), fp8_dtype_of(recipe.fp8_format, False)
-    if delayed:  # TE's fixed accumulation modes for per-tensor delayed scaling
-        split, qparams = (False, True, True), None
-    else:
-        split = (recipe.fp8_gemm_fprop.use_split_accumulator, recipe.fp8_gemm_dgrad.use_split_accumulator,
-                 recipe.fp8_gemm_wgrad.use_split_accumulator)
-        qparams = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
-    blocks = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) \
-        if isinstance(recipe, Float8BlockScaling) else None
-    facts = (delayed, fwd, bwd, split, qparams, blocks)
-    if len(_facts) >= 64:
-        _facts.clear()
-    _facts[id(recipe)] = (recipe, copy.deepcopy(dict(fields)), facts)
-    return facts
-
-
 class FP8Call:
     """One layer call's FP8 state (see the module docstring): the recipe's
     formats and accumulation modes, the forward's operands that backward
@@ -239,7 +207,20 @@ class FP8Call:
         self.layer, self.recipe, self.grad, self.first_mb = layer, recipe, grad, first_mb
         device = module_device(layer)
         self.meta = _meta_for(layer, recipe, device)
-        self.delayed, self.fwd, self.bwd, self.split, self.qparams, self.blocks = _recipe_facts(recipe)
+        self.delayed = isinstance(recipe, DelayedScaling)
+        self.fwd = fp8_dtype_of(recipe.fp8_format, True)
+        self.bwd = fp8_dtype_of(recipe.fp8_format, False)
+        if self.delayed:
+            # TE's fixed accumulation modes for per-tensor delayed scaling
+            self.split = (False, True, True)
+            self.qparams = None
+        else:
+            self.split = (recipe.fp8_gemm_fprop.use_split_accumulator, recipe.fp8_gemm_dgrad.use_split_accumulator,
+                          recipe.fp8_gemm_wgrad.use_split_accumulator)
+            self.qparams = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+        # block scaling: the block dims of the inputs, weights and output gradients
+        self.blocks = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) \
+            if isinstance(recipe, Float8BlockScaling) else None
         # the first FP8 module of the outermost autocast reduces the backward amaxes
         self.reduce_bwd = self._checkpointed(layer, grad)
         if self.delayed and "recompute" not in self.meta:  # a recompute's stashed copy is not registered
