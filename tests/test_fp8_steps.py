@@ -341,3 +341,37 @@ def test_layers_one_call_other_token_counts(monkeypatch, device, kind, lead):
         assert (a is None) == (b is None), i
         if a is not None:
             assert torch.equal(a, b), f"tensor {i} differs"
+
+
+def _prepared(kind, device, how):
+    m = _layer(kind, device, True)
+    if how == "frozen":  # no weight gradient, a bias gradient
+        for name, p in m.named_parameters():
+            if "weight" in name and "norm" not in name:
+                p.requires_grad_(False)
+    elif how == "fused":  # the weight gradient into main_grad (fp32), outside the one-call step
+        m.fuse_wgrad_accumulation = True
+        for name, p in m.named_parameters():
+            if "weight" in name and "norm" not in name:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("how", ["frozen", "fused"])
+def test_layers_weight_gradient_elsewhere_equals_the_general_path(monkeypatch, device, kind, how):
+    """A frozen weight with a trained bias, and fuse_wgrad_accumulation (the
+    weight gradient into main_grad): the same gradients, main_grads and
+    state as the general path."""
+    recipe = DelayedScaling(amax_history_len=4)
+    results = []
+    for one_call in (True, False):
+        monkeypatch.setattr(_fp8, "ONE_CALL", one_call)
+        m = _prepared(kind, device, how)
+        out = _steps(m, recipe, device, False)
+        out += [p.main_grad.clone() for p in m.parameters() if hasattr(p, "main_grad")]
+        results.append(out)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"tensor {i} differs"

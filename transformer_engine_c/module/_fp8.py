@@ -815,9 +815,15 @@ def _cached_weight(f, w):
     return None
 
 
-def bwd_one_call_ok(f, dy, need_dx, need_w):
-    """Whether GEMM gi's backward may be one engine call (linear_bwd_one_call)."""
-    if not ONE_CALL or f.blocks is not None or f.recomputing or dy.dim() < 2:
+def bwd_one_call_ok(f, dy, need_dx, need_w, with_db):
+    """Whether GEMM gi's backward may be one engine call (linear_bwd_one_call):
+    it does exactly the backward begin_backward announced (wgrad here when
+    wanted, the bias gradient from dY's cast when wanted: else the general
+    path, which casts dY for a weight gradient computed elsewhere and sums a
+    bias gradient as before), its operands are there, and wgrad can take
+    the token count."""
+    if (not ONE_CALL or f.blocks is not None or f.recomputing or dy.dim() < 2 or need_w != f.need_wgrad
+            or with_db != f.want_dbias):
         return False
     gi = f.gi
     if need_dx:
@@ -840,7 +846,7 @@ def linear_bwd_one_call(f, dy, dx, need_w, with_db, norm=_NO_NORM_BWD):
     norm: the 10 norm arguments of fp8_linear_bwd (the norm's input, mu,
     rsigma, gamma, its dx, dgamma, dbeta, zero_centered_gamma, workspace
     and its bytes): that norm's backward of dx runs in the same call."""
-    if not bwd_one_call_ok(f, dy, dx is not None, need_w):
+    if not bwd_one_call_ok(f, dy, dx is not None, need_w, with_db):
         return None
     gi = f.gi
     qx, qw = f.inputs.get(gi), f.weights.get(gi)

@@ -751,13 +751,14 @@ def _fp8_norm_linear_backward(call, dy, x, ln_out, stats, gamma, zcg, rms, w, wg
     the norm's backward: one engine call (dY's cast, dgrad into dln, wgrad,
     the norm's backward), or None where the general path must run."""
     f = call.fp8
-    n, k = w.shape
+    k = w.shape[1]
     rows = _rows(x)
     dev, stream = call.dev, call.stream
     need_w = wg is not None and wg.need_w
     with_db = wg is not None and wg.with_bias
+    fused_db = with_db and need_w and not wg.bias_from_local
     f.begin_backward(gi, need_w, with_db and not wg.bias_from_local)
-    if not _fp8.bwd_one_call_ok(f, dy, True, need_w):
+    if not _fp8.bwd_one_call_ok(f, dy, True, need_w, fused_db):
         return None
     try:
         dln = temp(ln_out, ln_out.shape, dev, stream, T_DLN)
@@ -767,12 +768,10 @@ def _fp8_norm_linear_backward(call, dy, x, ln_out, stats, gamma, zcg, rms, w, wg
         nbytes = _C.norm_bwd_workspace_bytes(dev, rows, k)
         ws = temp_bytes(x, nbytes, dev, stream, T_NORM_WS)
         mu, rsigma = _mu_rsigma(stats.data_ptr(), rows, rms)
-        dw, db = _fp8.linear_bwd_one_call(f, dy, dln, need_w, with_db and need_w,
+        dw, db = _fp8.linear_bwd_one_call(f, dy, dln, need_w, fused_db,
                                           (x.data_ptr(), mu, rsigma, gamma.data_ptr(), dx.data_ptr(),
                                            dgamma.data_ptr(), 0 if dbeta is None else dbeta.data_ptr(), zcg,
                                            ws.data_ptr(), nbytes))
-        if with_db and not need_w:  # only the bias gradient (a frozen weight): dY's column sums
-            db = bias_grad_only(dy, n)
         return dx, dgamma, dbeta, dw, db
     finally:  # GEMM gi's FP8 operands are dropped once its backward is done
         f.end_gemm(gi)
