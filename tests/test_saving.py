@@ -443,6 +443,47 @@ def test_checkpoint_of_a_layer_returning_its_bias(use_reentrant, layer):
     assert b2 is m.bias and m.bias.is_leaf
 
 
+
+@pytest.mark.parametrize("checkpoint", ["torch", "tec"])
+@pytest.mark.parametrize("layer", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("bias", ["none", "frozen"])
+def test_reentrant_checkpoint_of_a_layer_returning_a_bias_without_grad(checkpoint, layer, bias):
+    """return_bias of a layer without a bias (TE's empty tensor) or with a
+    frozen one hands back a new alias: a reentrant checkpoint's Function
+    attaches its history to what it returns, and the layer's own tensor
+    given a grad_fn made backward re-enter the checkpoint without end
+    (memory grew until the process died). The layer's tensor stays a leaf,
+    and two steps' gradients match the plain run's."""
+    torch.manual_seed(0)
+
+    def make():
+        kw = dict(bias=bias != "none", return_bias=True, device="cpu")
+        m = tec.LayerNormMLP(8, 16, **kw) if layer == "LayerNormMLP" else getattr(tec, layer)(8, 6, **kw)
+        if bias == "frozen":
+            m.get_parameter("fc2_bias" if layer == "LayerNormMLP" else "bias").requires_grad_(False)
+        return m
+    m, ref = make(), make()
+    ref.load_state_dict(m.state_dict())
+    name = "fc2_bias" if layer == "LayerNormMLP" else "bias"
+    own = getattr(m, name)
+    x = torch.randn(4, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    for _ in range(2):
+        if checkpoint == "torch":
+            y, b = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=True)
+        else:
+            y, b = tec.checkpoint(m, x, use_reentrant=True)
+        assert b is not own and getattr(m, name) is own and own.is_leaf and own.grad_fn is None
+        yr, br = ref(x2)
+        (y + b if b.numel() else y).square().sum().backward()
+        (yr + br if br.numel() else yr).square().sum().backward()
+        assert own.is_leaf and own.grad_fn is None
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
 # -- torch.compile ----------------------------------------------------------------------------
 
 def _compiled_or_refused(fn, x, w):

@@ -211,6 +211,19 @@ def cast(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+def returned_bias(b, dtype):
+    """The bias a return_bias layer hands back, in the compute dtype (an
+    empty tensor for a layer without one, as TE). One that needs no
+    gradient (that empty tensor, a frozen bias) is a new alias, never the
+    layer's own object: an autograd Function that returns what it is given
+    (a reentrant checkpoint's forward) attaches its history to that object,
+    which would make the layer's tensor a non-leaf whose backward re-enters
+    the Function without end. A bias that needs a gradient is the parameter
+    itself (tec.checkpoint hands such a leaf back around the Function)."""
+    t = cast(b, dtype)
+    return t.view_as(t) if t is b and not t.requires_grad else t
+
+
 def check_input(inp, in_local, dtype, device, tp, cast, name="inp"):
     """Validate the layer input; return it as a contiguous 2-D [tokens, in]
     in the layer's compute dtype `dtype`: under autocast (`cast`) the input

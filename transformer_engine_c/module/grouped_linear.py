@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import _engine, _library
 from ..quantization import FP8GlobalStateManager
-from ._config import PARALLEL_MODES, compute_dtype, default_device, default_dtype
+from ._config import PARALLEL_MODES, compute_dtype, default_device, default_dtype, returned_bias
 from ._wgrad import main_grad_of
 from .base import TransformerEngineBaseModule, _init_weight, _set_tp_attributes
 
@@ -203,6 +203,6 @@ class GroupedLinear(TransformerEngineBaseModule):
                 y = _GroupedLinearFn.apply(x, m_splits, self, dtype, bool(is_first_microbatch), *weights, *biases)
         y = y.view(*lead, self.out_features)
         if self.return_bias:
-            return y, [self._parameters[f"bias{i}"] if self.use_bias else getattr(self, f"bias{i}")
-                       for i in range(self.num_gemms)]
+            return y, [returned_bias(b, b.dtype) for b in (self._parameters[f"bias{i}"] if self.use_bias else
+                                                            getattr(self, f"bias{i}") for i in range(self.num_gemms))]
         return y

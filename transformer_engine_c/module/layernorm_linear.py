@@ -7,7 +7,7 @@ import torch
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _steps
-from ._config import as_2d, cast, check_input, compute_dtype, default_device, default_dtype, like_input
+from ._config import as_2d, cast, check_input, compute_dtype, default_device, default_dtype, like_input, returned_bias
 from ._opcall import OpSpec, out_rows
 from ._plan import apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -219,7 +219,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if self.return_bias:
             if b is None:
                 b = getattr(self, self.bias_names[0])
-            b = cast(b, call.dtype)
+            b = returned_bias(b, call.dtype)
             return (y, b, ln_out) if self.return_layernorm_output else (y, b)
         return (y, ln_out) if self.return_layernorm_output else y
 
@@ -244,7 +244,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         outs = self._op_call((x, cast(g, dtype), cast(beta, dtype), cast(weight, dtype),
                               None if self.return_bias else b), is_first_microbatch)
         y = like_input(outs[0], inp.shape, self.tp)
-        res = (y, b) if self.return_bias else (y,)
+        res = (y, returned_bias(b, dtype)) if self.return_bias else (y,)
         if self.return_layernorm_output:
             gathered = self.return_layernorm_output_gathered and self.tp.mode == "column" and self.tp.sp
             res += (like_input(outs[1], inp.shape, self.tp if gathered else None),)

@@ -10,7 +10,7 @@ from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
 from . import _steps
 from ._config import UBConfig, TPConfig, as_2d, cast, check_input, compute_dtype, default_device, default_dtype
-from ._config import like_input
+from ._config import like_input, returned_bias
 from ._opcall import OpSpec, out_rows
 from .layernorm_linear import norm_saved_shapes
 from ._plan import MLPPlan, apply, check_params, check_saved, grad_output, make_call
@@ -351,7 +351,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             y = like_input(y, inp.shape)
         res = (y,)
         if self.return_bias:
-            res += (cast(self.fc2_bias, call.dtype),)
+            res += (returned_bias(self.fc2_bias, call.dtype),)
         if self.return_layernorm_output:
             res += (ln_out,)
         return res[0] if len(res) == 1 else res
@@ -379,7 +379,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                               cast(w2, dtype), None if self.return_bias else b2), is_first_microbatch)
         res = (like_input(outs[0], inp.shape),)
         if self.return_bias:
-            res += (b2,)
+            res += (returned_bias(self.fc2_bias, dtype),)
         if self.return_layernorm_output:
             gathered = self.return_layernorm_output_gathered and self.tp.sp
             res += (like_input(outs[1], inp.shape, self.tp if gathered else None),)

@@ -5,7 +5,7 @@ import torch
 
 from .._C import prepare_for_saving, restore_from_saved
 from . import _steps
-from ._config import as_2d, cast, check_input, compute_dtype, default_device, default_dtype, like_input
+from ._config import as_2d, cast, check_input, compute_dtype, default_device, default_dtype, like_input, returned_bias
 from ._opcall import OpSpec, out_rows
 from ._plan import apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -164,7 +164,7 @@ class Linear(TransformerEngineBaseModule):
         if self.return_bias:
             if b is None:
                 b = getattr(self, self.bias_names[0])
-            return y, cast(b, call.dtype)
+            return y, returned_bias(b, call.dtype)
         return y
 
     _op_spec = _OP_SPEC
@@ -180,7 +180,7 @@ class Linear(TransformerEngineBaseModule):
         b = cast(b, dtype)
         y, = self._op_call((x, cast(weight, dtype), None if self.return_bias else b), is_first_microbatch)
         y = like_input(y, inp.shape, self.tp)
-        return (y, b) if self.return_bias else y
+        return (y, returned_bias(b, dtype)) if self.return_bias else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
