@@ -618,6 +618,34 @@ def test_fp8_calls_follow_a_changed_checkpoint_flag(monkeypatch):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
+def test_te_checkpoint_without_grad_stashes_nothing(reentrant):
+    """tec.checkpoint with grad disabled (an evaluation forward) records no
+    graph, so nothing is recomputed: it stashes no forward scales, and a
+    later checkpointed step recomputes with its own forward's scales (the
+    same gradients as without the evaluation's checkpoint), after a step
+    that moved them."""
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def grads(ckpt_eval):
+        torch.manual_seed(0)
+        m = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cpu")
+        gen = torch.Generator().manual_seed(1)
+        xe = torch.randn(16, 64, generator=gen).bfloat16()
+        with torch.no_grad(), te.autocast(recipe=recipe):
+            te.checkpoint(m, xe, use_reentrant=reentrant) if ckpt_eval else m(xe)
+        assert not m.__dict__.get("_fp8_recompute")
+        for ckpt in (False, True):  # a step that moves the scales (larger inputs), then a checkpointed one
+            x = (torch.randn(16, 64, generator=gen) * 100).bfloat16().requires_grad_()
+            with te.autocast(recipe=recipe):
+                y = te.checkpoint(m, x, use_reentrant=reentrant) if ckpt else m(x)
+            y.float().square().sum().backward()
+        return x.grad, m.weight.grad, m.bias.grad
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
 def test_te_checkpoint_stashes_through_the_state_manager(reentrant, monkeypatch):
     """A checkpointed FP8 call stashes its forward tensors and its recompute
     takes them back through FP8GlobalStateManager's TE methods (which

@@ -9,6 +9,8 @@ unchanged), and the layers' backward gets the original weight object from restor
     with grad and backpropagates through the rerun graph;
   * use_reentrant=False: saved tensors are dropped at pack time and recomputed
     when backward unpacks them.
+Called with grad disabled (an evaluation forward) it is a plain call: no
+graph is recorded, so nothing would be recomputed.
 Collectives inside the checkpointed function (gathers, TP all-reduces) run
 again in the recomputation, in the same order on every rank.
 
@@ -65,6 +67,10 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, dis
                                       "is not supported (call the checkpointed part eagerly)")
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)
+    if not torch.is_grad_enabled():
+        # no graph is recorded, so nothing is recomputed: a plain call (a checkpointed forward would stash
+        # the FP8 scales for a recomputation that never comes, and a later one would cast with them)
+        return function(*args, **kwargs)
     function = _recomputable(function, get_rng_state_tracker)
     if use_reentrant:
         if kwargs:
