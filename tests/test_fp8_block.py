@@ -511,6 +511,22 @@ def test_mlp_checkpoint_and_delayed_wgrad_equal_the_plain_layer():
             assert torch.equal(ra[2][name], other[2][name]), name
 
 
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "MLP:gelu"])
+@pytest.mark.parametrize("lead", [(0,), (0, 2)])
+def test_no_tokens_under_block_scaling(device, kind, lead):
+    """An input without tokens: an empty output and input gradient, zero
+    parameter gradients, as without FP8."""
+    layer = make(kind, device)
+    x = torch.randn(*lead, 256, device=device, requires_grad=True)
+    with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+        y = layer(x)
+    assert y.shape == lead + (256 if kind.startswith("MLP") else 192,)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+
+
 def test_block_scaling_shape_errors_name_the_argument():
     lin = make("Linear", "cpu")
     with te.autocast(enabled=True, recipe=Float8BlockScaling()):

@@ -343,6 +343,8 @@ class FP8Call:
         sinv = alloc(E.block_scale_shape(t.shape, dim), _F32) if rowwise else None
         data_t = alloc((cols, rows), _U8) if columnwise else None
         sinv_t = alloc(E.block_scale_shape(t.shape, dim, True), _F32) if columnwise else None
+        if t.numel() == 0:  # no tokens: nothing to cast (the empty outputs have no address for the engine)
+            return Operand(data, data_t, None, sinv, fp8_dtype, t, scale_inv_t=sinv_t, block=dim)
         _C.fp8_block_quantize(c.dev, DTYPE_CODES[t.dtype], _CODES[fp8_dtype], dim, rows, cols, t.data_ptr(),
                               0 if data is None else data.data_ptr(), 0 if sinv is None else sinv.data_ptr(),
                               0 if data_t is None else data_t.data_ptr(), 0 if sinv_t is None else sinv_t.data_ptr(),
@@ -627,7 +629,8 @@ def _gemm(c, a, qa, b, qb, out, bias, accumulate, split, ta=False, tb=False):
             out.data_ptr(), n, DTYPE_CODES[out.dtype], 0 if bias is None else bias.data_ptr(), int(accumulate),
             0 if split else 1, c.ws, c.nbytes, c.stream)
     if qa.block:
-        _C.fp8_block_gemm(*args, qa.block, qb.block)
+        if m and n:  # no tokens: an empty product (empty block scales have no address for the engine)
+            _C.fp8_block_gemm(*args, qa.block, qb.block)
     else:
         _C.fp8_gemm(*args)
     return out
