@@ -17,10 +17,12 @@ an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLi
 quantized_model_init / fp8_model_init(enabled=True) those layers hold their
 weights in FP8 (Float8Tensor parameters, or Float8BlockwiseQTensor under
 Float8BlockScaling; see docs/fp8.md's "FP8 primary weights")."""
+import atexit
 import collections
 import contextlib
 import copy
 import dataclasses
+import weakref
 
 import torch
 
@@ -111,7 +113,13 @@ def get_default_recipe():
     return get_default_fp8_recipe()
 
 
-_key_memo = {}  # (id(recipe), id(group)) -> (recipe, group, its field values then, the key)
+# (id(recipe), id(group)) -> (recipe, a weak reference to the group, the recipe's field values then, the key):
+# weak, so that the memo never keeps a process group alive past destroy_process_group
+_key_memo = {}
+
+
+def _no_group():
+    return None
 
 
 def _group_key(group):
@@ -173,6 +181,7 @@ class FP8GlobalStateManager:
         cls.global_scale_inv_buffer = {}
         cls.fp8_tensors_recompute_buffer = []
         cls._step_updates = {}
+        _key_memo.clear()
 
     # ---- availability
 
@@ -267,7 +276,7 @@ class FP8GlobalStateManager:
         autocast's entry)."""
         memo = _key_memo.get((id(recipe), id(group)))
         now = tuple(vars(recipe).values()) if hasattr(recipe, "__dict__") else None
-        if memo is not None and memo[0] is recipe and memo[1] is group and now is not None and memo[2] == now:
+        if memo is not None and memo[0] is recipe and memo[1]() is group and now is not None and memo[2] == now:
             return memo[3]
         fields = [(f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe)] \
             if dataclasses.is_dataclass(recipe) else recipe
@@ -275,7 +284,11 @@ class FP8GlobalStateManager:
         if now is not None:
             if len(_key_memo) >= 64:
                 _key_memo.clear()
-            _key_memo[(id(recipe), id(group))] = (recipe, group, copy.deepcopy(now), key)
+            try:
+                ref = _no_group if group is None else weakref.ref(group)
+            except TypeError:  # an object without weak references: not remembered
+                return key
+            _key_memo[(id(recipe), id(group))] = (recipe, ref, copy.deepcopy(now), key)
         return key
 
     # ---- autocast state
@@ -621,3 +634,15 @@ def is_nvfp4_available(return_reason=False):
 
 def is_fp8_block_scaling_available(return_reason=False):
     return _answer(FP8GlobalStateManager.is_fp8_block_scaling_available, return_reason)
+
+
+def _release_at_exit():
+    """atexit: drop the FP8 state's references to process groups (the
+    autocast arguments, the active group, the key memo) while the
+    interpreter is whole: a gloo group whose last reference goes during
+    finalization joins its worker threads too late and the process aborts
+    (userbuffers._release_at_exit does the same for the communicators)."""
+    FP8GlobalStateManager.reset()
+
+
+atexit.register(_release_at_exit)

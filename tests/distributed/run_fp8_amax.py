@@ -4,6 +4,9 @@ are max-reduced over the autocast's group when the outermost autocast exits
 ones when the first module's backward asks; current scaling's quantizer
 reduces over its amax_reduction_group. Prints "PASS run_fp8_amax" on rank
 0; tests/distributed/test_fp8_amax.py requires it and every rank's exit 0."""
+import gc
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -61,9 +64,16 @@ def main():
     check(t._scale_inv.item() == torch.tensor(1 / 112.0).item(), "scale_inv")
     G.reset()
     dist.barrier()
+    # nothing of the package keeps the group alive past destroy_process_group (a gloo group released in
+    # the interpreter's finalization aborts the process)
+    gone = weakref.ref(world)
+    del world, q, t
+    dist.destroy_process_group()
+    gc.collect()
+    check(gone() is None, f"rank {rank}: the process group outlived destroy_process_group: "
+          f"{[type(r).__name__ for r in gc.get_referrers(gone())] if gone() is not None else ''}")
     if rank == 0:
         print("PASS run_fp8_amax", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
