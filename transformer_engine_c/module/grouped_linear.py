@@ -203,6 +203,5 @@ class GroupedLinear(TransformerEngineBaseModule):
                 y = _GroupedLinearFn.apply(x, m_splits, self, dtype, bool(is_first_microbatch), *weights, *biases)
         y = y.view(*lead, self.out_features)
         if self.return_bias:
-            return y, [returned_bias(b, b.dtype) for b in (self._parameters[f"bias{i}"] if self.use_bias else
-                                                            getattr(self, f"bias{i}") for i in range(self.num_gemms))]
+            return y, [returned_bias(b, b.dtype) for b in (getattr(self, f"bias{i}") for i in range(self.num_gemms))]
         return y
