@@ -535,3 +535,24 @@ def test_activation_recompute_fp8(recipe_name, fp8, fp8_params, reentrant, how):
     got = _recompute_run(rec, fp8, fp8_params, how, reentrant)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_no_tokens(fmt):
+    """A batch of no tokens (an empty sequence, or packed sequences all of
+    length 0) runs forward and backward: an empty output of the input's
+    shape and zero gradients."""
+    block = _layer("cpu", num_gqa_groups=2, attn_input_format=fmt, layer_type="decoder",
+                   self_attn_mask_type="padding_causal" if fmt == "thd" else "causal")
+    shape = {"sbhd": (0, B, H), "bshd": (B, 0, H), "thd": (0, H)}[fmt]
+    x = torch.randn(shape, requires_grad=True)
+    enc = torch.randn({"sbhd": (3, B, H), "bshd": (B, 3, H), "thd": (0, H)}[fmt], requires_grad=True)
+    kw = {}
+    if fmt == "thd":
+        zeros = torch.zeros(B + 1, dtype=torch.int32)
+        kw = dict(cu_seqlens_q=zeros, cu_seqlens_kv=zeros, max_seqlen_q=0, max_seqlen_kv=0)
+    y = block(x, encoder_output=enc, **kw)
+    assert y.shape == shape
+    y.sum().backward()
+    assert x.grad.shape == shape
+    assert all(p.grad is None or not p.grad.any() for p in block.parameters())

@@ -306,7 +306,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 allowed = am if allowed is None else allowed & am
             out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
             out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
-            return out.reshape(out.shape[0], out.shape[1], -1)
+            return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
 
     def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br):
         if cu_q is None or cu_kv is None:
@@ -344,4 +344,4 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         else:
             for a, n, o in pieces:
                 out = out.index_copy(0, torch.arange(a, a + n, device=q.device), o)
-        return out.reshape(out.shape[0], -1)
+        return out.reshape(out.shape[0], out.shape[1] * out.shape[2])

@@ -183,7 +183,8 @@ class MultiheadAttention(torch.nn.Module):
             q, k, v = mixed.view(*lead, groups, per_group + 2, hn).split((per_group, 1, 1), dim=-2)
         else:  # [..., per_group + 2, groups, hn]
             q, k, v = mixed.view(*lead, per_group + 2, groups, hn).split((per_group, 1, 1), dim=-3)
-        q, k, v = (t.reshape(*lead, -1, hn) for t in (q, k, v))
+        q = q.reshape(*lead, groups * per_group, hn)
+        k, v = k.reshape(*lead, groups, hn), v.reshape(*lead, groups, hn)
         return q, k, v, ln_out
 
     def _cross_qkv(self, hidden_states, encoder_output, is_first_microbatch):
@@ -196,7 +197,7 @@ class MultiheadAttention(torch.nn.Module):
             k, v = kv.view(*lead, groups, 2 * hn).split(hn, dim=-1)
         else:  # [..., 2 * groups, hn]: every key, then every value
             k, v = kv.view(*lead, 2 * groups, hn).split(groups, dim=-2)
-        k, v = k.reshape(*lead, -1, hn), v.reshape(*lead, -1, hn)
+        k, v = k.reshape(*lead, groups, hn), v.reshape(*lead, groups, hn)
         q, ln_out = self._project("layernorm_query", "query_layer", hidden_states, is_first_microbatch)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, hn)
         return q, k, v, ln_out
