@@ -243,6 +243,35 @@ def test_dot_product_attention_refusals():
     assert "_extra_state" in attn.state_dict() and attn.state_dict()["_extra_state"].numel() == 0
 
 
+def test_dot_product_attention_mask_and_cu_seqlens_checks():
+    """Masks of the wrong shape and cu_seqlens beyond the input raise a
+    ValueError naming the argument (not an error of an indexing op)."""
+    q = torch.randn(4, 2, 2, 8)
+    padding = te.DotProductAttention(2, 8, attn_mask_type="padding")
+    with pytest.raises(ValueError, match=r"attention_mask: the query padding mask must be \[b, 1, 1, s\]"):
+        padding(q, q, q, attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key/value padding mask"):
+        padding(q, q, q, attention_mask=(torch.zeros(2, 1, 1, 4, dtype=torch.bool),
+                                         torch.zeros(2, 1, 1, 3, dtype=torch.bool)))
+    arbitrary = te.DotProductAttention(2, 8, attn_mask_type="arbitrary")
+    with pytest.raises(ValueError, match="attention_mask: an arbitrary mask must broadcast"):
+        arbitrary(q, q, q, attention_mask=torch.zeros(2, 1, 4, 5, dtype=torch.bool))
+    thd = te.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal")
+    t = torch.randn(5, 2, 8)
+
+    def cu(*v):
+        return torch.tensor(v, dtype=torch.int32)
+
+    with pytest.raises(ValueError, match="cu_seqlens_q describes 6 tokens; the input holds 5"):
+        thd(t, t, t, cu_seqlens_q=cu(0, 3, 6), cu_seqlens_kv=cu(0, 3, 5))
+    with pytest.raises(ValueError, match="cu_seqlens_kv must be non-decreasing"):
+        thd(t, t, t, cu_seqlens_q=cu(0, 3, 5), cu_seqlens_kv=cu(0, 3, 2))
+    with pytest.raises(ValueError, match="cu_seqlens_q_padded"):
+        thd(t, t, t, cu_seqlens_q=cu(0, 3, 5), cu_seqlens_kv=cu(0, 3, 5), cu_seqlens_q_padded=cu(0, 2, 5),
+            cu_seqlens_kv_padded=cu(0, 3, 5))
+    assert thd(t, t, t, cu_seqlens_q=cu(0, 2, 4), cu_seqlens_kv=cu(0, 2, 4)).shape == (5, 16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_norms_attention_grouped(dtype):

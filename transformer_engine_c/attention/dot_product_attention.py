@@ -132,9 +132,28 @@ def _padding_allowed(attention_mask, b, sq, skv, self_attention):
         q_mask = kv_mask = attention_mask
         if not self_attention or sq != skv:
             raise ValueError("attention_mask: cross-attention padding needs the pair (q_mask, kv_mask)")
+    for m, n, what in ((q_mask, sq, "query"), (kv_mask, skv, "key/value")):
+        if not isinstance(m, torch.Tensor) or m.numel() != b * n:
+            raise ValueError(f"attention_mask: the {what} padding mask must be [b, 1, 1, s] = [{b}, 1, 1, {n}], got "
+                             f"{tuple(getattr(m, 'shape', ()))}")
     q_ok = ~q_mask.to(torch.bool).reshape(b, 1, sq, 1)
     kv_ok = ~kv_mask.to(torch.bool).reshape(b, 1, 1, skv)
     return q_ok & kv_ok
+
+
+def _check_cu_seqlens(name, cu, cu_padded, tokens):
+    """cu_seqlens (and its padded form) must delimit sequences of
+    non-negative length within the `tokens` rows of the input."""
+    lens = torch.diff(cu)
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or bool((lens < 0).any()):
+        raise ValueError(f"{name} must be non-decreasing offsets [b + 1] from 0, got {cu.tolist()}")
+    if cu_padded is None:
+        if int(cu[-1]) > tokens:
+            raise ValueError(f"{name} describes {int(cu[-1])} tokens; the input holds {tokens}")
+        return
+    if cu_padded.shape != cu.shape or bool((torch.diff(cu_padded) < lens).any()) or int(cu_padded[-1]) > tokens:
+        raise ValueError(f"{name}_padded ({cu_padded.tolist()}) must hold each sequence of {name} "
+                         f"({cu.tolist()}) within the input's {tokens} tokens")
 
 
 class DotProductAttention(ExtraStateMixin, torch.nn.Module):
@@ -303,6 +322,11 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 if attention_mask is None:
                     raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
                 am = ~attention_mask.to(torch.bool)
+                try:
+                    torch.broadcast_shapes(am.shape, (b, h, sq, skv))
+                except RuntimeError:
+                    raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
+                                     f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
                 allowed = am if allowed is None else allowed & am
             out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
             out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
@@ -317,6 +341,8 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         if mask_type == "arbitrary":
             raise NotImplementedError("DotProductAttention: attn_mask_type='arbitrary' with qkv_format='thd' is "
                                       "not supported")
+        _check_cu_seqlens("cu_seqlens_q", cu_q, cu_q_pad, q.shape[0])
+        _check_cu_seqlens("cu_seqlens_kv", cu_kv, cu_kv_pad, k.shape[0])
         lens_q = torch.diff(cu_q).tolist()
         lens_kv = torch.diff(cu_kv).tolist()
         if len(lens_q) != len(lens_kv):
