@@ -243,6 +243,27 @@ def test_dot_product_attention_refusals():
     assert "_extra_state" in attn.state_dict() and attn.state_dict()["_extra_state"].numel() == 0
 
 
+@pytest.mark.parametrize("mask_type,window", [("padding_causal_bottom_right", None),
+                                               ("padding_causal_bottom_right", (1, 0)), ("padding", (1, 2))])
+def test_dot_product_attention_padding_diagonal_per_sequence(mask_type, window):
+    """Under a padding mask the bottom-right diagonal (of the
+    *_bottom_right types, and of a window on `padding`) sits at each
+    sequence's own corner, its actual key/value length less its query
+    length, as TE's: cross-attention over padded batches equals each
+    sequence alone without padding."""
+    torch.manual_seed(0)
+    b, sq, skv, lens_q, lens_kv = 2, 5, 7, [3, 5], [6, 2]
+    q, k, v = torch.randn(b, sq, 2, 8), torch.randn(b, skv, 2, 8), torch.randn(b, skv, 2, 8)
+    q_mask = (torch.arange(sq).view(1, sq) >= torch.tensor(lens_q).view(b, 1)).view(b, 1, 1, sq)
+    kv_mask = (torch.arange(skv).view(1, skv) >= torch.tensor(lens_kv).view(b, 1)).view(b, 1, 1, skv)
+    attn = te.DotProductAttention(2, 8, qkv_format="bshd", attention_type="cross")
+    out = attn(q, k, v, attention_mask=(q_mask, kv_mask), attn_mask_type=mask_type, window_size=window)
+    alone = mask_type.replace("padding_", "").replace("padding", "no_mask")
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_kv)):
+        ref = attn(q[i:i + 1, :lq], k[i:i + 1, :lk], v[i:i + 1, :lk], attn_mask_type=alone, window_size=window)
+        torch.testing.assert_close(out[i, :lq], ref[0])
+
+
 def test_dot_product_attention_mask_and_cu_seqlens_checks():
     """Masks of the wrong shape and cu_seqlens beyond the input raise a
     ValueError naming the argument (not an error of an indexing op)."""

@@ -17,10 +17,11 @@ element True is masked out):
 `window_size` (left, right) limits each query to keys i - left .. i + right
 (-1: unbounded); its diagonal is top-left aligned for causal and
 padding_causal, bottom-right for the other types, unless
-`bottom_right_diagonal` says. Query rows with no key
-left produce zeros. Heads are split over the tensor-parallel group: the
-inputs hold this rank's num_attention_heads / tp_size heads (and
-num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
+`bottom_right_diagonal` says; under a padding mask a bottom-right
+diagonal is at each sequence's own corner (its actual lengths), as TE's.
+Query rows with no key left produce zeros. Heads are split over the
+tensor-parallel group: the inputs hold this rank's num_attention_heads /
+tp_size heads (and num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
 the RNG tracker's fork() when one is given and sequence_parallel is off, as
 TE does.
 
@@ -75,25 +76,29 @@ def _window(window_size, mask_type):
     return (left, 0) if causal else (left, right)
 
 
-def _band(sq, skv, mask_type, window, device, bottom_right=None):
+def _band(sq, skv, mask_type, window, device, bottom_right=None, shift=None):
     """[sq, skv] allowed-mask of the causal diagonal and the window, or None
     if every pair is allowed. The diagonal is bottom-right aligned for the
     *_bottom_right and non-causal mask types, top-left for causal and
     padding_causal (TE's bottom_right_diagonal=None), or as `bottom_right`
-    says."""
+    says. A bottom-right diagonal is shifted by skv - sq, or with `shift`
+    ([b]: each batch's actual key/value length less its query length, of a
+    padding mask) by each batch's own, as TE; the mask is then
+    [b, 1, sq, skv]."""
     left, right = window
     if left == -1 and right == -1:
         return None
     if bottom_right is None:
         bottom_right = mask_type not in ("causal", "padding_causal")
-    offset = skv - sq if bottom_right else 0
-    i = torch.arange(sq, device=device).view(sq, 1) + offset
+    i = torch.arange(sq, device=device).view(sq, 1)
+    if bottom_right:
+        i = i + (skv - sq) if shift is None else i.view(1, 1, sq, 1) + shift.view(-1, 1, 1, 1)
     j = torch.arange(skv, device=device).view(1, skv)
     allowed = torch.ones(sq, skv, dtype=torch.bool, device=device)
     if right != -1:
-        allowed &= j <= i + right
+        allowed = allowed & (j <= i + right)
     if left != -1:
-        allowed &= j >= i - left
+        allowed = allowed & (j >= i - left)
     return allowed
 
 
@@ -121,7 +126,8 @@ def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
 
 
 def _padding_allowed(attention_mask, b, sq, skv, self_attention):
-    """Allowed-mask [b, 1, sq, skv] of TE's padding masks (True: padded)."""
+    """Allowed-mask [b, 1, sq, skv] of TE's padding masks (True: padded),
+    and each batch's actual key/value length less its query length ([b])."""
     if isinstance(attention_mask, (tuple, list)):
         if len(attention_mask) != 2:
             raise ValueError("attention_mask: a padding mask pair must be (q_mask, kv_mask)")
@@ -138,7 +144,8 @@ def _padding_allowed(attention_mask, b, sq, skv, self_attention):
                              f"{tuple(getattr(m, 'shape', ()))}")
     q_ok = ~q_mask.to(torch.bool).reshape(b, 1, sq, 1)
     kv_ok = ~kv_mask.to(torch.bool).reshape(b, 1, 1, skv)
-    return q_ok & kv_ok
+    shift = kv_ok.reshape(b, skv).sum(1) - q_ok.reshape(b, sq).sum(1)
+    return q_ok & kv_ok, shift
 
 
 def _check_cu_seqlens(name, cu, cu_padded, tokens):
@@ -313,11 +320,10 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             if allowed is not None:
                 allowed = allowed.view(1, 1, sq, skv)
             if mask_type.startswith("padding"):
-                pad = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+                pad, shift = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+                if allowed is not None:  # a bottom-right diagonal at each sequence's own corner
+                    allowed = _band(sq, skv, mask_type, window, q.device, br, shift)
                 allowed = pad if allowed is None else allowed & pad
-                if plain_causal:
-                    allowed = allowed & _band(sq, skv, "causal", (-1, 0), q.device, br)
-                plain_causal = False
             elif mask_type == "arbitrary":
                 if attention_mask is None:
                     raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
