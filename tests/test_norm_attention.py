@@ -264,6 +264,28 @@ def test_dot_product_attention_padding_diagonal_per_sequence(mask_type, window):
         torch.testing.assert_close(out[i, :lq], ref[0])
 
 
+@pytest.mark.parametrize("bias_type", ["post_scale_bias", "pre_scale_bias"])
+@pytest.mark.parametrize("mask_type", ["causal", "no_mask", "causal_bottom_right"])
+def test_dot_product_attention_bias(bias_type, mask_type):
+    """core_attention_bias is added to the scores after the scale
+    (post_scale_bias) or before it (pre_scale_bias), and the mask type
+    still applies (a causal mask with a bias among them)."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 2, 5, 8
+    attn = te.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask_type)
+    q, k, v = make_qkv(b, s, s, h, h, d, "bshd")
+    bias = torch.randn(1, h, s, s)
+    out = attn(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=bias)
+    qd, kd, vd = (to_bhsd(t, "bshd").double() for t in (q, k, v))
+    scale = 1 / math.sqrt(d)
+    scores = (qd @ kd.transpose(-1, -2) + bias.double()) * scale if bias_type == "pre_scale_bias" else \
+        (qd @ kd.transpose(-1, -2)) * scale + bias.double()
+    if mask_type != "no_mask":
+        scores = scores.masked_fill(~tri(s, s).view(1, 1, s, s), float("-inf"))
+    ref = from_bhsd(torch.softmax(scores, -1) @ vd, "bshd")
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_dot_product_attention_mask_and_cu_seqlens_checks():
     """Masks of the wrong shape and cu_seqlens beyond the input raise a
     ValueError naming the argument (not an error of an indexing op)."""

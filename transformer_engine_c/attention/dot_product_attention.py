@@ -314,7 +314,8 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             b, h, sq, _ = q.shape
             skv = k.shape[2]
             allowed = _band(sq, skv, mask_type, window, q.device, br)
-            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br
+            # the kernels' is_causal, where no bias needs the explicit mask
+            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br and bias is None
             if plain_causal:
                 allowed = None
             if allowed is not None:
