@@ -10,8 +10,10 @@ output_layernorm, parallel_attention_mlp), RoPE (interleaved or not,
 partial, a query and a key table), qk_norm, core_attention_bias, MHA's
 input_layernorm / return_layernorm_output / return_bias, fused weight
 gradients, checkpoint_core_attention and tec.checkpoint, no_grad /
-inference_mode, fp32 / bf16, FP8 autocast (delayed and current scaling),
-no and one token. Each configuration runs once; its outputs and every
+inference_mode, fp32 / bf16 (or float32 under torch.autocast), FP8
+autocast (delayed and current scaling), layernorm_epsilon,
+set_parallel_mode on one rank, dropout and drop_path (checked bit for bit
+only), no and one token. Each configuration runs once; its outputs and every
 gradient must be within the dtype's error of the reference, and it must
 give the same bits without checkpointing, without autograd, and from a
 fresh layer that loads its state dict after a step. A tenth of the
@@ -93,6 +95,10 @@ def random_config(rng):
     c["grad"] = rng.choice(["train"] * 6 + ["nograd", "inference"])
     # dropout: no reference, the checkpointed run and the loaded layer against the plain one only
     c["dropout"] = 0.2 if c["grad"] == "train" and rng.random() < 0.1 else 0.0
+    c["eps"] = rng.choice([1e-5, 1e-3])
+    c["parallel_mode"] = rng.random() < 0.15  # set_parallel_mode on one rank
+    # the input: of the parameters' dtype, or float32 under torch.autocast (bf16) to float32 parameters
+    c["input"] = rng.choice([None, None, None, "amp"]) if c["dtype"] == "fp32" else None
     hn = c["kv"] or c["hidden"] // heads
     dims = (c["hidden"], c["ffn"], hn * heads, hn * (c["groups"] or heads))
     # a misuse (MISUSES) in some: the run must raise a Python exception naming what is wrong
@@ -121,6 +127,8 @@ MISUSES = {
     "hidden_size": ((ValueError,), "last dimension"),
     "arbitrary_shape": ((ValueError,), "attention_mask"),
     "cu_seqlens_total": ((ValueError,), "cu_seqlens"),
+    "no_main_grad": ((RuntimeError,), "main_grad"),  # the engine's named error
+    "input_dtype": ((TypeError,), "dtype"),  # outside torch.autocast the input must have the parameters' dtype
 }
 
 
@@ -145,6 +153,10 @@ def _misused(c):
                  parallel=False, s=max(c["s"], 2))
     elif m in ("short_freqs", "wide_freqs"):
         c.update(rope="plain", rope_percent=1.0, s=max(c["s"], 3), fmt="sbhd")
+    elif m == "input_dtype":
+        c.update(dtype="bf16", input="fp32")
+    elif m == "no_main_grad":
+        c.update(fuse_qkv=True, fuse_wgrad=True, grad="train", ckpt=None)
     elif m == "no_encoder_output":
         c.update(cross=True, enc_mask="no_mask", enc_window=None, parallel=False)
     return c
@@ -153,6 +165,10 @@ def _misused(c):
 def _run_misused(c):
     """The misused configuration's forward and backward; None if it ran."""
     m, d = build(c), inputs(c)
+    if c["misuse"] == "no_main_grad":
+        for p in m.parameters():
+            if hasattr(p, "main_grad"):
+                del p.main_grad
     what = c["misuse"]
     if what == "no_attention_mask":
         d["mask"] = None
@@ -209,7 +225,8 @@ def build(c):
                   qkv_weight_interleaved=c["interleaved"], bias=c["bias"], normalization=c["norm"],
                   zero_centered_gamma=c["zcg"], rotary_pos_interleaved=c["rope"] == "interleaved",
                   fuse_wgrad_accumulation=c["fuse_wgrad"], params_dtype=dtype, device="cpu",
-                  qk_norm_type=c["qk_norm"], qk_norm_before_rope=c["qk_before"])
+                  qk_norm_type=c["qk_norm"], qk_norm_before_rope=c["qk_before"], layernorm_epsilon=c["eps"],
+                  set_parallel_mode=c["parallel_mode"])
     fwd = c["at_forward"]
     if c["kind"] == "TL":
         m = te.TransformerLayer(
@@ -219,7 +236,7 @@ def build(c):
             enc_dec_window_size=None if fwd else c.get("enc_window"),
             apply_residual_connection_post_layernorm=c["post_ln"], output_layernorm=c["output_ln"],
             parallel_attention_mlp=c["parallel"], layer_type="decoder" if c["cross"] else "encoder",
-            activation=c["act"], attn_input_format=c["fmt"], **common)
+            activation=c["act"], attn_input_format=c["fmt"], drop_path_rate=c["dropout"], **common)
     else:
         m = te.MultiheadAttention(
             c["hidden"], c["heads"], attention_dropout=c["dropout"],
@@ -324,7 +341,7 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
     """The module's outputs (a list) on the configuration's inputs; x and
     the encoder output as given to it in d["x_in"], d["enc_in"]."""
     dtype = DTYPES[c["dtype"]]
-    x = _to_fmt(d["x"], c, d.get("lens"), d.get("pads")).to(dtype, copy=True)
+    x = _to_fmt(d["x"], c, d.get("lens"), d.get("pads")).to(torch.float32 if c["input"] else dtype, copy=True)
     if cu_lens is not None:  # cu_seqlens of more tokens than x holds
         x = x[:int(d["valid"].numel())]
     enc = _to_fmt(d["enc"], c, d.get("lens_enc"), d.get("pads_enc")).to(dtype, copy=True)
@@ -375,7 +392,8 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
     grad_ctx = {"train": contextlib.nullcontext, "nograd": torch.no_grad,
                 "inference": torch.inference_mode}[c["grad"]]()
     fp8 = te.autocast(enabled=True, recipe=make_recipe(c["fp8"])) if c["fp8"] else contextlib.nullcontext()
-    with grad_ctx, fp8:
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if c["input"] == "amp" else contextlib.nullcontext()
+    with grad_ctx, amp, fp8:
         if checkpoint == "core":
             return _flat(m(x, checkpoint_core_attention=True, **kw))
         if checkpoint in ("reentrant", "nonreentrant"):
@@ -423,7 +441,7 @@ def run(c, checkpoint=None, m=None, grad=None, reset=True):
 
 
 def _ref_cfg(c):
-    return dict(heads=c["heads"], groups=c["groups"] or c["heads"], kv_channels=c["kv"] or c["hidden"] // c["heads"],
+    return dict(eps=c["eps"], heads=c["heads"], groups=c["groups"] or c["heads"], kv_channels=c["kv"] or c["hidden"] // c["heads"],
                 interleaved=c["fuse_qkv"] and c["interleaved"], normalization=c["norm"], zcg=c["zcg"],
                 activation=c["act"], post_ln=c.get("post_ln"), output_ln=c.get("output_ln"),
                 parallel=c.get("parallel"), decoder=c["cross"], rope_interleaved=c["rope"] == "interleaved",
@@ -590,7 +608,7 @@ def differences(c):
 
 
 def _against_reference(c, m, d, outs, dys, grads):
-    prec = "fp8" if c["fp8"] else c["dtype"]
+    prec = "fp8" if c["fp8"] else "bf16" if c["input"] == "amp" else c["dtype"]
     tol, floor = TOL[prec], FLOOR[prec]
     ref_outs, ref_grads = reference(c, m, d, dys)
     diffs = []
@@ -641,11 +659,11 @@ def test_the_sample_covers_the_options():
     """The sample draws what it claims to: both modules, every format,
     mask type and activation, decoders, FP8 of both recipes, each
     checkpoint, the grad modes, padding between packed sequences, no and
-    one token, and misuses."""
+    one token, torch.autocast, set_parallel_mode, and misuses."""
     seen = collections.defaultdict(set)
     for c in SAMPLE:
         for key in ("kind", "fmt", "mask", "act", "cross", "fp8", "ckpt", "grad", "pad_between", "rope",
-                    "qk_norm", "attn_bias", "dtype", "misuse"):
+                    "qk_norm", "attn_bias", "dtype", "misuse", "input", "parallel_mode"):
             seen[key].add(c[key])
         seen["tokens"].add(min(c["s"], 2))
     assert seen["kind"] == {"TL", "MHA"} and seen["fmt"] == {"sbhd", "bshd", "thd"}
@@ -656,6 +674,7 @@ def test_the_sample_covers_the_options():
     assert seen["grad"] == {"train", "nograd", "inference"}
     assert seen["rope"] == {None, "plain", "interleaved"} and seen["qk_norm"] == {None, "RMSNorm", "LayerNorm"}
     assert seen["attn_bias"] == {None, "post_scale_bias", "pre_scale_bias"}
+    assert seen["input"] == {None, "amp"} and seen["parallel_mode"] == {False, True}
     assert len(seen["misuse"]) >= 8
 
 
@@ -670,7 +689,7 @@ def test_the_checker_catches_a_planted_error(monkeypatch):
     fail the misuse check."""
     from transformer_engine_c.attention import dot_product_attention as dpa
     plain = [c for c in SAMPLE if c["dtype"] == "fp32" and not c["fp8"] and not c["misuse"] and c["s"] > 1
-             and not c["dropout"] and c["grad"] == "train" and c["fmt"] != "thd"][:12]
+             and not c["dropout"] and c["grad"] == "train" and c["fmt"] != "thd" and not c["input"]][:12]
     assert _caught(plain) == 0
     real_attend = dpa._attend
     monkeypatch.setattr(dpa, "_attend", lambda *a: real_attend(*a) * 1.001)
