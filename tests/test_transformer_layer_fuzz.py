@@ -13,10 +13,11 @@ gradients, checkpoint_core_attention and tec.checkpoint, no_grad /
 inference_mode, fp32 / bf16 (or float32 under torch.autocast), FP8
 autocast (delayed and current scaling), layernorm_epsilon,
 set_parallel_mode on one rank, dropout and drop_path (checked bit for bit
-only), no and one token. Each configuration runs once; its outputs and every
-gradient must be within the dtype's error of the reference, and it must
-give the same bits without checkpointing, without autograd, and from a
-fresh layer that loads its state dict after a step. A tenth of the
+only), no and one token. The layers run on the CPU (or on a
+configuration's `device`). Each configuration runs once; its outputs and
+every gradient must be within the dtype's error of the reference, and it
+must give the same bits without checkpointing, without autograd, and
+from a fresh layer that loads its state dict after a step. A tenth of the
 configurations are misused (a bad mask, cu_seqlens past the input, too
 few angles, ...) and must raise a ValueError, TypeError or
 NotImplementedError naming what is wrong. A fixed sample of
@@ -224,7 +225,7 @@ def build(c):
     common = dict(num_gqa_groups=c["groups"], kv_channels=c["kv"], fuse_qkv_params=c["fuse_qkv"],
                   qkv_weight_interleaved=c["interleaved"], bias=c["bias"], normalization=c["norm"],
                   zero_centered_gamma=c["zcg"], rotary_pos_interleaved=c["rope"] == "interleaved",
-                  fuse_wgrad_accumulation=c["fuse_wgrad"], params_dtype=dtype, device="cpu",
+                  fuse_wgrad_accumulation=c["fuse_wgrad"], params_dtype=dtype, device=c.get("device", "cpu"),
                   qk_norm_type=c["qk_norm"], qk_norm_before_rope=c["qk_before"], layernorm_epsilon=c["eps"],
                   set_parallel_mode=c["parallel_mode"])
     fwd = c["at_forward"]
@@ -252,7 +253,7 @@ def build(c):
     if c["fuse_wgrad"]:
         for p in m.parameters():
             if p.dim() == 2:
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     return m
 
 
@@ -337,22 +338,31 @@ def _flat(out):
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def _on(t, device):
+    """t (a tensor, a pair of them or None) on device."""
+    if isinstance(t, tuple):
+        return tuple(_on(u, device) for u in t)
+    return None if t is None else t.to(device)
+
+
 def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
-    """The module's outputs (a list) on the configuration's inputs; x and
-    the encoder output as given to it in d["x_in"], d["enc_in"]."""
-    dtype = DTYPES[c["dtype"]]
-    x = _to_fmt(d["x"], c, d.get("lens"), d.get("pads")).to(torch.float32 if c["input"] else dtype, copy=True)
+    """The module's outputs (a list) on the configuration's inputs (made on
+    the CPU, given on the configuration's device); x and the encoder output
+    as given to it in d["x_in"], d["enc_in"]."""
+    dtype, dev = DTYPES[c["dtype"]], c.get("device", "cpu")
+    x = _to_fmt(d["x"], c, d.get("lens"), d.get("pads")).to(dev, torch.float32 if c["input"] else dtype, copy=True)
     if cu_lens is not None:  # cu_seqlens of more tokens than x holds
         x = x[:int(d["valid"].numel())]
-    enc = _to_fmt(d["enc"], c, d.get("lens_enc"), d.get("pads_enc")).to(dtype, copy=True)
+    enc = _to_fmt(d["enc"], c, d.get("lens_enc"), d.get("pads_enc")).to(dev, dtype, copy=True)
     if c["grad"] == "train":
         x.requires_grad_()
         enc.requires_grad_()
     d["x_in"], d["enc_in"] = x, enc
-    kw = dict(rotary_pos_emb=d.get("freqs"))
+    kw = dict(rotary_pos_emb=_on(d.get("freqs"), dev))
     if c["attn_bias"]:
         # (a keyword argument: no gradient through the reentrant checkpoint, which refuses it)
-        d["bias_in"] = d["bias"].to(dtype, copy=True).requires_grad_(c["grad"] == "train" and c["ckpt"] != "reentrant")
+        d["bias_in"] = d["bias"].to(dev, dtype, copy=True).requires_grad_(c["grad"] == "train"
+                                                                         and c["ckpt"] != "reentrant")
         kw.update(core_attention_bias_type=c["attn_bias"], core_attention_bias=d["bias_in"])
     if c["at_forward"] and c["kind"] == "TL":
         kw.update(self_attn_mask_type=c["mask"], window_size=c["window"])
@@ -362,7 +372,7 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
         kw.update(attn_mask_type=c["enc_mask"] if c["cross"] else c["mask"],
                   window_size=c["enc_window"] if c["cross"] else c["window"])
     if c["fmt"] == "thd":
-        cu, cu_enc = _cu(d["lens"] if cu_lens is None else cu_lens), _cu(d["lens_enc"])
+        cu, cu_enc = _on(_cu(d["lens"] if cu_lens is None else cu_lens), dev), _on(_cu(d["lens_enc"]), dev)
         mx, mx_enc = max(d["lens"] + [0]), max(d["lens_enc"] + [0])
         kw.update(cu_seqlens_q=cu, max_seqlen_q=mx)
         if c["cross"]:
@@ -370,8 +380,8 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
         elif c["kind"] == "MHA":
             kw.update(cu_seqlens_kv=cu, max_seqlen_kv=mx)
         if c["pad_between"]:
-            cu_pad = _cu([n + p for n, p in zip(d["lens"], d["pads"])])
-            cu_enc_pad = _cu([n + p for n, p in zip(d["lens_enc"], d["pads_enc"])])
+            cu_pad = _on(_cu([n + p for n, p in zip(d["lens"], d["pads"])]), dev)
+            cu_enc_pad = _on(_cu([n + p for n, p in zip(d["lens_enc"], d["pads_enc"])]), dev)
             kw.update(cu_seqlens_q_padded=cu_pad, pad_between_seqs=True,
                       cu_seqlens_kv_padded=cu_enc_pad if c["cross"] else cu_pad)
             if c["kind"] == "TL" and not c["cross"]:
@@ -379,12 +389,12 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
         if no_cu:
             kw = {k: v for k, v in kw.items() if not k.startswith("cu_seqlens")}
     else:
-        kw["attention_mask"] = d["mask"]
+        kw["attention_mask"] = _on(d["mask"], dev)
     if c["kind"] == "TL":
         if c["cross"]:
             kw["encoder_output"] = enc
             if c["fmt"] != "thd":
-                kw["enc_dec_attn_mask"] = d.get("enc_mask")
+                kw["enc_dec_attn_mask"] = _on(d.get("enc_mask"), dev)
     elif c["cross"]:
         kw["encoder_output"] = enc
     if drop_encoder:
@@ -392,7 +402,8 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
     grad_ctx = {"train": contextlib.nullcontext, "nograd": torch.no_grad,
                 "inference": torch.inference_mode}[c["grad"]]()
     fp8 = te.autocast(enabled=True, recipe=make_recipe(c["fp8"])) if c["fp8"] else contextlib.nullcontext()
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if c["input"] == "amp" else contextlib.nullcontext()
+    amp = torch.autocast(torch.device(dev).type, dtype=torch.bfloat16) if c["input"] == "amp" else \
+        contextlib.nullcontext()
     with grad_ctx, amp, fp8:
         if checkpoint == "core":
             return _flat(m(x, checkpoint_core_attention=True, **kw))
@@ -424,7 +435,7 @@ def run(c, checkpoint=None, m=None, grad=None, reset=True):
         dys = [dy * d["valid"].view(-1, 1) if dy.dim() == 2 else dy for dy in dys]
     grads = {}
     if c["grad"] == "train":
-        loss = sum((o.float() * dy).sum() for o, dy in zip(outs, dys) if o.requires_grad)
+        loss = sum((o.float() * dy.to(o.device)).sum() for o, dy in zip(outs, dys) if o.requires_grad)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
         grads["x"] = d["x_in"].grad
@@ -496,7 +507,7 @@ def _ref_module(c, p, x, enc, freqs, cfg):
 def reference(c, m, d, dys):
     """(outputs, gradients) of the float64 reference on the module's
     parameters and the configuration's inputs, in the module's formats."""
-    p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
+    p = {n: t.detach().cpu().double().requires_grad_() for n, t in m.named_parameters()}
     x, enc = d["x"].double().requires_grad_(), d["enc"].double().requires_grad_()
     freqs = d.get("freqs")
     freqs = tuple(f.double() for f in freqs) if isinstance(freqs, tuple) else None if freqs is None else \
@@ -558,7 +569,7 @@ def err(out, ref, floor=1e-5):
     `floor` times the root of its size (a gradient that cancels to nearly
     nothing, such as the key bias's, which softmax does not see but RoPE
     turns, is compared by the rounding it leaves)."""
-    out = torch.zeros_like(ref) if out is None else out.detach().double()
+    out = torch.zeros_like(ref) if out is None else out.detach().cpu().double()
     if out.shape != ref.shape:
         return float("inf")
     if not torch.isfinite(out).all():
@@ -599,7 +610,7 @@ def differences(c):
     if c["fuse_wgrad"]:
         for p in fresh.parameters():
             if p.dim() == 2:
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     # both with the state after a step (FP8's scales and amax history included)
     _, _, outs3, _, _ = run(c, c["ckpt"], m=fresh, reset=False)
     _, _, outs4, _, _ = run(c, c["ckpt"], m=m, reset=False)
@@ -616,7 +627,7 @@ def _against_reference(c, m, d, outs, dys, grads):
         return [f"{len(outs)} outputs, the reference {len(ref_outs)}"]
     for i, (o, r) in enumerate(zip(outs, ref_outs)):
         if "valid" in d and o.dim() == 2:  # what the rows between the sequences hold is not defined
-            o, r = o[d["valid"]], r[d["valid"]]
+            o, r = o[d["valid"].to(o.device)], r[d["valid"]]
         e = err(o, r, floor)
         if not e < tol[0]:
             diffs.append(f"output {i}: error {e:.3g}")
