@@ -13,7 +13,7 @@ gradients, checkpoint_core_attention and tec.checkpoint, no_grad /
 inference_mode, fp32 / bf16 (or float32 under torch.autocast), FP8
 autocast (delayed and current scaling), layernorm_epsilon,
 set_parallel_mode on one rank, dropout and drop_path (checked bit for bit
-only), no and one token. The layers run on the CPU (or on a
+only), strided inputs, no and one token. The layers run on the CPU (or on a
 configuration's `device`). Each configuration runs once; its outputs and
 every gradient must be within the dtype's error of the reference, and it
 must give the same bits without checkpointing, without autograd, and
@@ -97,6 +97,7 @@ def random_config(rng):
     # dropout: no reference, the checkpointed run and the loaded layer against the plain one only
     c["dropout"] = 0.2 if c["grad"] == "train" and rng.random() < 0.1 else 0.0
     c["eps"] = rng.choice([1e-5, 1e-3])
+    c["strided"] = rng.random() < 0.1  # the inputs views of every other element of wider tensors
     c["parallel_mode"] = rng.random() < 0.15  # set_parallel_mode on one rank
     # the input: of the parameters' dtype, or float32 under torch.autocast (bf16) to float32 parameters
     c["input"] = rng.choice([None, None, None, "amp"]) if c["dtype"] == "fp32" else None
@@ -358,6 +359,8 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
         x.requires_grad_()
         enc.requires_grad_()
     d["x_in"], d["enc_in"] = x, enc
+    if c["strided"]:
+        x, enc = (torch.stack((t, torch.zeros_like(t)), -1).flatten(-2)[..., ::2] for t in (x, enc))
     kw = dict(rotary_pos_emb=_on(d.get("freqs"), dev))
     if c["attn_bias"]:
         # (a keyword argument: no gradient through the reentrant checkpoint, which refuses it)
