@@ -5,21 +5,21 @@ with its padding / arbitrary masks, sliding windows, given to the
 constructor or to forward, the formats (sbhd, bshd, thd with cu_seqlens
 and padding between the sequences), grouped-query heads, kv_channels,
 fused / interleaved / split qkv, bias, every activation, LayerNorm /
-RMSNorm, zero-centred gamma, the residual variants (post-LN,
-output_layernorm, parallel_attention_mlp), RoPE (interleaved or not,
-partial, a query and a key table), qk_norm, core_attention_bias, MHA's
-input_layernorm / return_layernorm_output / return_bias, fused weight
-gradients, checkpoint_core_attention and tec.checkpoint, no_grad /
-inference_mode, fp32 / bf16 (or float32 under torch.autocast), FP8
-autocast (delayed and current scaling), layernorm_epsilon,
-set_parallel_mode on one rank, dropout and drop_path (checked bit for bit
-only), strided inputs, no and one token. The layers run on the CPU (or on a
-configuration's `device`). Each configuration runs once; its outputs and
-every gradient must be within the dtype's error of the reference, and it
-must give the same bits without checkpointing, without autograd, and
-from a fresh layer that loads its state dict after a step. A tenth of the
-configurations are misused (a bad mask, cu_seqlens past the input, too
-few angles, ...) and must raise a ValueError, TypeError or
+RMSNorm, zero-centred gamma, layernorm_epsilon, the residual variants
+(post-LN, output_layernorm, parallel_attention_mlp), RoPE (interleaved or
+not, partial, a query and a key table), qk_norm, core_attention_bias,
+MHA's input_layernorm / return_layernorm_output / return_bias, fused
+weight gradients, checkpoint_core_attention and tec.checkpoint, a second
+step after an update of the weights, no_grad / inference_mode, fp32 / bf16
+(or float32 under torch.autocast), FP8 autocast (delayed and current
+scaling), set_parallel_mode on one rank, dropout and drop_path (checked
+bit for bit only), strided inputs, no and one token. The layers run on
+the CPU (or on a configuration's `device`). Each configuration runs once;
+its outputs and every gradient must be within the dtype's error of the
+reference, and it must give the same bits without checkpointing, without
+autograd, and from a fresh layer that loads its state dict after a step.
+A tenth of the configurations are misused (a bad mask, cu_seqlens past
+the input, too few angles, ...) and must raise a ValueError, TypeError or
 NotImplementedError naming what is wrong. A fixed sample of
 configurations runs here; `configs` draws more for a longer search."""
 import collections
@@ -98,6 +98,7 @@ def random_config(rng):
     c["dropout"] = 0.2 if c["grad"] == "train" and rng.random() < 0.1 else 0.0
     c["eps"] = rng.choice([1e-5, 1e-3])
     c["strided"] = rng.random() < 0.1  # the inputs views of every other element of wider tensors
+    c["second_step"] = rng.random() < 0.2  # after a step of SGD, against the reference again
     c["parallel_mode"] = rng.random() < 0.15  # set_parallel_mode on one rank
     # the input: of the parameters' dtype, or float32 under torch.autocast (bf16) to float32 parameters
     c["input"] = rng.choice([None, None, None, "amp"]) if c["dtype"] == "fp32" else None
@@ -618,7 +619,26 @@ def differences(c):
     _, _, outs3, _, _ = run(c, c["ckpt"], m=fresh, reset=False)
     _, _, outs4, _, _ = run(c, c["ckpt"], m=m, reset=False)
     diffs += [f"state dict: output {i} differs" for i, (a, b) in enumerate(zip(outs4, outs3)) if not same_bits(a, b)]
+    # (not with delayed scaling: its scales are the last step's, and a gradient that grew saturates)
+    if c["second_step"] and c["grad"] == "train" and not c["dropout"] and c["fp8"] != "delayed" and not diffs:
+        diffs += [f"second step: {e}" for e in _second_step(c, m)]
     return diffs
+
+
+def _second_step(c, m):
+    """A step of SGD on the parameters (main_grad where fused), then the
+    same configuration again: against the reference at the new weights (no
+    FP8 weight kept from before the update)."""
+    with torch.no_grad():
+        for p in m.parameters():
+            g = p.main_grad if hasattr(p, "main_grad") and p.dim() == 2 else p.grad
+            if g is not None:
+                p.sub_((0.05 * g / max(g.norm().item(), 1e-6) * p.norm().clamp_min(1.0)).to(p.dtype))
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+    _, d, outs, dys, grads = run(c, c["ckpt"], m=m, reset=False)
+    return _against_reference(c, m, d, outs, dys, grads)
 
 
 def _against_reference(c, m, d, outs, dys, grads):
