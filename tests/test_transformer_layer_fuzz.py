@@ -11,10 +11,10 @@ not, partial, a query and a key table), qk_norm, core_attention_bias,
 MHA's input_layernorm / return_layernorm_output / return_bias, fused
 weight gradients, checkpoint_core_attention and tec.checkpoint, a second
 step after an update of the weights, no_grad / inference_mode, fp32 / bf16
-(or float32 under torch.autocast), FP8 autocast (delayed and current
-scaling), set_parallel_mode on one rank, dropout and drop_path (checked
-bit for bit only), strided inputs, no and one token. The layers run on
-the CPU (or on a configuration's `device`). Each configuration runs once;
+(or float32 under torch.autocast), FP8 autocast (delayed, current and
+block scaling), set_parallel_mode on one rank, dropout and drop_path
+(checked bit for bit only), strided inputs, no and one token. The layers
+run on the CPU (or on a configuration's `device`). Each configuration runs once;
 its outputs and every gradient must be within the dtype's error of the
 reference, and it must give the same bits without checkpointing, without
 autograd, and from a fresh layer that loads its state dict after a step.
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import transformer_engine_c as te
-from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine_c.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from transformer_reference import mha, transformer_layer
 
 ACTIVATIONS = ("gelu", "relu", "qgelu", "srelu", "silu", "geglu", "reglu", "qgeglu", "sreglu", "swiglu",
@@ -108,7 +108,7 @@ def random_config(rng):
     c["misuse"] = rng.choice(sorted(MISUSES)) if rng.random() < 0.1 else None
     c["fp8"] = None
     if all(d % 16 == 0 for d in dims) and rng.random() < 0.25:
-        c["fp8"] = rng.choice(["delayed", "current"])
+        c["fp8"] = rng.choice(["delayed", "current", "block"])
         if rng.random() < 0.8:  # FP8 GEMMs need a multiple of 8 tokens
             c["s"] = rng.choice([8, 16])
             c["s_enc"] = rng.choice([8, 16])
@@ -333,7 +333,7 @@ def _to_fmt(t, c, lens, pads=None, junk=True):
 
 
 def make_recipe(name):
-    return DelayedScaling() if name == "delayed" else Float8CurrentScaling()
+    return {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}[name]()
 
 
 def _flat(out):
@@ -691,7 +691,7 @@ def test_drawn_configuration(i):
 
 def test_the_sample_covers_the_options():
     """The sample draws what it claims to: both modules, every format,
-    mask type and activation, decoders, FP8 of both recipes, each
+    mask type and activation, decoders, FP8 of every recipe, each
     checkpoint, the grad modes, padding between packed sequences, no and
     one token, torch.autocast, set_parallel_mode, and misuses."""
     seen = collections.defaultdict(set)
@@ -703,7 +703,7 @@ def test_the_sample_covers_the_options():
     assert seen["kind"] == {"TL", "MHA"} and seen["fmt"] == {"sbhd", "bshd", "thd"}
     assert seen["mask"] == set(MASKS) and seen["act"] == set(ACTIVATIONS)
     assert seen["cross"] == seen["pad_between"] == {False, True} and seen["tokens"] == {0, 1, 2}
-    assert seen["fp8"] == {None, "delayed", "current"} and seen["dtype"] == {"fp32", "bf16"}
+    assert seen["fp8"] == {None, "delayed", "current", "block"} and seen["dtype"] == {"fp32", "bf16"}
     assert seen["ckpt"] == {None, "core", "reentrant", "nonreentrant"}
     assert seen["grad"] == {"train", "nograd", "inference"}
     assert seen["rope"] == {None, "plain", "interleaved"} and seen["qk_norm"] == {None, "RMSNorm", "LayerNorm"}
