@@ -11,7 +11,7 @@ not, partial, a query and a key table), qk_norm, core_attention_bias,
 MHA's input_layernorm / return_layernorm_output / return_bias, fused
 weight gradients, checkpoint_core_attention and tec.checkpoint, a second
 step after an update of the weights, no_grad / inference_mode, fp32 / bf16
-(or float32 under torch.autocast), FP8 autocast (delayed, current and
+/ fp16 (or float32 under torch.autocast), FP8 autocast (delayed, current and
 block scaling), set_parallel_mode on one rank, dropout and drop_path
 (checked bit for bit only), strided inputs, no and one token. The layers
 run on the CPU (or on a configuration's `device`). Each configuration runs once;
@@ -38,11 +38,11 @@ ACTIVATIONS = ("gelu", "relu", "qgelu", "srelu", "silu", "geglu", "reglu", "qgeg
 MASKS = ("causal", "padding", "no_mask", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right",
          "arbitrary")
 CROSS_MASKS = ("no_mask", "padding", "arbitrary", "causal_bottom_right", "padding_causal_bottom_right")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # relative error of the whole tensor against float64: outputs, gradients (bf16's and FP8's gradients sum
 # many rounded products, some of them near cancellation: a relu's, or a bias of one head's)
-TOL = {"fp32": (2e-5, 1e-4), "bf16": (4e-2, 0.15), "fp8": (0.15, 0.4)}
-FLOOR = {"fp32": 3e-3, "bf16": 3e-2, "fp8": 3e-2}
+TOL = {"fp32": (2e-5, 1e-4), "fp16": (1e-2, 0.05), "bf16": (4e-2, 0.15), "fp8": (0.15, 0.4)}
+FLOOR = {"fp32": 3e-3, "fp16": 1e-2, "bf16": 3e-2, "fp8": 3e-2}
 ALLOWED_ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
@@ -64,7 +64,7 @@ def random_config(rng):
              fmt=rng.choice(["sbhd", "bshd", "thd"]), fuse_qkv=rng.random() < 0.5,
              interleaved=rng.random() < 0.5, bias=rng.random() < 0.7, act=rng.choice(ACTIVATIONS),
              norm=rng.choice(["LayerNorm", "RMSNorm"]), zcg=rng.random() < 0.3,
-             dtype=rng.choice(["fp32", "fp32", "bf16"]), b=rng.choice([1, 2, 3]),
+             dtype=rng.choice(["fp32", "fp32", "bf16", "fp16"]), b=rng.choice([1, 2, 3]),
              s=rng.choice([0, 1, 1, 2, 3, 5, 8, 8, 12, 16, 40]), s_enc=rng.choice([0, 1, 3, 4, 8, 11, 33]))
     masks = [m for m in MASKS if c["fmt"] != "thd" or m != "arbitrary"]
     c["mask"] = rng.choice(masks)
@@ -703,7 +703,7 @@ def test_the_sample_covers_the_options():
     assert seen["kind"] == {"TL", "MHA"} and seen["fmt"] == {"sbhd", "bshd", "thd"}
     assert seen["mask"] == set(MASKS) and seen["act"] == set(ACTIVATIONS)
     assert seen["cross"] == seen["pad_between"] == {False, True} and seen["tokens"] == {0, 1, 2}
-    assert seen["fp8"] == {None, "delayed", "current", "block"} and seen["dtype"] == {"fp32", "bf16"}
+    assert seen["fp8"] == {None, "delayed", "current", "block"} and seen["dtype"] == {"fp32", "bf16", "fp16"}
     assert seen["ckpt"] == {None, "core", "reentrant", "nonreentrant"}
     assert seen["grad"] == {"train", "nograd", "inference"}
     assert seen["rope"] == {None, "plain", "interleaved"} and seen["qk_norm"] == {None, "RMSNorm", "LayerNorm"}
