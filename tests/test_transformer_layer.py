@@ -556,3 +556,28 @@ def test_no_tokens(fmt):
     y.sum().backward()
     assert x.grad.shape == shape
     assert all(p.grad is None or not p.grad.any() for p in block.parameters())
+
+
+def test_misuses_name_the_argument():
+    """A wrong argument raises an exception that names it, not an error of
+    an inner reshape, broadcast or slice; an encoder output of another
+    batch is refused rather than broadcast."""
+    decoder = _layer("cpu", layer_type="decoder")
+    x = torch.randn(S, B, H)
+    with pytest.raises(ValueError, match="encoder_output .* the same batch"):
+        decoder(x, encoder_output=torch.randn(S, 1, H))
+    with pytest.raises(ValueError, match=r"window_size must be a pair \(left, right\)"):
+        decoder(x, window_size=(3,), encoder_output=x)
+    with pytest.raises(ValueError, match="hidden_states must be 3-D in sbhd"):
+        decoder(x[:, 0], encoder_output=x)
+    with pytest.raises(TypeError, match="attention_mask: an arbitrary mask is one tensor"):
+        _layer("cpu")(x, self_attn_mask_type="arbitrary", attention_mask=[torch.zeros(1, 1, S, S, dtype=torch.bool)])
+    mha = te.MultiheadAttention(H, HEADS, attn_mask_type="arbitrary", device="cpu")
+    with pytest.raises(TypeError, match="attention_mask must be boolean"):
+        mha(x, attention_mask=torch.zeros(B, 1, S, S))
+    thd = _layer("cpu", attn_input_format="thd", self_attn_mask_type="padding_causal")
+    packed = torch.randn(5, H)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an integer tensor"):
+        thd(packed, cu_seqlens_q=torch.tensor([0.0, 2.0, 5.0]))
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
+        thd(packed, cu_seqlens_q=[0, 2, 5], rotary_pos_emb=te.RotaryPositionEmbedding(H // HEADS)(8))

@@ -131,8 +131,17 @@ MISUSES = {
     "arbitrary_shape": ((ValueError,), "attention_mask"),
     "cu_seqlens_total": ((ValueError,), "cu_seqlens"),
     "no_main_grad": ((RuntimeError,), "main_grad"),  # the engine's named error
-    "input_dtype": ((TypeError,), "dtype"),  # outside torch.autocast the input must have the parameters' dtype
+    "input_dtype": ((TypeError,), "dtype"),
+    "encoder_batch": ((ValueError,), "encoder_output"),
+    "window_pair": ((ValueError,), "window_size"),
+    "cu_seqlens_dtype": ((TypeError,), "cu_seqlens"),
+    "mask_list": ((TypeError,), "attention_mask"),
+    "hidden_dims": ((ValueError,), "hidden_states"),  # outside torch.autocast the input must have the parameters' dtype
 }
+
+
+def rng_fmt(c):
+    return "sbhd" if c["fmt"] == "thd" else c["fmt"]
 
 
 def _misused(c):
@@ -156,6 +165,14 @@ def _misused(c):
                  parallel=False, s=max(c["s"], 2))
     elif m in ("short_freqs", "wide_freqs"):
         c.update(rope="plain", rope_percent=1.0, s=max(c["s"], 3), fmt="sbhd")
+    elif m == "encoder_batch":
+        c.update(cross=True, enc_mask="no_mask", parallel=False, fmt=rng_fmt(c), b=2)
+    elif m == "window_pair":
+        c.update(window=(3,), enc_window=(3,))
+    elif m == "cu_seqlens_dtype":
+        c.update(fmt="thd", mask="padding_causal", enc_mask="padding", pad_between=False, attn_bias=None)
+    elif m == "mask_list":
+        c.update(fmt="bshd", mask="arbitrary", enc_mask="arbitrary", s=max(c["s"], 1), s_enc=max(c["s_enc"], 1))
     elif m == "input_dtype":
         c.update(dtype="bf16", input="fp32")
     elif m == "no_main_grad":
@@ -186,6 +203,10 @@ def _run_misused(c):
     elif what == "wide_freqs":
         hn = c["kv"] or c["hidden"] // c["heads"]
         d["freqs"] = te.RotaryPositionEmbedding(hn + 2)(c["s"])
+    elif what == "encoder_batch":
+        d["enc"] = d["enc"][:, :1]
+    elif what == "mask_list":
+        d["mask"] = [d["mask"]]
     elif what == "hidden_size":
         d["x"] = torch.randn(*d["x"].shape[:-1], c["hidden"] + 8)
     elif what == "cu_seqlens_total":
@@ -193,6 +214,8 @@ def _run_misused(c):
         d["valid"] = torch.ones(sum(d["lens"]) - len(d["lens"]), dtype=torch.bool)
         d["x"] = torch.cat([d["x"], torch.zeros(1, *d["x"].shape[1:])])
     outs = forward(m, c, d, c["ckpt"], cu_lens=d["lens"] if what == "cu_seqlens_total" else None,
+                   cu_dtype=torch.float32 if what == "cu_seqlens_dtype" else torch.int32,
+                   extra_dim=what == "hidden_dims",
                    no_cu=what == "no_cu_seqlens", drop_encoder=what == "no_encoder_output")
     if c["grad"] == "train":
         sum(o.float().sum() for o in outs if o.requires_grad).backward()
@@ -342,12 +365,13 @@ def _flat(out):
 
 def _on(t, device):
     """t (a tensor, a pair of them or None) on device."""
-    if isinstance(t, tuple):
-        return tuple(_on(u, device) for u in t)
+    if isinstance(t, (tuple, list)):
+        return type(t)(_on(u, device) for u in t)
     return None if t is None else t.to(device)
 
 
-def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
+def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False, cu_dtype=torch.int32,
+            extra_dim=False):
     """The module's outputs (a list) on the configuration's inputs (made on
     the CPU, given on the configuration's device); x and the encoder output
     as given to it in d["x_in"], d["enc_in"]."""
@@ -360,6 +384,8 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
         x.requires_grad_()
         enc.requires_grad_()
     d["x_in"], d["enc_in"] = x, enc
+    if extra_dim:
+        x = x.unsqueeze(0)
     if c["strided"]:
         x, enc = (torch.stack((t, torch.zeros_like(t)), -1).flatten(-2)[..., ::2] for t in (x, enc))
     kw = dict(rotary_pos_emb=_on(d.get("freqs"), dev))
@@ -376,7 +402,8 @@ def forward(m, c, d, checkpoint, cu_lens=None, no_cu=False, drop_encoder=False):
         kw.update(attn_mask_type=c["enc_mask"] if c["cross"] else c["mask"],
                   window_size=c["enc_window"] if c["cross"] else c["window"])
     if c["fmt"] == "thd":
-        cu, cu_enc = _on(_cu(d["lens"] if cu_lens is None else cu_lens), dev), _on(_cu(d["lens_enc"]), dev)
+        cu, cu_enc = (_on(_cu(n).to(cu_dtype), dev) for n in (d["lens"] if cu_lens is None else cu_lens,
+                                                                 d["lens_enc"]))
         mx, mx_enc = max(d["lens"] + [0]), max(d["lens_enc"] + [0])
         kw.update(cu_seqlens_q=cu, max_seqlen_q=mx)
         if c["cross"]:

@@ -68,7 +68,10 @@ def _window(window_size, mask_type):
     causal = "causal" in mask_type
     if window_size is None:
         return (-1, 0) if causal else (-1, -1)
-    left, right = (int(v) for v in window_size)
+    try:
+        left, right = (int(v) for v in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
     if causal and right not in (0, -1):
@@ -151,6 +154,10 @@ def _padding_allowed(attention_mask, b, sq, skv, self_attention):
 def _check_cu_seqlens(name, cu, cu_padded, tokens):
     """cu_seqlens (and its padded form) must delimit sequences of
     non-negative length within the `tokens` rows of the input."""
+    for t, n in ((cu, name), (cu_padded, f"{name}_padded")):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise TypeError(f"{n} must be an integer tensor, got {type(t).__name__} "
+                            f"{getattr(t, 'dtype', '')}".rstrip())
     lens = torch.diff(cu)
     if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or bool((lens < 0).any()):
         raise ValueError(f"{name} must be non-decreasing offsets [b + 1] from 0, got {cu.tolist()}")
@@ -328,6 +335,9 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             elif mask_type == "arbitrary":
                 if attention_mask is None:
                     raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
+                if not isinstance(attention_mask, torch.Tensor):
+                    raise TypeError(f"attention_mask: an arbitrary mask is one tensor, got "
+                                    f"{type(attention_mask).__name__}")
                 am = ~attention_mask.to(torch.bool)
                 try:
                     torch.broadcast_shapes(am.shape, (b, h, sq, skv))
