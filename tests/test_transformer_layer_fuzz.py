@@ -671,6 +671,9 @@ def _second_step(c, m):
 def _against_reference(c, m, d, outs, dys, grads):
     prec = "fp8" if c["fp8"] else "bf16" if c["input"] == "amp" else c["dtype"]
     tol, floor = TOL[prec], FLOOR[prec]
+    if prec != "fp32" and c.get("act") in ("relu", "reglu"):
+        # a unit whose input rounds across relu's kink passes all or none of its gradient
+        tol = (tol[0], max(tol[1], 0.4))
     ref_outs, ref_grads = reference(c, m, d, dys)
     diffs = []
     if len(outs) != len(ref_outs):
