@@ -243,6 +243,78 @@ def test_dot_product_attention_refusals():
     assert "_extra_state" in attn.state_dict() and attn.state_dict()["_extra_state"].numel() == 0
 
 
+@pytest.mark.parametrize("mask_type,window", [("padding_causal_bottom_right", None),
+                                               ("padding_causal_bottom_right", (1, 0)), ("padding", (1, 2))])
+def test_dot_product_attention_padding_diagonal_per_sequence(mask_type, window):
+    """Under a padding mask the bottom-right diagonal (of the
+    *_bottom_right types, and of a window on `padding`) sits at each
+    sequence's own corner, its actual key/value length less its query
+    length, as TE's: cross-attention over padded batches equals each
+    sequence alone without padding."""
+    torch.manual_seed(0)
+    b, sq, skv, lens_q, lens_kv = 2, 5, 7, [3, 5], [6, 2]
+    q, k, v = torch.randn(b, sq, 2, 8), torch.randn(b, skv, 2, 8), torch.randn(b, skv, 2, 8)
+    q_mask = (torch.arange(sq).view(1, sq) >= torch.tensor(lens_q).view(b, 1)).view(b, 1, 1, sq)
+    kv_mask = (torch.arange(skv).view(1, skv) >= torch.tensor(lens_kv).view(b, 1)).view(b, 1, 1, skv)
+    attn = te.DotProductAttention(2, 8, qkv_format="bshd", attention_type="cross")
+    out = attn(q, k, v, attention_mask=(q_mask, kv_mask), attn_mask_type=mask_type, window_size=window)
+    alone = mask_type.replace("padding_", "").replace("padding", "no_mask")
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_kv)):
+        ref = attn(q[i:i + 1, :lq], k[i:i + 1, :lk], v[i:i + 1, :lk], attn_mask_type=alone, window_size=window)
+        torch.testing.assert_close(out[i, :lq], ref[0])
+
+
+@pytest.mark.parametrize("bias_type", ["post_scale_bias", "pre_scale_bias"])
+@pytest.mark.parametrize("mask_type", ["causal", "no_mask", "causal_bottom_right"])
+def test_dot_product_attention_bias(bias_type, mask_type):
+    """core_attention_bias is added to the scores after the scale
+    (post_scale_bias) or before it (pre_scale_bias), and the mask type
+    still applies (a causal mask with a bias among them)."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 2, 5, 8
+    attn = te.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask_type)
+    q, k, v = make_qkv(b, s, s, h, h, d, "bshd")
+    bias = torch.randn(1, h, s, s)
+    out = attn(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=bias)
+    qd, kd, vd = (to_bhsd(t, "bshd").double() for t in (q, k, v))
+    scale = 1 / math.sqrt(d)
+    scores = (qd @ kd.transpose(-1, -2) + bias.double()) * scale if bias_type == "pre_scale_bias" else \
+        (qd @ kd.transpose(-1, -2)) * scale + bias.double()
+    if mask_type != "no_mask":
+        scores = scores.masked_fill(~tri(s, s).view(1, 1, s, s), float("-inf"))
+    ref = from_bhsd(torch.softmax(scores, -1) @ vd, "bshd")
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_dot_product_attention_mask_and_cu_seqlens_checks():
+    """Masks of the wrong shape and cu_seqlens beyond the input raise a
+    ValueError naming the argument (not an error of an indexing op)."""
+    q = torch.randn(4, 2, 2, 8)
+    padding = te.DotProductAttention(2, 8, attn_mask_type="padding")
+    with pytest.raises(ValueError, match=r"attention_mask: the query padding mask must be \[b, 1, 1, s\]"):
+        padding(q, q, q, attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key/value padding mask"):
+        padding(q, q, q, attention_mask=(torch.zeros(2, 1, 1, 4, dtype=torch.bool),
+                                         torch.zeros(2, 1, 1, 3, dtype=torch.bool)))
+    arbitrary = te.DotProductAttention(2, 8, attn_mask_type="arbitrary")
+    with pytest.raises(ValueError, match="attention_mask: an arbitrary mask must broadcast"):
+        arbitrary(q, q, q, attention_mask=torch.zeros(2, 1, 4, 5, dtype=torch.bool))
+    thd = te.DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding_causal")
+    t = torch.randn(5, 2, 8)
+
+    def cu(*v):
+        return torch.tensor(v, dtype=torch.int32)
+
+    with pytest.raises(ValueError, match="cu_seqlens_q describes 6 tokens; the input holds 5"):
+        thd(t, t, t, cu_seqlens_q=cu(0, 3, 6), cu_seqlens_kv=cu(0, 3, 5))
+    with pytest.raises(ValueError, match="cu_seqlens_kv must be non-decreasing"):
+        thd(t, t, t, cu_seqlens_q=cu(0, 3, 5), cu_seqlens_kv=cu(0, 3, 2))
+    with pytest.raises(ValueError, match="cu_seqlens_q_padded"):
+        thd(t, t, t, cu_seqlens_q=cu(0, 3, 5), cu_seqlens_kv=cu(0, 3, 5), cu_seqlens_q_padded=cu(0, 2, 5),
+            cu_seqlens_kv_padded=cu(0, 3, 5))
+    assert thd(t, t, t, cu_seqlens_q=cu(0, 2, 4), cu_seqlens_kv=cu(0, 2, 4)).shape == (5, 16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_norms_attention_grouped(dtype):

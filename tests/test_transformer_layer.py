@@ -535,3 +535,49 @@ def test_activation_recompute_fp8(recipe_name, fp8, fp8_params, reentrant, how):
     got = _recompute_run(rec, fp8, fp8_params, how, reentrant)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_no_tokens(fmt):
+    """A batch of no tokens (an empty sequence, or packed sequences all of
+    length 0) runs forward and backward: an empty output of the input's
+    shape and zero gradients."""
+    block = _layer("cpu", num_gqa_groups=2, attn_input_format=fmt, layer_type="decoder",
+                   self_attn_mask_type="padding_causal" if fmt == "thd" else "causal")
+    shape = {"sbhd": (0, B, H), "bshd": (B, 0, H), "thd": (0, H)}[fmt]
+    x = torch.randn(shape, requires_grad=True)
+    enc = torch.randn({"sbhd": (3, B, H), "bshd": (B, 3, H), "thd": (0, H)}[fmt], requires_grad=True)
+    kw = {}
+    if fmt == "thd":
+        zeros = torch.zeros(B + 1, dtype=torch.int32)
+        kw = dict(cu_seqlens_q=zeros, cu_seqlens_kv=zeros, max_seqlen_q=0, max_seqlen_kv=0)
+    y = block(x, encoder_output=enc, **kw)
+    assert y.shape == shape
+    y.sum().backward()
+    assert x.grad.shape == shape
+    assert all(p.grad is None or not p.grad.any() for p in block.parameters())
+
+
+def test_misuses_name_the_argument():
+    """A wrong argument raises an exception that names it, not an error of
+    an inner reshape, broadcast or slice; an encoder output of another
+    batch is refused rather than broadcast."""
+    decoder = _layer("cpu", layer_type="decoder")
+    x = torch.randn(S, B, H)
+    with pytest.raises(ValueError, match="encoder_output .* the same batch"):
+        decoder(x, encoder_output=torch.randn(S, 1, H))
+    with pytest.raises(ValueError, match=r"window_size must be a pair \(left, right\)"):
+        decoder(x, window_size=(3,), encoder_output=x)
+    with pytest.raises(ValueError, match="hidden_states must be 3-D in sbhd"):
+        decoder(x[:, 0], encoder_output=x)
+    with pytest.raises(TypeError, match="attention_mask: an arbitrary mask is one tensor"):
+        _layer("cpu")(x, self_attn_mask_type="arbitrary", attention_mask=[torch.zeros(1, 1, S, S, dtype=torch.bool)])
+    mha = te.MultiheadAttention(H, HEADS, attn_mask_type="arbitrary", device="cpu")
+    with pytest.raises(TypeError, match="attention_mask must be boolean"):
+        mha(x, attention_mask=torch.zeros(B, 1, S, S))
+    thd = _layer("cpu", attn_input_format="thd", self_attn_mask_type="padding_causal")
+    packed = torch.randn(5, H)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an integer tensor"):
+        thd(packed, cu_seqlens_q=torch.tensor([0.0, 2.0, 5.0]))
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
+        thd(packed, cu_seqlens_q=[0, 2, 5], rotary_pos_emb=te.RotaryPositionEmbedding(H // HEADS)(8))

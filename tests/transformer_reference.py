@@ -1,9 +1,11 @@
 """Pure-PyTorch reference of MultiheadAttention and TransformerLayer in
 whatever dtype it is given (the tests give float64), reading the parameters
 by TE's names from a {name: tensor} dict of an unsharded layer: the qkv
-layouts, grouped-query attention, rotary embedding, the residual variants.
-Written from TE's documented semantics, independently of the package's
-code; tests/test_transformer_layer.py and
+layouts, grouped-query attention, rotary embedding, qk norms, the mask
+types (TE's diagonal alignment, padding, arbitrary masks, windows),
+attention biases, the residual variants. Written from TE's documented
+semantics, independently of the package's code;
+tests/test_transformer_layer.py, tests/test_transformer_layer_fuzz.py and
 tests/distributed/run_transformer_layer_tp.py use it."""
 import math
 
@@ -26,22 +28,45 @@ def rotate(x, freqs, interleaved=False):
     return torch.cat((head * f.cos() + rot * f.sin(), tail), dim=-1)
 
 
-def attention(q, k, v, mask_type="causal", window=None):
-    """q [s, b, h, d], k / v [skv, b, g, d] (g divides h) -> [s, b, h * d]."""
+def attention(q, k, v, mask_type="causal", window=None, allowed=None, lengths=None, bias=None):
+    """q [s, b, h, d], k / v [skv, b, g, d] (g divides h) -> [s, b, h * d].
+    TE's masks: the causal diagonal and the window (left, right) are aligned
+    top-left for causal and padding_causal, bottom-right (key j of query i
+    shifted by skv - s) for every other type; `allowed` (True: attend), if
+    given, broadcasts to [b, h, s, skv] (padding and arbitrary masks); with
+    `lengths` (each batch's query and key/value lengths, [b] each: a padding
+    mask's), the bottom-right corner is each batch's own; `bias` (pre- or
+    post-scale: (type, [.., h, s, skv])) is added to the scores. A query
+    with no key left gives zeros."""
     s, b, h, d = q.shape
     skv, g = k.shape[0], k.shape[2]
     k = k.repeat_interleave(h // g, dim=2)
     v = v.repeat_interleave(h // g, dim=2)
-    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(d)
-    i = torch.arange(s).view(s, 1)
-    j = torch.arange(skv).view(1, skv)
-    allowed = torch.ones(s, skv, dtype=torch.bool)
-    if "causal" in mask_type:
-        allowed &= j <= i
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k)
+    if bias is not None and bias[0] == "pre_scale_bias":
+        scores = scores + bias[1]
+    scores = scores / math.sqrt(d)
+    if bias is not None and bias[0] == "post_scale_bias":
+        scores = scores + bias[1]
+    causal = "causal" in mask_type
+    offset = torch.tensor(0 if mask_type in ("causal", "padding_causal") else skv - s).view(1, 1, 1, 1)
+    if lengths is not None and mask_type not in ("causal", "padding_causal"):
+        offset = (lengths[1] - lengths[0]).view(b, 1, 1, 1)
+    i = torch.arange(s).view(1, 1, s, 1) + offset
+    j = torch.arange(skv).view(1, 1, 1, skv)
+    band = torch.ones(i.shape[0], 1, s, skv, dtype=torch.bool)
+    if causal:
+        band &= j <= i
     if window is not None and window[0] >= 0:
-        allowed &= j >= i - window[0]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v)
+        band &= j >= i - window[0]
+    if window is not None and window[1] >= 0 and not causal:
+        band &= j <= i + window[1]
+    keep = band if allowed is None else band & allowed.to(torch.bool)
+    keep = keep.expand(b, h, s, skv)
+    empty = ~keep.any(-1, keepdim=True)
+    scores = scores.masked_fill(~(keep | empty), float("-inf"))
+    probs = scores.softmax(-1).masked_fill(empty, 0.0)
+    out = torch.einsum("bhst,tbhd->sbhd", probs, v)
     return out.reshape(s, b, h * d)
 
 
@@ -81,11 +106,23 @@ def _cat(p, prefix, names):
     return torch.cat(parts) if parts else None
 
 
-def mha(x, p, prefix, cfg, encoder_output=None, freqs=None, mask_type="causal", window=None):
+def _qk_norm(q, k, p, prefix, cfg):
+    """MultiheadAttention's qk_norm_type: each head's query and key
+    normalised (q_norm, k_norm; eps qk_norm_eps)."""
+    eps = cfg.get("qk_norm_eps", 1e-6)
+    return tuple(norm(t, p[f"{prefix}{n}.weight"], p.get(f"{prefix}{n}.bias"), eps, cfg["qk_norm"], False)
+                 for t, n in ((q, "q_norm"), (k, "k_norm")))
+
+
+def mha(x, p, prefix, cfg, encoder_output=None, freqs=None, mask_type="causal", window=None, allowed=None,
+        lengths=None, bias=None):
     """Self-attention (encoder_output None) or cross-attention of
-    MultiheadAttention's parameters under `prefix`. Returns (output before
-    the projection's bias, the projection's bias or None, the norm's output
-    or None)."""
+    MultiheadAttention's parameters under `prefix` (`allowed`, `lengths`,
+    `bias`: attention's). Returns (output before the projection's bias, the
+    projection's bias or None, the norm's output or None). freqs: one angle
+    table, or (the query's, the key's); cfg's qk_norm ("RMSNorm" /
+    "LayerNorm"), qk_norm_eps and qk_norm_before_rope normalise each head's
+    query and key."""
     heads, groups, hn = cfg["heads"], cfg["groups"], cfg["kv_channels"]
     eps, normalization, zcg = cfg.get("eps", 1e-5), cfg.get("normalization", "LayerNorm"), cfg.get("zcg", False)
     ln_out = None
@@ -118,10 +155,16 @@ def mha(x, p, prefix, cfg, encoder_output=None, freqs=None, mask_type="causal", 
             k, v = pairs[..., :hn], pairs[..., hn:]
         else:
             k, v = _heads(mixed[..., :groups * hn], groups, hn), _heads(mixed[..., groups * hn:], groups, hn)
+    qk_norm, before = cfg.get("qk_norm"), cfg.get("qk_norm_before_rope", False)
+    if qk_norm and before:
+        q, k = _qk_norm(q, k, p, prefix, cfg)
     if freqs is not None:
-        q, k = rotate(q, freqs, cfg.get("rope_interleaved", False)), rotate(k, freqs, cfg.get("rope_interleaved",
-                                                                                              False))
-    ctx = attention(q, k, v, mask_type, window)
+        q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
+        q, k = rotate(q, q_freqs, cfg.get("rope_interleaved", False)), rotate(k, k_freqs,
+                                                                                cfg.get("rope_interleaved", False))
+    if qk_norm and not before:
+        q, k = _qk_norm(q, k, p, prefix, cfg)
+    ctx = attention(q, k, v, mask_type, window, allowed, lengths, bias)
     return F.linear(ctx, p[prefix + "proj.weight"]), p.get(prefix + "proj.bias"), ln_out
 
 
@@ -129,12 +172,15 @@ def transformer_layer(x, p, cfg, encoder_output=None, freqs=None):
     """TransformerLayer without dropout, x [s, b, hidden] (sbhd). cfg: heads,
     groups, kv_channels, interleaved, eps, normalization, zcg, activation,
     post_ln (apply_residual_connection_post_layernorm), output_ln,
-    parallel (parallel_attention_mlp), decoder, mask_type, window."""
+    parallel (parallel_attention_mlp), decoder, mask_type, window, allowed
+    (self-attention's extra mask, True: attend), lengths, bias, and
+    cross-attention's enc_mask_type, enc_window, enc_allowed, enc_lengths."""
     def add(out, bias, residual):
         return residual + (out + bias if bias is not None else out)
 
     mask, window = cfg.get("mask_type", "causal"), cfg.get("window")
-    out, bias, ln_out = mha(x, p, "self_attention.", cfg, freqs=freqs, mask_type=mask, window=window)
+    out, bias, ln_out = mha(x, p, "self_attention.", cfg, freqs=freqs, mask_type=mask, window=window,
+                            allowed=cfg.get("allowed"), lengths=cfg.get("lengths"), bias=cfg.get("bias"))
     mlp_p = {k[len("layernorm_mlp."):]: v for k, v in p.items() if k.startswith("layernorm_mlp.")}
     mlp_kw = dict(activation=cfg.get("activation", "gelu"), normalization=cfg.get("normalization", "LayerNorm"),
                   eps=cfg.get("eps", 1e-5), zero_centered_gamma=cfg.get("zcg", False))
@@ -146,7 +192,8 @@ def transformer_layer(x, p, cfg, encoder_output=None, freqs=None):
     h = add(out, bias, ln_out if post_ln and ln_out is not None else x)
     if cfg.get("decoder"):
         out, bias, ln_out = mha(h, p, "inter_attention.", cfg, encoder_output=encoder_output, freqs=freqs,
-                                mask_type="no_mask")
+                                mask_type=cfg.get("enc_mask_type", "no_mask"), window=cfg.get("enc_window"),
+                                allowed=cfg.get("enc_allowed"), lengths=cfg.get("enc_lengths"))
         h = add(out, bias, ln_out if post_ln else h)
     bias2 = mlp_p.pop("fc2_bias", None)
     mlp_out, mlp_ln = layernorm_mlp(h, mlp_p, **mlp_kw)

@@ -17,10 +17,11 @@ element True is masked out):
 `window_size` (left, right) limits each query to keys i - left .. i + right
 (-1: unbounded); its diagonal is top-left aligned for causal and
 padding_causal, bottom-right for the other types, unless
-`bottom_right_diagonal` says. Query rows with no key
-left produce zeros. Heads are split over the tensor-parallel group: the
-inputs hold this rank's num_attention_heads / tp_size heads (and
-num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
+`bottom_right_diagonal` says; under a padding mask a bottom-right
+diagonal is at each sequence's own corner (its actual lengths), as TE's.
+Query rows with no key left produce zeros. Heads are split over the
+tensor-parallel group: the inputs hold this rank's num_attention_heads /
+tp_size heads (and num_gqa_groups / tp_size key/value heads). attention_dropout is drawn under
 the RNG tracker's fork() when one is given and sequence_parallel is off, as
 TE does.
 
@@ -67,7 +68,10 @@ def _window(window_size, mask_type):
     causal = "causal" in mask_type
     if window_size is None:
         return (-1, 0) if causal else (-1, -1)
-    left, right = (int(v) for v in window_size)
+    try:
+        left, right = (int(v) for v in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
     if causal and right not in (0, -1):
@@ -75,25 +79,29 @@ def _window(window_size, mask_type):
     return (left, 0) if causal else (left, right)
 
 
-def _band(sq, skv, mask_type, window, device, bottom_right=None):
+def _band(sq, skv, mask_type, window, device, bottom_right=None, shift=None):
     """[sq, skv] allowed-mask of the causal diagonal and the window, or None
     if every pair is allowed. The diagonal is bottom-right aligned for the
     *_bottom_right and non-causal mask types, top-left for causal and
     padding_causal (TE's bottom_right_diagonal=None), or as `bottom_right`
-    says."""
+    says. A bottom-right diagonal is shifted by skv - sq, or with `shift`
+    ([b]: each batch's actual key/value length less its query length, of a
+    padding mask) by each batch's own, as TE; the mask is then
+    [b, 1, sq, skv]."""
     left, right = window
     if left == -1 and right == -1:
         return None
     if bottom_right is None:
         bottom_right = mask_type not in ("causal", "padding_causal")
-    offset = skv - sq if bottom_right else 0
-    i = torch.arange(sq, device=device).view(sq, 1) + offset
+    i = torch.arange(sq, device=device).view(sq, 1)
+    if bottom_right:
+        i = i + (skv - sq) if shift is None else i.view(1, 1, sq, 1) + shift.view(-1, 1, 1, 1)
     j = torch.arange(skv, device=device).view(1, skv)
     allowed = torch.ones(sq, skv, dtype=torch.bool, device=device)
     if right != -1:
-        allowed &= j <= i + right
+        allowed = allowed & (j <= i + right)
     if left != -1:
-        allowed &= j >= i - left
+        allowed = allowed & (j >= i - left)
     return allowed
 
 
@@ -121,7 +129,8 @@ def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
 
 
 def _padding_allowed(attention_mask, b, sq, skv, self_attention):
-    """Allowed-mask [b, 1, sq, skv] of TE's padding masks (True: padded)."""
+    """Allowed-mask [b, 1, sq, skv] of TE's padding masks (True: padded),
+    and each batch's actual key/value length less its query length ([b])."""
     if isinstance(attention_mask, (tuple, list)):
         if len(attention_mask) != 2:
             raise ValueError("attention_mask: a padding mask pair must be (q_mask, kv_mask)")
@@ -132,9 +141,33 @@ def _padding_allowed(attention_mask, b, sq, skv, self_attention):
         q_mask = kv_mask = attention_mask
         if not self_attention or sq != skv:
             raise ValueError("attention_mask: cross-attention padding needs the pair (q_mask, kv_mask)")
+    for m, n, what in ((q_mask, sq, "query"), (kv_mask, skv, "key/value")):
+        if not isinstance(m, torch.Tensor) or m.numel() != b * n:
+            raise ValueError(f"attention_mask: the {what} padding mask must be [b, 1, 1, s] = [{b}, 1, 1, {n}], got "
+                             f"{tuple(getattr(m, 'shape', ()))}")
     q_ok = ~q_mask.to(torch.bool).reshape(b, 1, sq, 1)
     kv_ok = ~kv_mask.to(torch.bool).reshape(b, 1, 1, skv)
-    return q_ok & kv_ok
+    shift = kv_ok.reshape(b, skv).sum(1) - q_ok.reshape(b, sq).sum(1)
+    return q_ok & kv_ok, shift
+
+
+def _check_cu_seqlens(name, cu, cu_padded, tokens):
+    """cu_seqlens (and its padded form) must delimit sequences of
+    non-negative length within the `tokens` rows of the input."""
+    for t, n in ((cu, name), (cu_padded, f"{name}_padded")):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise TypeError(f"{n} must be an integer tensor, got {type(t).__name__} "
+                            f"{getattr(t, 'dtype', '')}".rstrip())
+    lens = torch.diff(cu)
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or bool((lens < 0).any()):
+        raise ValueError(f"{name} must be non-decreasing offsets [b + 1] from 0, got {cu.tolist()}")
+    if cu_padded is None:
+        if int(cu[-1]) > tokens:
+            raise ValueError(f"{name} describes {int(cu[-1])} tokens; the input holds {tokens}")
+        return
+    if cu_padded.shape != cu.shape or bool((torch.diff(cu_padded) < lens).any()) or int(cu_padded[-1]) > tokens:
+        raise ValueError(f"{name}_padded ({cu_padded.tolist()}) must hold each sequence of {name} "
+                         f"({cu.tolist()}) within the input's {tokens} tokens")
 
 
 class DotProductAttention(ExtraStateMixin, torch.nn.Module):
@@ -288,25 +321,33 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
             b, h, sq, _ = q.shape
             skv = k.shape[2]
             allowed = _band(sq, skv, mask_type, window, q.device, br)
-            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br
+            # the kernels' is_causal, where no bias needs the explicit mask
+            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br and bias is None
             if plain_causal:
                 allowed = None
             if allowed is not None:
                 allowed = allowed.view(1, 1, sq, skv)
             if mask_type.startswith("padding"):
-                pad = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+                pad, shift = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+                if allowed is not None:  # a bottom-right diagonal at each sequence's own corner
+                    allowed = _band(sq, skv, mask_type, window, q.device, br, shift)
                 allowed = pad if allowed is None else allowed & pad
-                if plain_causal:
-                    allowed = allowed & _band(sq, skv, "causal", (-1, 0), q.device, br)
-                plain_causal = False
             elif mask_type == "arbitrary":
                 if attention_mask is None:
                     raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
+                if not isinstance(attention_mask, torch.Tensor):
+                    raise TypeError(f"attention_mask: an arbitrary mask is one tensor, got "
+                                    f"{type(attention_mask).__name__}")
                 am = ~attention_mask.to(torch.bool)
+                try:
+                    torch.broadcast_shapes(am.shape, (b, h, sq, skv))
+                except RuntimeError:
+                    raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
+                                     f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
                 allowed = am if allowed is None else allowed & am
             out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
             out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
-            return out.reshape(out.shape[0], out.shape[1], -1)
+            return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
 
     def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br):
         if cu_q is None or cu_kv is None:
@@ -317,6 +358,8 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         if mask_type == "arbitrary":
             raise NotImplementedError("DotProductAttention: attn_mask_type='arbitrary' with qkv_format='thd' is "
                                       "not supported")
+        _check_cu_seqlens("cu_seqlens_q", cu_q, cu_q_pad, q.shape[0])
+        _check_cu_seqlens("cu_seqlens_kv", cu_kv, cu_kv_pad, k.shape[0])
         lens_q = torch.diff(cu_q).tolist()
         lens_kv = torch.diff(cu_kv).tolist()
         if len(lens_q) != len(lens_kv):
@@ -344,4 +387,4 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         else:
             for a, n, o in pieces:
                 out = out.index_copy(0, torch.arange(a, a + n, device=q.device), o)
-        return out.reshape(out.shape[0], -1)
+        return out.reshape(out.shape[0], out.shape[1] * out.shape[2])

@@ -183,12 +183,18 @@ class MultiheadAttention(torch.nn.Module):
             q, k, v = mixed.view(*lead, groups, per_group + 2, hn).split((per_group, 1, 1), dim=-2)
         else:  # [..., per_group + 2, groups, hn]
             q, k, v = mixed.view(*lead, per_group + 2, groups, hn).split((per_group, 1, 1), dim=-3)
-        q, k, v = (t.reshape(*lead, -1, hn) for t in (q, k, v))
+        q = q.reshape(*lead, groups * per_group, hn)
+        k, v = k.reshape(*lead, groups, hn), v.reshape(*lead, groups, hn)
         return q, k, v, ln_out
 
     def _cross_qkv(self, hidden_states, encoder_output, is_first_microbatch):
         if encoder_output is None:
             raise ValueError("MultiheadAttention: cross-attention needs encoder_output")
+        if encoder_output.dim() != hidden_states.dim() or (
+                self.qkv_format != "thd" and encoder_output.shape[self.qkv_format.index("b")] !=
+                hidden_states.shape[self.qkv_format.index("b")]):
+            raise ValueError(f"MultiheadAttention: encoder_output {tuple(encoder_output.shape)} must be laid out as "
+                             f"hidden_states {tuple(hidden_states.shape)} ({self.qkv_format}), with the same batch")
         kv = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
         groups, hn = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
         lead = kv.shape[:-1]
@@ -196,7 +202,7 @@ class MultiheadAttention(torch.nn.Module):
             k, v = kv.view(*lead, groups, 2 * hn).split(hn, dim=-1)
         else:  # [..., 2 * groups, hn]: every key, then every value
             k, v = kv.view(*lead, 2 * groups, hn).split(groups, dim=-2)
-        k, v = k.reshape(*lead, -1, hn), v.reshape(*lead, -1, hn)
+        k, v = k.reshape(*lead, groups, hn), v.reshape(*lead, groups, hn)
         q, ln_out = self._project("layernorm_query", "query_layer", hidden_states, is_first_microbatch)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, hn)
         return q, k, v, ln_out
@@ -218,10 +224,14 @@ class MultiheadAttention(torch.nn.Module):
         if core_attention_bias_type not in BIAS_TYPES:
             raise ValueError(f"core_attention_bias_type must be one of {BIAS_TYPES}, got "
                              f"{core_attention_bias_type!r}")
-        if "padding" in attn_mask_type and attention_mask is not None:
+        if ("padding" in attn_mask_type or attn_mask_type == "arbitrary") and attention_mask is not None:
             masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,)
-            if any(m.dtype != torch.bool for m in masks):
+            if any(getattr(m, "dtype", None) != torch.bool for m in masks):
                 raise TypeError("MultiheadAttention: attention_mask must be boolean (True: masked out)")
+        need = 2 if self.qkv_format == "thd" else 3
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != need:
+            raise ValueError(f"MultiheadAttention: hidden_states must be {need}-D in {self.qkv_format}, got "
+                             f"{tuple(getattr(hidden_states, 'shape', ()))}")
         if self.attention_type == "self":
             q, k, v, ln_out = self._self_qkv(hidden_states, is_first_microbatch)
         else:

@@ -180,6 +180,10 @@ def _check(t, freqs, fmt, interleaved, cu_seqlens, start_positions, cp_size, cp_
     if fmt == "thd":
         if cu_seqlens is None:
             raise ValueError("apply_rotary_pos_emb: tensor_format='thd' needs cu_seqlens")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point \
+                or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"apply_rotary_pos_emb: cu_seqlens must be an integer tensor, got "
+                            f"{type(cu_seqlens).__name__} {getattr(cu_seqlens, 'dtype', '')}".rstrip())
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"apply_rotary_pos_emb: cu_seqlens must be 1-D [b + 1], got {tuple(cu_seqlens.shape)}")
     elif cp_size > 1 and (t.shape[0 if fmt == "sbhd" else 1] % 2):
