@@ -102,6 +102,22 @@ def test_layer_returns_bias_and_layernorm_output(device):
     check_compiled(tec.Linear(64, 32, return_bias=True, device=device), torch.randn(15, 64, device=device))
 
 
+
+@pytest.mark.parametrize("make", [lambda: tec.Linear(64, 32, bias=False, return_bias=True, device=DEV),
+                                  lambda: tec.LayerNormLinear(64, 32, bias=False, return_bias=True, device=DEV)],
+                         ids=["Linear", "LayerNormLinear"])
+def test_return_bias_without_a_bias_returns_the_empty_tensor(make):
+    """return_bias on a layer without a bias: compiled, the same empty
+    tensor as the eager call (TE's)."""
+    torch.manual_seed(19)
+    m = make()
+    x = torch.randn(12, 64, device=DEV)
+    y, b = torch.compile(m, fullgraph=True)(x)
+    ye, be = m(x)
+    _same((y, b), (ye, be))
+    assert b.numel() == 0
+
+
 def test_layernorm_mlp_checkpoint_and_bf16():
     torch.manual_seed(2)
     check_compiled(tec.LayerNormMLP(64, 96, checkpoint=True, device=DEV), torch.randn(16, 64, device=DEV))
