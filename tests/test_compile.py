@@ -118,6 +118,25 @@ def test_return_bias_without_a_bias_returns_the_empty_tensor(make):
     assert b.numel() == 0
 
 
+def test_a_call_of_two_tensors_without_grad():
+    """A layer call that crosses with two tensors (Linear without a bias:
+    the input and the weight) and needs no gradient (under no_grad, or a
+    frozen weight and an input without grad): the compiler calls the
+    Function's forward as it does any other's."""
+    torch.manual_seed(20)
+    m = torch.nn.Sequential(tec.Linear(64, 48, bias=False, device=DEV), tec.Linear(48, 32, bias=False, device=DEV))
+    f = torch.compile(m, fullgraph=True)
+    x = torch.randn(2, 6, 64, device=DEV)
+    with torch.no_grad():
+        _same(f(x), m(x))
+    with torch.inference_mode():
+        _same(f(x), m(x))
+    for p in m.parameters():
+        p.requires_grad_(False)
+    _same(f(x), m(x))
+    assert _breaks() == 0
+
+
 def test_layernorm_mlp_checkpoint_and_bf16():
     torch.manual_seed(2)
     check_compiled(tec.LayerNormMLP(64, 96, checkpoint=True, device=DEV), torch.randn(16, 64, device=DEV))
