@@ -107,6 +107,9 @@ layer_fwd = _define("layer_fwd(str key, Tensor[] tensors, bool[] given, int firs
                     "-> Tensor[]", _layer_fwd, _layer_fwd_fake)
 layer_bwd = _define("layer_bwd(str key, Tensor[] tensors, bool[] given, Tensor[] saved, Tensor?[] grads, "
                     "bool[] needs, int first_mb, bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
+# layer_bwd writes what its outputs do not show (main_grad, the delayed weight
+# gradients' queue): the compiler keeps it where no gradient it returns is used
+getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)(layer_bwd)
 
 
 class _LayerCall(torch.autograd.Function):
