@@ -373,6 +373,50 @@ def test_fp8_compiled_steps_match_eager_with_their_state(recipe):
     assert not _opcall._FP8_CTX  # every forward's kept operands were freed with its backward
 
 
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, inner, use_reentrant):
+        super().__init__()
+        self.inner, self.use_reentrant = inner, use_reentrant
+
+    def forward(self, x):
+        return tec.checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "nonreentrant"])
+def test_fp8_tec_checkpoint_inside_compiled_matches_eager(recipe, use_reentrant):
+    """tec.checkpoint inside the compiled function, the FP8 autocast around
+    its call: the FP8 layer calls keep their forward for the backward (not
+    run again there, outside the autocast); outputs, gradients and the
+    recipe's state as eager tec.checkpoint's, bit for bit."""
+    def build():
+        torch.manual_seed(22)
+        return _Checkpointed(torch.nn.Sequential(tec.LayerNormLinear(32, 64, device=DEV),
+                                                 tec.LayerNormMLP(64, 64, device=DEV),
+                                                 tec.Linear(64, 32, bias=False, device=DEV)), use_reentrant)
+    torch.manual_seed(23)
+    xs = [torch.randn(16, 32, device=DEV) for _ in range(3)]
+    make = getattr(tec.recipe, recipe)
+    out_e, state_e = _fp8_steps(build(), make(), xs)
+    out_c, state_c = _fp8_steps(torch.compile(build(), fullgraph=True, backend="aot_eager"), make(), xs)
+    assert _breaks() == 0
+    _same(out_e, out_c)
+    _same(state_e, state_c)
+
+
+def test_fp8_torch_checkpoint_inside_compiled_names_tec_checkpoint():
+    """torch's own checkpoint inside the compiled function recomputes an FP8
+    layer call in the backward, outside the autocast: refused, naming
+    tec.checkpoint."""
+    m = tec.Linear(32, 32, device=DEV)
+    f = torch.compile(lambda x: torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False), fullgraph=True,
+                      backend="aot_eager")
+    with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
+        y = f(torch.randn(16, 32, device=DEV, requires_grad=True))
+    with pytest.raises(RuntimeError, match="tec.checkpoint"):
+        y.sum().backward()
+
+
 def test_fp8_forward_without_backward_frees_its_operands():
     from transformer_engine_c.module import _opcall
     import gc
