@@ -77,8 +77,8 @@ def random_config(rng, backend=None):
         c["layers"] = [rng.choice(("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm")) for _ in range(
             rng.choice([2, 3]))]
         c["return_bias"] = False
-    # FP8 around the compiled call: the linear layers (alone or stacked), dims multiples of 16
-    fp8_ok = kind in LINEAR_KINDS or kind == "Stack" and "LayerNorm" not in c["layers"]
+    # FP8 around the compiled call: the linear layers (alone, stacked, in a TransformerLayer), dims multiples of 16
+    fp8_ok = kind in LINEAR_KINDS + ("TransformerLayer",) or kind == "Stack" and "LayerNorm" not in c["layers"]
     c["recipe"] = c["recipe2"] = None
     if fp8_ok and rng.random() < 0.35:
         c["recipe"] = _random_recipe(rng)
@@ -89,7 +89,7 @@ def random_config(rng, backend=None):
     leads = [(16,), (32,), (8, 2), (4, 4), (0,)] if c["recipe"] else [(16,), (12,), (5,), (4, 3), (2, 5), (1,), (0,),
                                                                        (0, 3)]
     if kind in ("DotProductAttention", "TransformerLayer"):
-        leads = [(8, 2), (4, 2), (6, 1), (5, 3)]
+        leads = [(8, 2), (4, 2), (16, 1)] if c["recipe"] else [(8, 2), (4, 2), (6, 1), (5, 3)]
     lead = rng.choice(leads)
     pattern = rng.choice(["none", "mb", "random"])
     steps = []
@@ -113,6 +113,9 @@ def random_config(rng, backend=None):
         steps.append(dict(mode=mode, first_mb=first_mb, lead=lead if rng.random() < 0.7 else rng.choice(leads),
                           in32=c["dtype"] == "bf16" and rng.random() < 0.2, strided=rng.random() < 0.1,
                           fp8=c["recipe"] is not None and rng.random() < 0.9))
+    if kind == "DotProductAttention" and c["backend"] == "inductor":
+        for s in steps:  # torch's Inductor fails on SDPA of some strided views (a meta shape check), without us
+            s["strided"] = False
     if kind == "GroupedLinear":
         for s in steps:
             rows = 1
@@ -362,11 +365,17 @@ def same_bits(a, b):
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
 
 
-def close(a, b):
+def close(a, b, fp8):
+    """Equal to rounding; under FP8 (where a rounding difference can move a
+    value to the next FP8 step, and a small gradient summed from them can
+    cancel) by the whole tensor's relative error, loosely."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     tol = 2e-2 if a.dtype is torch.bfloat16 else 1e-5
-    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol, equal_nan=True)
+    a, b = a.float(), b.float()
+    if fp8:
+        return bool((a - b).norm() <= 0.2 * a.norm() + 1e-6)
+    return torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True)
 
 
 def differences(c, eager, comp):
@@ -389,7 +398,7 @@ def differences(c, eager, comp):
         if (a is None) != (b is None):
             diffs.append(f"{la}: eager {'None' if a is None else 'a tensor'}, compiled "
                          f"{'None' if b is None else 'a tensor'}")
-        elif a is not None and not (close(a, b) if rounding else same_bits(a, b)):
+        elif a is not None and not (close(a, b, c["recipe"] is not None) if rounding else same_bits(a, b)):
             err = (a.float() - b.float()).abs().max().item() if a.shape == b.shape and a.numel() else None
             diffs.append(f"{la} differs ({tuple(a.shape)} {a.dtype} / {tuple(b.shape)} {b.dtype}, max {err})")
     return diffs
