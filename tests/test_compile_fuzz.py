@@ -61,6 +61,7 @@ def random_config(rng, backend=None):
         c["parallel"] = rng.choice([None, None, None, "column", "row"])
         c["sp"] = c["parallel"] is not None and rng.random() < 0.5
     c["frozen_norm"] = rng.random() < 0.1
+    c["mcore"] = c["wgrad"] == "fused" and rng.random() < 0.5  # Megatron's grad_added_to_main_grad on the weights
     if kind in ("LayerNorm", "RMSNorm"):
         c["zcg"] = rng.random() < 0.4
     if kind == "GroupedLinear":
@@ -124,6 +125,11 @@ def random_config(rng, backend=None):
             cuts = sorted(rng.randint(0, rows) for _ in range(c["groups"] - 1))
             s["splits"] = [b - a for a, b in zip([0] + cuts, cuts + [rows])]
     c["steps"] = steps
+    # the layer called twice in one function (a second micro-batch in the same graph)
+    c["twice"] = not c["return_bias"] and not c.get("ret_ln") and kind != "GroupedLinear" and rng.random() < 0.15
+    if c["twice"] and c["wrap"] and c["dynamic"]:
+        # torch's compiler fails on two checkpoints of a LayerNorm with dynamic=True (an AssertionError of its own)
+        c["dynamic"] = None
     return c
 
 
@@ -240,6 +246,8 @@ def build(c):
     for p in m.parameters():
         if p.dim() == 2 and c["wgrad"] == "fused":
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+            if c.get("mcore"):
+                p.grad_added_to_main_grad = False
         if p.dim() == 2 and c["wgrad"] == "frozen" or p.dim() == 1 and c.get("frozen_norm"):
             p.requires_grad_(False)
     return m
@@ -272,12 +280,19 @@ def make_fn(m, c):
             kw["encoder_output"] = x.detach() * 0.5
         if c["kind"] == "TransformerLayer" and c["rope"]:
             kw["rotary_pos_emb"] = RotaryPositionEmbedding(32 // c["heads"])(x.shape[0])
-        if wrap is None:
-            return m(*args, **kw)
-        if wrap == "torch":
-            return torch.utils.checkpoint.checkpoint(m, *args, use_reentrant=False, **kw)
-        return te.checkpoint(m, *args, use_reentrant=wrap == "tec_reentrant", **kw)
+        if c.get("twice"):
+            return call(m, wrap, args, kw) + call(m, wrap, (args[0] * 0.5,) + args[1:], kw)
+        return call(m, wrap, args, kw)
     return fn
+
+
+def call(m, wrap, args, kw):
+    """m(*args, **kw) under the drawn checkpoint."""
+    if wrap is None:
+        return m(*args, **kw)
+    if wrap == "torch":
+        return torch.utils.checkpoint.checkpoint(m, *args, use_reentrant=False, **kw)
+    return te.checkpoint(m, *args, use_reentrant=wrap == "tec_reentrant", **kw)
 
 
 def _snap(t):
@@ -328,9 +343,16 @@ def run(c, compiled):
                 if isinstance(loss, torch.Tensor):
                     loss.backward()
                     for layer in _layers(m):
-                        layer.backward_dw()
+                        for _ in range(2 if c.get("twice") else 1):
+                            layer.backward_dw()
                 res.append((f"step{i} x.grad", _snap(x.grad)))
-                res += [(f"step{i} {n}.grad", _snap(p.grad)) for n, p in m.named_parameters()]
+                # a weight with Megatron's grad_added_to_main_grad gets TE's dummy gradient (torch.empty): its
+                # shape and dtype are compared, and the flag
+                res += [(f"step{i} {n}.grad", _snap(p.grad) if not hasattr(p, "grad_added_to_main_grad") else
+                         None if p.grad is None else p.grad.new_zeros(p.grad.shape))
+                        for n, p in m.named_parameters()]
+                res += [(f"step{i} {n}.grad_added_to_main_grad={p.grad_added_to_main_grad}", None)
+                        for n, p in m.named_parameters() if hasattr(p, "grad_added_to_main_grad")]
                 res += [(f"step{i} {n}.main_grad", _snap(p.main_grad)) for n, p in m.named_parameters()
                         if hasattr(p, "main_grad")]
             for j, layer in enumerate(m.modules()):
