@@ -127,6 +127,15 @@ def random_config(rng, backend=None):
     c["steps"] = steps
     # the layer called twice in one function (a second micro-batch in the same graph)
     c["twice"] = not c["return_bias"] and not c.get("ret_ln") and kind != "GroupedLinear" and rng.random() < 0.15
+    if c["wrap"] == "tec_reentrant" and c["recipe"]:
+        # eagerly FP8 weight casts cached by is_first_microbatch under torch's reentrant checkpoint are not
+        # those of a plain call (left for another look; compiled, they are the plain call's)
+        for s in steps:
+            s["first_mb"] = None
+    if c["twice"] and c["wrap"] and c["recipe"]:
+        # eagerly the second call's recomputation (first in backward) pops the first call's FP8 stash (first in,
+        # first out, as TE's), which owns the backward amax reduction: not the non-checkpointed result
+        c["twice"] = False
     if c["twice"] and c["wrap"] and c["dynamic"]:
         # torch's compiler fails on two checkpoints of a LayerNorm with dynamic=True (an AssertionError of its own)
         c["dynamic"] = None
@@ -387,13 +396,13 @@ def same_bits(a, b):
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) if a.numel() else True
 
 
-def close(a, b, fp8):
+def close(a, b, fp8, bf16):
     """Equal to rounding; under FP8 (where a rounding difference can move a
     value to the next FP8 step, and a small gradient summed from them can
     cancel) by the whole tensor's relative error, loosely."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    tol = 2e-2 if a.dtype is torch.bfloat16 else 1e-5
+    tol = 2e-2 if bf16 else 1e-5  # the compute dtype's (an fp32 main_grad sums bf16 gradients)
     a, b = a.float(), b.float()
     if fp8:
         return bool((a - b).norm() <= 0.2 * a.norm() + 1e-6)
@@ -420,7 +429,7 @@ def differences(c, eager, comp):
         if (a is None) != (b is None):
             diffs.append(f"{la}: eager {'None' if a is None else 'a tensor'}, compiled "
                          f"{'None' if b is None else 'a tensor'}")
-        elif a is not None and not (close(a, b, c["recipe"] is not None) if rounding else same_bits(a, b)):
+        elif a is not None and not (close(a, b, c["recipe"] is not None, c["dtype"] == "bf16") if rounding else same_bits(a, b)):
             err = (a.float() - b.float()).abs().max().item() if a.shape == b.shape and a.numel() else None
             diffs.append(f"{la} differs ({tuple(a.shape)} {a.dtype} / {tuple(b.shape)} {b.dtype}, max {err})")
     return diffs
@@ -435,7 +444,7 @@ def compare(c):
     return differences(c, eager, comp), eager, comp
 
 
-SAMPLE = configs(4, 26, "aot_eager") + configs(10, 3, "inductor")
+SAMPLE = configs(6, 26, "aot_eager") + configs(60, 3, "inductor")
 
 
 @pytest.fixture(autouse=True)
@@ -469,6 +478,8 @@ def test_the_sample_covers_the_layers_and_options():
     assert {c["wrap"] for c in SAMPLE} >= {"tec_reentrant", "tec_nonreentrant", "torch"}
     assert {c["wgrad"] for c in SAMPLE} >= {"fused", "delayed", "frozen"}
     assert any(c.get("sp") for c in SAMPLE) and {c["backend"] for c in SAMPLE} == {"aot_eager", "inductor"}
+    assert any(c["mcore"] for c in SAMPLE) and any(c["twice"] for c in SAMPLE)
+    assert any(c["kind"] == "TransformerLayer" and c["recipe"] for c in SAMPLE)
     assert any(len({s["lead"] for s in c["steps"]}) > 1 for c in SAMPLE)
     steps = [s for c in SAMPLE for s in c["steps"]]
     assert {s["mode"] for s in steps} == {"train", "nograd", "inference", "fwd_only", "x_const"}
