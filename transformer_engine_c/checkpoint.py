@@ -24,7 +24,10 @@ runs under `activation_recompute_forward` (recompute_phase in backward).
 Inside an FP8 autocast the recomputation runs in the forward's autocast
 again (its recipe and group, without the exit's amax update), and each
 layer casts with the scales its forward used (module/_fp8.py), so the
-recomputed FP8 values are the forward's.
+recomputed FP8 values are the forward's. Traced by torch.compile it is
+PyTorch's non-reentrant checkpoint; under an FP8 autocast its FP8 layer
+calls keep their forward (a selective-checkpoint policy) instead of running
+again in the compiled backward, outside the autocast.
 """
 import contextlib
 import warnings
