@@ -102,6 +102,41 @@ def test_layer_returns_bias_and_layernorm_output(device):
     check_compiled(tec.Linear(64, 32, return_bias=True, device=device), torch.randn(15, 64, device=device))
 
 
+
+@pytest.mark.parametrize("make", [lambda: tec.Linear(64, 32, bias=False, return_bias=True, device=DEV),
+                                  lambda: tec.LayerNormLinear(64, 32, bias=False, return_bias=True, device=DEV)],
+                         ids=["Linear", "LayerNormLinear"])
+def test_return_bias_without_a_bias_returns_the_empty_tensor(make):
+    """return_bias on a layer without a bias: compiled, the same empty
+    tensor as the eager call (TE's)."""
+    torch.manual_seed(19)
+    m = make()
+    x = torch.randn(12, 64, device=DEV)
+    y, b = torch.compile(m, fullgraph=True)(x)
+    ye, be = m(x)
+    _same((y, b), (ye, be))
+    assert b.numel() == 0
+
+
+def test_a_call_of_two_tensors_without_grad():
+    """A layer call that crosses with two tensors (Linear without a bias:
+    the input and the weight) and needs no gradient (under no_grad, or a
+    frozen weight and an input without grad): the compiler calls the
+    Function's forward as it does any other's."""
+    torch.manual_seed(20)
+    m = torch.nn.Sequential(tec.Linear(64, 48, bias=False, device=DEV), tec.Linear(48, 32, bias=False, device=DEV))
+    f = torch.compile(m, fullgraph=True)
+    x = torch.randn(2, 6, 64, device=DEV)
+    with torch.no_grad():
+        _same(f(x), m(x))
+    with torch.inference_mode():
+        _same(f(x), m(x))
+    for p in m.parameters():
+        p.requires_grad_(False)
+    _same(f(x), m(x))
+    assert _breaks() == 0
+
+
 def test_layernorm_mlp_checkpoint_and_bf16():
     torch.manual_seed(2)
     check_compiled(tec.LayerNormMLP(64, 96, checkpoint=True, device=DEV), torch.randn(16, 64, device=DEV))
@@ -250,6 +285,32 @@ def test_delay_wgrad_compute_and_backward_dw():
         _same(pe.grad, pc.grad)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("policy", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
+def test_a_backward_whose_only_result_is_main_grad_or_the_delayed_queue(policy, backend):
+    """A layer whose backward returns no gradient the graph uses (an input
+    without grad, no bias, the weight's gradient written into main_grad or
+    left for backward_dw): the compiled backward still runs it."""
+    if backend == "inductor" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip("Inductor before torch 2.13 is not checked here for an operator marked side-effecting")
+
+    def build():
+        torch.manual_seed(21)
+        m = tec.Linear(32, 32, bias=False, device=DEV, **{policy: True})
+        m.weight.main_grad = torch.zeros(32, 32, device=DEV)
+        return m
+    x = torch.randn(8, 32, device=DEV)
+    eager, comp = build(), build()
+    eager(x).sum().backward()
+    torch.compile(comp, fullgraph=True, backend=backend)(x).sum().backward()
+    if policy == "delay_wgrad_compute":
+        eager.backward_dw()
+        comp.backward_dw()
+    _same(eager.weight.grad, comp.weight.grad)
+    assert torch.equal(eager.weight.main_grad, comp.weight.main_grad)
+    assert eager.weight.main_grad.abs().sum() > 0 or eager.weight.grad is not None
+
+
 def test_autocast_bf16_inside_compiled():
     torch.manual_seed(11)
     m = Block(device=DEV)
@@ -310,6 +371,50 @@ def test_fp8_compiled_steps_match_eager_with_their_state(recipe):
     import gc
     gc.collect()
     assert not _opcall._FP8_CTX  # every forward's kept operands were freed with its backward
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, inner, use_reentrant):
+        super().__init__()
+        self.inner, self.use_reentrant = inner, use_reentrant
+
+    def forward(self, x):
+        return tec.checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "nonreentrant"])
+def test_fp8_tec_checkpoint_inside_compiled_matches_eager(recipe, use_reentrant):
+    """tec.checkpoint inside the compiled function, the FP8 autocast around
+    its call: the FP8 layer calls keep their forward for the backward (not
+    run again there, outside the autocast); outputs, gradients and the
+    recipe's state as eager tec.checkpoint's, bit for bit."""
+    def build():
+        torch.manual_seed(22)
+        return _Checkpointed(torch.nn.Sequential(tec.LayerNormLinear(32, 64, device=DEV),
+                                                 tec.LayerNormMLP(64, 64, device=DEV),
+                                                 tec.Linear(64, 32, bias=False, device=DEV)), use_reentrant)
+    torch.manual_seed(23)
+    xs = [torch.randn(16, 32, device=DEV) for _ in range(3)]
+    make = getattr(tec.recipe, recipe)
+    out_e, state_e = _fp8_steps(build(), make(), xs)
+    out_c, state_c = _fp8_steps(torch.compile(build(), fullgraph=True, backend="aot_eager"), make(), xs)
+    assert _breaks() == 0
+    _same(out_e, out_c)
+    _same(state_e, state_c)
+
+
+def test_fp8_torch_checkpoint_inside_compiled_names_tec_checkpoint():
+    """torch's own checkpoint inside the compiled function recomputes an FP8
+    layer call in the backward, outside the autocast: refused, naming
+    tec.checkpoint."""
+    m = tec.Linear(32, 32, device=DEV)
+    f = torch.compile(lambda x: torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False), fullgraph=True,
+                      backend="aot_eager")
+    with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
+        y = f(torch.randn(16, 32, device=DEV, requires_grad=True))
+    with pytest.raises(RuntimeError, match="tec.checkpoint"):
+        y.sum().backward()
 
 
 def test_fp8_forward_without_backward_frees_its_operands():

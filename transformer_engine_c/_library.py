@@ -107,13 +107,21 @@ layer_fwd = _define("layer_fwd(str key, Tensor[] tensors, bool[] given, int firs
                     "-> Tensor[]", _layer_fwd, _layer_fwd_fake)
 layer_bwd = _define("layer_bwd(str key, Tensor[] tensors, bool[] given, Tensor[] saved, Tensor?[] grads, "
                     "bool[] needs, int first_mb, bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
+# layer_bwd writes what its outputs do not show (main_grad, the delayed weight
+# gradients' queue): the compiler keeps it where no gradient it returns is used
+getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)(layer_bwd)
 
 
 class _LayerCall(torch.autograd.Function):
     """One layer call through tec::layer_fwd, its gradient through tec::layer_bwd."""
 
+    # forward takes its arguments as one tuple: torch's compiler calls a
+    # Function's forward without ctx, in a call that needs no gradient, when
+    # the argument count equals forward's parameter count (*tensors counted
+    # as one), which (ctx, key, ..., n, *tensors) would with two tensors
     @staticmethod
-    def forward(ctx, key, given, first_mb, grad, fp8, n, *tensors):
+    def forward(ctx, *args):
+        key, given, first_mb, grad, fp8, n, *tensors = args
         outs = layer_fwd(key, list(tensors), given, first_mb, grad, fp8)
         ctx.key, ctx.given, ctx.first_mb, ctx.fp8, ctx.n, ctx.nargs = key, given, first_mb, fp8, n, len(tensors)
         ctx.save_for_backward(*tensors, *outs[n:])

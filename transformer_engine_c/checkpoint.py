@@ -24,7 +24,10 @@ runs under `activation_recompute_forward` (recompute_phase in backward).
 Inside an FP8 autocast the recomputation runs in the forward's autocast
 again (its recipe and group, without the exit's amax update), and each
 layer casts with the scales its forward used (module/_fp8.py), so the
-recomputed FP8 values are the forward's.
+recomputed FP8 values are the forward's. Traced by torch.compile it is
+PyTorch's non-reentrant checkpoint; under an FP8 autocast its FP8 layer
+calls keep their forward (a selective-checkpoint policy) instead of running
+again in the compiled backward, outside the autocast.
 """
 import contextlib
 import warnings
@@ -32,6 +35,8 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from . import _library
+from . import quantization as _quantization
 from .quantization import FP8GlobalStateManager, autocast
 from .te_distributed import activation_recompute_forward
 
@@ -65,6 +70,8 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, dis
         if get_rng_state_tracker is not None:
             raise NotImplementedError("checkpoint: get_rng_state_tracker inside a function torch.compile traces "
                                       "is not supported (call the checkpointed part eagerly)")
+        if _quantization.fp8_enabled:
+            kwargs["context_fn"] = _keep_fp8_calls
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)
     if not torch.is_grad_enabled():
@@ -112,6 +119,20 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, dis
         return res
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _keep_fp8_policy(ctx, op, *args, **kwargs):
+    """A traced checkpoint's policy under an FP8 autocast: an FP8 layer call
+    keeps its forward (its FP8 operands wait for the backward under the
+    call's token, module/_opcall.py) instead of running again in the
+    compiled backward, outside the autocast; the rest is recomputed."""
+    if op is _library.layer_fwd and args[5]:
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_fp8_calls():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_fp8_policy)
 
 
 def _copy_states(states):

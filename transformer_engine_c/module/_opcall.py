@@ -82,9 +82,13 @@ _FP8_KEYS = itertools.count()
 
 def _check_fp8(layer, call, fp8):
     if (call.fp8 is not None) != fp8:
+        # traced in FP8 and run outside the autocast: the graph's guards see to its entry, so this is a
+        # recomputation in the compiled backward (torch's checkpoint; tec.checkpoint keeps FP8 calls)
+        hint = "; a checkpoint around FP8 layers inside the compiled function must be tec.checkpoint, whose " \
+            "backward keeps their FP8 forward" if fp8 else ""
         raise RuntimeError(f"{type(layer).__name__}: compiled {'with' if fp8 else 'without'} an FP8 autocast, "
                            f"called {'without' if fp8 else 'with'} one (enter the autocast around the compiled "
-                           "function's call, as when it was compiled)")
+                           f"function's call, as when it was compiled{hint})")
 
 
 def forward(layer, args, first_mb, grad, fp8):

@@ -244,7 +244,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
         outs = self._op_call((x, cast(g, dtype), cast(beta, dtype), cast(weight, dtype),
                               None if self.return_bias else b), is_first_microbatch)
         y = like_input(outs[0], inp.shape, self.tp)
-        res = (y, returned_bias(b, dtype)) if self.return_bias else (y,)
+        res = (y, returned_bias(getattr(self, self.bias_names[0]) if b is None else b, dtype)) if self.return_bias \
+            else (y,)
         if self.return_layernorm_output:
             gathered = self.return_layernorm_output_gathered and self.tp.mode == "column" and self.tp.sp
             res += (like_input(outs[1], inp.shape, self.tp if gathered else None),)

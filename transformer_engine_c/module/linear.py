@@ -180,7 +180,9 @@ class Linear(TransformerEngineBaseModule):
         b = cast(b, dtype)
         y, = self._op_call((x, cast(weight, dtype), None if self.return_bias else b), is_first_microbatch)
         y = like_input(y, inp.shape, self.tp)
-        return (y, returned_bias(b, dtype)) if self.return_bias else y
+        if self.return_bias:
+            return y, returned_bias(getattr(self, self.bias_names[0]) if b is None else b, dtype)
+        return y
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
