@@ -3,6 +3,8 @@ import contextlib
 
 import torch
 
+import transformer_engine_c as te
+
 
 def rel_err(out, ref):
     """Relative error of the whole tensor, computed in float64."""
@@ -43,3 +45,18 @@ def without_keep_by_reference():
     finally:
         for m, p, r in old:
             m.prepare_for_saving, m.restore_from_saved = p, r
+
+
+class Stack(torch.nn.Module):
+    """Layers applied in turn (the first output of each; a LayerNorm takes
+    no is_first_microbatch)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x, is_first_microbatch=None):
+        for layer in self.layers:
+            x = layer(x) if isinstance(layer, te.LayerNorm) else layer(x, is_first_microbatch=is_first_microbatch)
+            x = x[0] if isinstance(x, tuple) else x
+        return x

@@ -27,6 +27,7 @@ import torch
 import torch._dynamo
 
 import transformer_engine_c as te
+from helpers import Stack
 from transformer_engine_c.attention.rope import RotaryPositionEmbedding
 from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling, Format
 
@@ -159,20 +160,6 @@ def make_recipe(spec):
         return DelayedScaling(fp8_format=fmt, amax_history_len=spec["hist"], amax_compute_algo=spec["algo"],
                               margin=spec.get("margin", 0))
     return Float8CurrentScaling(fp8_format=fmt)
-
-
-class Stack(torch.nn.Module):
-    """Layers applied in turn (the first output of each)."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
-
-    def forward(self, x, is_first_microbatch=None):
-        for layer in self.layers:
-            x = layer(x) if isinstance(layer, te.LayerNorm) else layer(x, is_first_microbatch=is_first_microbatch)
-            x = x[0] if isinstance(x, tuple) else x
-        return x
 
 
 class Attention(torch.nn.Module):

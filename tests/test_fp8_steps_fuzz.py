@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import transformer_engine_c as te
+from helpers import Stack
 from transformer_engine_c.module import _fp8
 from transformer_engine_c.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams
 from transformer_engine_c.recipe import QParams
@@ -125,20 +126,6 @@ def _layer_config(rng, kind=None):
 def configs(seed, n):
     rng = random.Random(seed)
     return [random_config(rng) for _ in range(n)]
-
-
-class Stack(torch.nn.Module):
-    """Layers applied in turn (the first output of each)."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
-
-    def forward(self, x, is_first_microbatch=None):
-        for layer in self.layers:
-            x = layer(x, is_first_microbatch=is_first_microbatch)
-            x = x[0] if isinstance(x, tuple) else x
-        return x
 
 
 def build(c):
