@@ -287,12 +287,16 @@ def test_delay_wgrad_compute_and_backward_dw():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("policy", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
-def test_a_backward_whose_only_result_is_main_grad_or_the_delayed_queue(policy, backend):
+def test_a_backward_whose_only_result_is_main_grad_or_the_delayed_queue(policy, backend, request):
     """A layer whose backward returns no gradient the graph uses (an input
     without grad, no bias, the weight's gradient written into main_grad or
-    left for backward_dw): the compiled backward still runs it."""
+    left for backward_dw): the compiled backward still runs it. Inductor
+    before torch 2.13 keeps an operator only when its schema mutates, so
+    there it still drops this backward: a known failure (strict), stated in
+    the README's torch.compile section."""
     if backend == "inductor" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
-        pytest.skip("Inductor before torch 2.13 is not checked here for an operator marked side-effecting")
+        request.applymarker(pytest.mark.xfail(strict=True, reason="Inductor before torch 2.13 drops a backward "
+                                              "whose only results are main_grad or the delayed-wgrad queue"))
 
     def build():
         torch.manual_seed(21)
