@@ -292,11 +292,14 @@ def test_a_backward_whose_only_result_is_main_grad_or_the_delayed_queue(policy, 
     without grad, no bias, the weight's gradient written into main_grad or
     left for backward_dw): the compiled backward still runs it. Inductor
     before torch 2.13 keeps an operator only when its schema mutates, so
-    there it still drops this backward: a known failure (strict), stated in
-    the README's torch.compile section."""
-    if backend == "inductor" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="Inductor before torch 2.13 drops a backward "
-                                              "whose only results are main_grad or the delayed-wgrad queue"))
+    there it still drops this backward: a known failure, stated in the
+    README's torch.compile section."""
+    version = tuple(int(v) for v in torch.__version__.split(".")[:2])
+    if backend == "inductor" and version < (2, 13):
+        # seen failing on torch 2.8 (strict there); 2.9-2.12 not tried, so an unexpected pass is reported only
+        request.applymarker(pytest.mark.xfail(strict=version < (2, 9), reason="Inductor before torch 2.13 drops "
+                                              "a backward whose only results are main_grad or the delayed-wgrad "
+                                              "queue"))
 
     def build():
         torch.manual_seed(21)
