@@ -60,3 +60,15 @@ class Stack(torch.nn.Module):
             x = layer(x) if isinstance(layer, te.LayerNorm) else layer(x, is_first_microbatch=is_first_microbatch)
             x = x[0] if isinstance(x, tuple) else x
         return x
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the block (small tensors: threads only cost
+    time, and the drawn-configuration tests share a small machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -27,7 +27,7 @@ import torch
 import torch._dynamo
 
 import transformer_engine_c as te
-from helpers import Stack
+from helpers import Stack, one_thread
 from transformer_engine_c.attention.rope import RotaryPositionEmbedding
 from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling, Format
 
@@ -436,10 +436,8 @@ SAMPLE = configs(6, 26, "aot_eager") + configs(60, 3, "inductor")
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 @pytest.mark.parametrize("i", range(len(SAMPLE)))

@@ -31,6 +31,7 @@ import torch
 
 import transformer_engine_c as te
 from transformer_engine_c.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from helpers import one_thread
 from transformer_reference import mha, transformer_layer
 
 ACTIVATIONS = ("gelu", "relu", "qgelu", "srelu", "silu", "geglu", "reglu", "qgeglu", "sreglu", "swiglu",
@@ -701,12 +702,10 @@ SAMPLE = configs(1, 300)
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def _one_thread():
     """Tensors of a few hundred elements: threads only cost time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.mark.parametrize("i", range(len(SAMPLE)))
