@@ -9,3 +9,19 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_SKIP)]
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _custom_op_aliasing_is_an_error():
+    """A compiled graph checks that the package's operators return no output
+    sharing storage with an argument or another output. torch reports a
+    violation as an error only where the environment says CI, else as a
+    warning that a test may ignore: here it is always an error."""
+    import torch._functorch.config as aot_config
+    if not hasattr(aot_config, "error_on_custom_op_aliasing"):
+        yield
+        return
+    before = aot_config.error_on_custom_op_aliasing
+    aot_config.error_on_custom_op_aliasing = True
+    yield
+    aot_config.error_on_custom_op_aliasing = before

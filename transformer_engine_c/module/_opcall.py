@@ -240,7 +240,12 @@ def _owned(layer, outs, saved):
         t = t.reshape(-1, t.shape[-1])
         for cfg in (layer.ub, getattr(layer, "ub2", layer.ub)):
             t = outside_buffers(t, cfg)
-        if t.data_ptr() in taken and t.numel():
+        if not t.numel():
+            # an empty tensor has no address to compare, but it may still be
+            # a view of an argument or of a saved tensor: the operator's
+            # outputs must not share storage with either, so it is made anew
+            t = t.new_empty(t.shape)
+        elif t.data_ptr() in taken:
             t = t.clone()
         taken.add(t.data_ptr())
         res.append(t)
