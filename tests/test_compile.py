@@ -287,19 +287,12 @@ def test_delay_wgrad_compute_and_backward_dw():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("policy", ["fuse_wgrad_accumulation", "delay_wgrad_compute"])
-def test_a_backward_whose_only_result_is_main_grad_or_the_delayed_queue(policy, backend, request):
+def test_a_backward_whose_only_result_is_main_grad_or_the_delayed_queue(policy, backend):
     """A layer whose backward returns no gradient the graph uses (an input
     without grad, no bias, the weight's gradient written into main_grad or
-    left for backward_dw): the compiled backward still runs it. Inductor
-    before torch 2.13 keeps an operator only when its schema mutates, so
-    there it still drops this backward: a known failure, stated in the
-    README's torch.compile section."""
-    version = tuple(int(v) for v in torch.__version__.split(".")[:2])
-    if backend == "inductor" and version < (2, 13):
-        # seen failing on torch 2.8 (strict there); 2.9-2.12 not tried, so an unexpected pass is reported only
-        request.applymarker(pytest.mark.xfail(strict=version < (2, 9), reason="Inductor before torch 2.13 drops "
-                                              "a backward whose only results are main_grad or the delayed-wgrad "
-                                              "queue"))
+    left for backward_dw): the compiled backward still runs it (Inductor
+    before torch 2.13 keeps an operator only when its schema mutates, and
+    the package widens that check for tec::layer_bwd)."""
 
     def build():
         torch.manual_seed(21)

@@ -17,6 +17,7 @@ Operators that take part in a collective (a tensor-parallel layer) are
 opaque to the compiler and every rank runs the same compiled program, so
 their order is the program's."""
 import itertools
+import sys
 import weakref
 
 import torch
@@ -25,11 +26,17 @@ from . import _engine
 
 _LAYERS = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+# Part of every layer key, so of every compiled graph that calls the
+# operators: PyTorch's on-disk caches reuse a graph only when its code is the
+# same, so a change in what a compiled graph keeps or calls (such as which
+# operators the compiler may drop) changes this, and graphs compiled before
+# it are not reused
+GRAPH_REVISION = 2
 
 
 def register_layer(layer):
     """The key under which `layer` crosses into the operators."""
-    key = f"{type(layer).__name__}#{next(_KEYS)}"
+    key = f"{type(layer).__name__}#{next(_KEYS)}.r{GRAPH_REVISION}"
     _LAYERS[key] = layer
     return key
 
@@ -94,6 +101,7 @@ def _layer_bwd(key, tensors, given, saved, grads, needs, first_mb, fp8):
 
 
 def _layer_bwd_fake(key, tensors, given, saved, grads, needs, first_mb, fp8):
+    _keep_layer_bwd_in_inductor()
     layer = _layer(key)
     present = layer._op_grads_present(_expand(tensors, given), _expand(needs, given))
     return [torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, _given(present, given))]
@@ -110,6 +118,32 @@ layer_bwd = _define("layer_bwd(str key, Tensor[] tensors, bool[] given, Tensor[]
 # layer_bwd writes what its outputs do not show (main_grad, the delayed weight
 # gradients' queue): the compiler keeps it where no gradient it returns is used
 getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)(layer_bwd)
+_INDUCTOR_KEEPS_LAYER_BWD = False
+
+
+def _keep_layer_bwd_in_inductor():
+    """Inductor before torch 2.13 asks only an operator's schema whether it
+    has side effects (a mutated argument), not the set above, and drops a
+    layer_bwd none of whose outputs is used: its kernel's check is widened
+    to name layer_bwd. Done when a compiled graph's backward is traced (this
+    operator's fake), once Inductor is loaded; never where Inductor asks the
+    set itself."""
+    global _INDUCTOR_KEEPS_LAYER_BWD
+    if _INDUCTOR_KEEPS_LAYER_BWD:
+        return
+    ir = sys.modules.get("torch._inductor.ir")
+    kernel = getattr(ir, "FallbackKernel", None)
+    if kernel is None:  # Inductor not loaded (yet): nothing of it can drop the operator
+        return
+    _INDUCTOR_KEEPS_LAYER_BWD = True
+    asks = kernel.has_side_effects
+    code = getattr(asks, "__code__", None)
+    if code is None or "is_impure" in code.co_names:  # torch >= 2.13: it asks the set
+        return
+
+    def has_side_effects(self):
+        return self.op_overload is layer_bwd or asks(self)
+    kernel.has_side_effects = has_side_effects
 
 
 class _LayerCall(torch.autograd.Function):
