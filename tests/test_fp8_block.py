@@ -151,6 +151,25 @@ def test_block_quantize_byte_exact(device, fp8_dtype, dtype, block_dim, shape):
     assert torch.equal(valid(got[3].cpu(), n_col), valid(want[3], n_col))
 
 
+@pytest.mark.parametrize("block_dim", [1, 2])
+def test_block_scales_made_by_the_cast_have_zero_padding(device, block_dim):
+    """Scales the cast allocates are zero past the valid blocks, so two casts
+    of the same values (a weight and its state-dict copy) are equal byte for
+    byte: padding left uninitialized could hold a NaN, which torch.equal
+    reports unequal. Memory filled with NaN is freed first, so that padding
+    left unwritten would likely show."""
+    for _ in range(4):
+        torch.full((1024,), float("nan"), device=device)
+    x = block_input(130, 64, torch.float32, torch.Generator().manual_seed(3)).to(device)
+    _, s, _, st = F.block_quantize(x, E4M3, block_dim, columnwise=True)
+    n_row = 130 if block_dim == 1 else 1  # as in test_block_quantize_byte_exact
+    n_col = 64 if block_dim == 1 else 2
+    assert s.shape[1] > n_row or st.shape[1] > n_col  # there is padding to check
+    for scales, n in ((s.cpu(), n_row), (st.cpu(), n_col)):
+        assert torch.isfinite(valid(scales, n)).all() and (valid(scales, n) > 0).all()
+        assert torch.equal(scales[:, n:], torch.zeros_like(scales[:, n:]))
+
+
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("eps", [0.0, 1e-3])
 @pytest.mark.parametrize("block_dim", [1, 2])

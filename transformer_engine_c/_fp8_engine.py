@@ -345,7 +345,9 @@ def block_quantize(x, fp8_dtype, block_dim, *, rowwise=True, columnwise=False, p
     128x128 (weights); each block's scale is fp8_max / its amax (TE's rule,
     tec.h). Returns (data [x's shape] or None, scale_inv or None, data_t
     [last dim, rows] or None, scale_inv_t or None); the scales are laid out
-    as block_scale_shape says (their padding is not written)."""
+    as block_scale_shape says (their padding is not written: scales made
+    here are zeroed first, so that equal tensors compare equal byte for
+    byte)."""
     check_tensor(x, "input")
     code = fp8_code(fp8_dtype)
     if block_dim not in (1, 2):
@@ -363,7 +365,7 @@ def block_quantize(x, fp8_dtype, block_dim, *, rowwise=True, columnwise=False, p
         out = torch.empty(x.shape, dtype=torch.uint8, device=dev) if out is None else _check_u8(
             out, "out", dev, x.shape)
         shape = block_scale_shape(x.shape, block_dim)
-        scale_inv = torch.empty(shape, dtype=torch.float32, device=dev) if scale_inv is None else _check_f32(
+        scale_inv = torch.zeros(shape, dtype=torch.float32, device=dev) if scale_inv is None else _check_f32(
             scale_inv, "scale_inv", dev, shape)
     else:
         out = scale_inv = None
@@ -374,7 +376,7 @@ def block_quantize(x, fp8_dtype, block_dim, *, rowwise=True, columnwise=False, p
         out_t = torch.empty(cols, rows, dtype=torch.uint8, device=dev) if out_t is None else _check_u8(
             out_t, "out_t", dev, (cols, rows))
         shape = block_scale_shape(x.shape, block_dim, columnwise=True)
-        scale_inv_t = torch.empty(shape, dtype=torch.float32, device=dev) if scale_inv_t is None else _check_f32(
+        scale_inv_t = torch.zeros(shape, dtype=torch.float32, device=dev) if scale_inv_t is None else _check_f32(
             scale_inv_t, "scale_inv_t", dev, shape)
     else:
         out_t = scale_inv_t = None
