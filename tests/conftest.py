@@ -18,10 +18,8 @@ def _custom_op_aliasing_is_an_error():
     violation as an error only where the environment says CI, else as a
     warning that a test may ignore: here it is always an error."""
     import torch._functorch.config as aot_config
-    if not hasattr(aot_config, "error_on_custom_op_aliasing"):
+    if not hasattr(aot_config, "error_on_custom_op_aliasing"):  # torch without the check
         yield
         return
-    before = aot_config.error_on_custom_op_aliasing
-    aot_config.error_on_custom_op_aliasing = True
-    yield
-    aot_config.error_on_custom_op_aliasing = before
+    with aot_config.patch(error_on_custom_op_aliasing=True):
+        yield

@@ -95,6 +95,14 @@ def valid(sinv, rows_or_blocks):
     return sinv[:, :rows_or_blocks]
 
 
+def written(rows, cols, block_dim):
+    """How many entries of each row of the rowwise and of the columnwise
+    scales of a [rows, cols] cast are written (valid's second argument)."""
+    if block_dim == 1:
+        return rows, cols
+    return -(-cols // B), -(-rows // B)
+
+
 def ref_dequantize(data, sinv, block_dim, fp8_dtype):
     """data [rows, cols] times its block scales, float64."""
     rows, cols = data.shape
@@ -144,8 +152,7 @@ def test_block_quantize_byte_exact(device, fp8_dtype, dtype, block_dim, shape):
     rows, cols = shape
     assert_same_bytes(got[0], want[0], fp8_dtype)
     assert_same_bytes(got[2], want[2], fp8_dtype)
-    n_row = rows if block_dim == 1 else -(-cols // B)
-    n_col = cols if block_dim == 1 else -(-rows // B)
+    n_row, n_col = written(rows, cols, block_dim)
     assert got[1].shape == want[1].shape and got[3].shape == want[3].shape
     assert torch.equal(valid(got[1].cpu(), n_row), valid(want[1], n_row))
     assert torch.equal(valid(got[3].cpu(), n_col), valid(want[3], n_col))
@@ -162,8 +169,7 @@ def test_block_scales_made_by_the_cast_have_zero_padding(device, block_dim):
         torch.full((1024,), float("nan"), device=device)
     x = block_input(130, 64, torch.float32, torch.Generator().manual_seed(3)).to(device)
     _, s, _, st = F.block_quantize(x, E4M3, block_dim, columnwise=True)
-    n_row = 130 if block_dim == 1 else 1  # as in test_block_quantize_byte_exact
-    n_col = 64 if block_dim == 1 else 2
+    n_row, n_col = written(130, 64, block_dim)
     assert s.shape[1] > n_row or st.shape[1] > n_col  # there is padding to check
     for scales, n in ((s.cpu(), n_row), (st.cpu(), n_col)):
         assert torch.isfinite(valid(scales, n)).all() and (valid(scales, n) > 0).all()
