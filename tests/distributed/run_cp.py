@@ -298,7 +298,7 @@ def main():
         for kind in ("p2p", "all_gather", "a2a"):
             errors += transformer_layer_case(groups, dev, kind)
         errors += bad_inputs(groups, dev)
-        if not (seen["p2p_overlapped"] and seen["all_gather"] and seen["a2a"]):
+        if not all(seen[k] for k in ("p2p_overlapped", "all_gather", "a2a", "fused_blocks", "math_blocks")):
             errors.append(f"a path did not run: {seen}")
     dist.barrier()
     if not args.break_layout:

@@ -27,9 +27,11 @@ mean without context parallelism. Every wait on a peer has a timeout
 (TEC_COMM_TIMEOUT, 60 s) and raises ContextParallelTimeout naming the peer
 and the step.
 
-The attention of a block is `block_forward` / `block_backward`: float32
-arithmetic over row tiles, returning the block's log-sum-exp, with the
-backward recomputing probabilities from the merged log-sum-exp (the
+The attention of a block is `block_forward` / `block_backward`: PyTorch's
+flash kernel (CPU; CUDA in bf16/fp16) where a block has no mask or the
+square causal one and equal query and value head sizes, else float32
+arithmetic over row tiles. Each returns the block's log-sum-exp; the
+backward recomputes probabilities from the merged log-sum-exp (the
 flash-attention recurrence)."""
 import datetime
 import math
@@ -48,13 +50,15 @@ COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 CP_MASK_TYPES = ("no_mask", "causal")
 _TILE_ELEMENTS = 1 << 22  # score elements per tile of block_forward / block_backward
 
-_stats = {"p2p_steps": 0, "p2p_overlapped": 0, "all_gather": 0, "a2a": 0}
+_stats = {"p2p_steps": 0, "p2p_overlapped": 0, "all_gather": 0, "a2a": 0, "fused_blocks": 0, "math_blocks": 0}
 
 
 def stats():
     """How many times each context-parallel path ran in this process:
     p2p_steps (ring steps, forward and backward), p2p_overlapped (steps whose
-    attention ran while a message was in flight), all_gather, a2a."""
+    attention ran while a message was in flight), all_gather, a2a, and the
+    blocks whose forward ran PyTorch's flash kernel (fused_blocks) or float32
+    arithmetic (math_blocks)."""
     return dict(_stats)
 
 
@@ -232,6 +236,9 @@ def _tiles(rows, per_row):
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
+CAUSAL = "causal"  # a block's mask: top-left causal over a square block
+
+
 def _scores(qt, kf, scale, allowed):
     s = torch.matmul(qt, kf.transpose(-1, -2)).mul_(scale)
     if allowed is not None:
@@ -239,15 +246,58 @@ def _scores(qt, kf, scale, allowed):
     return s
 
 
-def block_forward(q, k, v, scale, allowed=None):
+def _dense(mask, sq, skv, device):
+    """A block's mask as a tensor [Sq, Skv] (True: attend), or None."""
+    if isinstance(mask, str):
+        return torch.ones(sq, skv, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+def _fused(q, v, mask):
+    """Whether PyTorch's flash kernel serves this block: no mask or the
+    square causal one, equal query and value head sizes; on CUDA bf16/fp16
+    with a head size the kernel takes."""
+    if not use_fused_blocks or not (mask is None or isinstance(mask, str)) or q.shape[-1] != v.shape[-1]:
+        return False
+    if q.is_cuda:
+        return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    return q.device.type == "cpu"
+
+
+use_fused_blocks = True  # False: every block in float32 arithmetic (block_forward's own path)
+
+
+def _expand(t, g):
+    """[B, Hk, S, D] -> [B, Hk * g, S, D], head h from key/value head h // g."""
+    if g == 1:
+        return t
+    b, hk, s, d = t.shape
+    return t.unsqueeze(2).expand(b, hk, g, s, d).reshape(b, hk * g, s, d)
+
+
+def block_forward(q, k, v, scale, mask=None):
     """Attention of q [B, H, Sq, D] over k [B, Hk, Skv, D], v [B, Hk, Skv, Dv]
-    (H a multiple of Hk: query head h uses key/value head h // (H / Hk)),
-    `allowed` [Sq, Skv] (True: attend) or None. Returns the output
-    [B, H, Sq, Dv] and the log-sum-exp of the scaled scores [B, H, Sq], both
-    float32; a row with no key has output 0 and log-sum-exp -inf."""
+    (H a multiple of Hk: query head h uses key/value head h // (H / Hk)).
+    `mask`: None (every key), CAUSAL (square block, top-left causal) or a
+    bool tensor [Sq, Skv] (True: attend). Returns the output [B, H, Sq, Dv]
+    and the log-sum-exp of the scaled scores [B, H, Sq], both float32 (a row
+    with no key: output 0, log-sum-exp -inf), and what block_backward needs
+    of the kernel that ran. PyTorch's flash kernel where _fused says, else
+    float32 arithmetic over row tiles."""
     b, h, sq, d = q.shape
     hk, skv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hk
+    if _fused(q, v, mask):
+        _stats["fused_blocks"] += 1
+        qc, kc, vc = q.contiguous(), _expand(k, g).contiguous(), _expand(v, g).contiguous()
+        causal = mask is not None
+        if q.is_cuda:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qc, kc, vc, 0.0, causal, False, scale=scale)
+            return res[0].float(), res[1].float(), tuple(res[2:8])
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qc, kc, vc, 0.0, causal, scale=scale)
+        return o.float(), lse.float(), ()
+    _stats["math_blocks"] += 1
+    allowed = _dense(mask, sq, skv, q.device)
     qf = q.reshape(b, hk, g, sq, d).float()
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
     out = q.new_empty((b, hk, g, sq, dv), dtype=torch.float32)
@@ -258,18 +308,33 @@ def block_forward(q, k, v, scale, allowed=None):
         p = s.sub_(torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1)).exp_()
         out[..., a:z, :] = torch.matmul(p, vf)
         lse[..., a:z] = m
-    return out.view(b, h, sq, dv), lse.view(b, h, sq)
+    return out.view(b, h, sq, dv), lse.view(b, h, sq), None
 
 
-def block_backward(dout, q, k, v, lse, delta, scale, allowed=None):
+def block_backward(dout, q, k, v, out, lse, delta, scale, mask=None, aux=None):
     """Gradients of block_forward's inputs given the whole row's output
-    gradient dout [B, H, Sq, Dv], log-sum-exp lse [B, H, Sq] and
-    delta = rowsum(dout * out) [B, H, Sq] (the merged ones: the block's
-    share of the whole attention). Returns float32 dq [B, H, Sq, D],
+    gradient dout [B, H, Sq, Dv], output `out` (in q's dtype), log-sum-exp
+    lse [B, H, Sq] and delta = rowsum(dout * out) [B, H, Sq] (the merged
+    ones: the block's share of the whole attention); `aux` is what
+    block_forward returned third. Returns float32 dq [B, H, Sq, D],
     dk [B, Hk, Skv, D], dv [B, Hk, Skv, Dv]."""
     b, h, sq, d = q.shape
     hk, skv, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hk
+    if aux is not None:
+        qc, kc, vc = q.contiguous(), _expand(k, g).contiguous(), _expand(v, g).contiguous()
+        do, oc, lc = dout.contiguous(), out.contiguous(), lse.contiguous()
+        causal = mask is not None
+        if q.is_cuda:
+            cum_q, cum_k, max_q, max_k, seed, offset = aux
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                do, qc, kc, vc, oc, lc, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+        else:
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, qc, kc, vc, oc, lc, 0.0, causal, scale=scale)
+        return (gq.float(), gk.float().view(b, hk, g, skv, d).sum(2),
+                gv.float().view(b, hk, g, skv, dv_).sum(2))
+    allowed = _dense(mask, sq, skv, q.device)
     qf = q.reshape(b, hk, g, sq, d).float()
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
     do = dout.reshape(b, hk, g, sq, dv_).float()
@@ -395,9 +460,11 @@ def _step_blocks(plan, step):
     qp, kp = mine.pos[rows], theirs.pos[cols]
     qs = None if mine.sid is None else mine.sid[rows]
     ks = None if theirs.sid is None else theirs.sid[cols]
-    trivial = step > 0 and mine.sid is None and plan.window == (-1, -1 if not plan.causal else 0)
-    allowed = None if trivial else _allowed(qp, qs, kp, ks, plan.causal, plan.window)
-    return rows, cols, allowed
+    if mine.sid is None and plan.window == ((-1, 0) if plan.causal else (-1, -1)):
+        # one sequence per row, no window: the diagonal block is plain causal (the shard's positions
+        # increase), every other block sees all of its columns
+        return rows, cols, (CAUSAL if plan.causal and step == 0 else None)
+    return rows, cols, _allowed(qp, qs, kp, ks, plan.causal, plan.window)
 
 
 def _cols(t, cols):
@@ -417,13 +484,15 @@ class _RingAttention(torch.autograd.Function):
         shapes = (k.shape, v.shape)
         kv = _pack(k, v) if n > 1 else None
         cur_k, cur_v = k, v
+        auxes = []
         for step in range(n):
             ex = None
             if step + 1 < n:
                 ex = _Exchange(cfg, kv, torch.empty_like(kv), "forward key/value", step, tag=0)
                 _stats["p2p_overlapped"] += 1
-            rows, cols, allowed = _step_blocks(plan, step)
-            o, m = block_forward(q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols), plan.scale, allowed)
+            rows, cols, mask = _step_blocks(plan, step)
+            o, m, aux = block_forward(q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols), plan.scale, mask)
+            auxes.append(aux)
             out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, m)
             _stats["p2p_steps"] += 1
             if ex is not None:
@@ -431,7 +500,7 @@ class _RingAttention(torch.autograd.Function):
                 cur_k, cur_v = _unpack(kv, shapes)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.auxes = plan, auxes
         return result
 
     @staticmethod
@@ -452,9 +521,10 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < n:
                 ex = _Exchange(cfg, kv, torch.empty_like(kv), "backward key/value", step, tag=1)
                 _stats["p2p_overlapped"] += 1
-            rows, cols, allowed = _step_blocks(plan, step)
+            rows, cols, mask = _step_blocks(plan, step)
             gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols),
-                                        lse[:, :, rows], delta[:, :, rows], plan.scale, allowed)
+                                        out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask,
+                                        ctx.auxes[step])
             dq[:, :, rows] += gq
             dk_step = torch.zeros(cur_k.shape, dtype=torch.float32, device=q.device)
             dv_step = torch.zeros(cur_v.shape, dtype=torch.float32, device=q.device)
@@ -492,7 +562,7 @@ class _GatheredAttention(torch.autograd.Function):
         ks, vs = _gather(k.contiguous(), cfg), _gather(v.contiguous(), cfg)
         k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
         allowed = _gathered_allowed(plan)
-        out, lse = block_forward(q, k_all, v_all, plan.scale, allowed)
+        out, lse, _ = block_forward(q, k_all, v_all, plan.scale, allowed)
         result = out.to(q.dtype)
         _stats["all_gather"] += 1
         ctx.save_for_backward(q, k, v, result, lse)
@@ -507,7 +577,8 @@ class _GatheredAttention(torch.autograd.Function):
         k_all = torch.cat(_gather(k.contiguous(), cfg), dim=2)
         v_all = torch.cat(_gather(v.contiguous(), cfg), dim=2)
         delta = (dout.float() * out.float()).sum(-1)
-        dq, dk_all, dv_all = block_backward(dout, q, k_all, v_all, lse, delta, plan.scale, _gathered_allowed(plan))
+        dq, dk_all, dv_all = block_backward(dout, q, k_all, v_all, out, lse, delta, plan.scale,
+                                            _gathered_allowed(plan))
         dk, dv = _reduce_scatter(dk_all, cfg), _reduce_scatter(dv_all, cfg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
