@@ -265,6 +265,7 @@ def _fused(q, v, mask):
 
 
 use_fused_blocks = True  # False: every block in float32 arithmetic (block_forward's own path)
+overlap_exchanges = True  # False: the ring waits for each message as soon as it is sent (the benchmark's baseline)
 
 
 def _expand(t, g):
@@ -391,7 +392,7 @@ class _Exchange:
     rank, `recv` from the previous one (tagged by what they carry)."""
 
     def __init__(self, cfg, send, recv, what, step, tag):
-        self.cfg, self.recv, self.what, self.step = cfg, recv, what, step
+        self.cfg, self.recv, self.what, self.step, self.done = cfg, recv, what, step, False
         n = cfg.p2p_size
         self.nxt = cfg.p2p_ranks[(cfg.p2p_rank + 1) % n]
         self.prv = cfg.p2p_ranks[(cfg.p2p_rank - 1) % n]
@@ -407,6 +408,8 @@ class _Exchange:
         self.stream = stream
 
     def wait(self):
+        if self.done:
+            return self.recv
         works = self.works if len(self.works) == 2 else self.works * 2  # NCCL may coalesce the pair into one
         for work, peer, way in ((works[1], self.prv, "receive from"), (works[0], self.nxt, "send to")):
             _wait(work, self.cfg, self.recv.is_cuda,
@@ -416,6 +419,7 @@ class _Exchange:
             current = torch.cuda.current_stream()
             current.wait_stream(self.stream)
             self.recv.record_stream(current)
+        self.done = True
         return self.recv
 
 
@@ -471,6 +475,15 @@ def _cols(t, cols):
     return t if isinstance(cols, slice) and cols == slice(None) else t[:, :, cols]
 
 
+def _overlap(ex):
+    """Let `ex` travel during the step's attention (or, without
+    overlap_exchanges, finish it first)."""
+    if overlap_exchanges:
+        _stats["p2p_overlapped"] += 1
+    else:
+        ex.wait()
+
+
 class _RingAttention(torch.autograd.Function):
     """q [B, H, S, D], k/v [B, Hk, S, D(v)] this rank's shard of the ring's
     layout; returns the output [B, H, S, Dv] in q's dtype."""
@@ -489,7 +502,7 @@ class _RingAttention(torch.autograd.Function):
             ex = None
             if step + 1 < n:
                 ex = _Exchange(cfg, kv, torch.empty_like(kv), "forward key/value", step, tag=0)
-                _stats["p2p_overlapped"] += 1
+                _overlap(ex)
             rows, cols, mask = _step_blocks(plan, step)
             o, m, aux = block_forward(q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols), plan.scale, mask)
             auxes.append(aux)
@@ -520,7 +533,7 @@ class _RingAttention(torch.autograd.Function):
             ex = None
             if step + 1 < n:
                 ex = _Exchange(cfg, kv, torch.empty_like(kv), "backward key/value", step, tag=1)
-                _stats["p2p_overlapped"] += 1
+                _overlap(ex)
             rows, cols, mask = _step_blocks(plan, step)
             gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols),
                                         out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask,
@@ -539,6 +552,8 @@ class _RingAttention(torch.autograd.Function):
             if n > 1:  # pass the sums on with the shard; after the last step they reach its owner
                 flat = _pack(dk_step, dv_step)
                 dkv = _Exchange(cfg, flat, torch.empty_like(flat), "backward key/value gradient", step, tag=2)
+                if not overlap_exchanges:
+                    dkv.wait()
             else:
                 dk_tot, dv_tot = dk_step, dv_step
             if ex is not None:
@@ -554,19 +569,25 @@ class _RingAttention(torch.autograd.Function):
 
 class _GatheredAttention(torch.autograd.Function):
     """The whole group's keys and values gathered, attention of this rank's
-    queries over them; their gradients reduce-scattered back."""
+    queries over them (block by block, _gathered_blocks); their gradients
+    reduce-scattered back."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
         cfg = plan.cfg
-        ks, vs = _gather(k.contiguous(), cfg), _gather(v.contiguous(), cfg)
-        k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-        allowed = _gathered_allowed(plan)
-        out, lse, _ = block_forward(q, k_all, v_all, plan.scale, allowed)
+        k_all = torch.cat(_gather(k.contiguous(), cfg), dim=2)
+        v_all = torch.cat(_gather(v.contiguous(), cfg), dim=2)
+        out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        auxes = []
+        for rows, cols, mask in _gathered_blocks(plan, q.device):
+            o, m, aux = block_forward(q[:, :, rows], _cols(k_all, cols), _cols(v_all, cols), plan.scale, mask)
+            out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, m)
+            auxes.append(aux)
         result = out.to(q.dtype)
         _stats["all_gather"] += 1
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.auxes = plan, auxes
         return result
 
     @staticmethod
@@ -576,19 +597,52 @@ class _GatheredAttention(torch.autograd.Function):
         cfg = plan.cfg
         k_all = torch.cat(_gather(k.contiguous(), cfg), dim=2)
         v_all = torch.cat(_gather(v.contiguous(), cfg), dim=2)
+        dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)
-        dq, dk_all, dv_all = block_backward(dout, q, k_all, v_all, out, lse, delta, plan.scale,
-                                            _gathered_allowed(plan))
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk_all = torch.zeros_like(k_all, dtype=torch.float32)
+        dv_all = torch.zeros_like(v_all, dtype=torch.float32)
+        for (rows, cols, mask), aux in zip(_gathered_blocks(plan, q.device), ctx.auxes):
+            gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], _cols(k_all, cols), _cols(v_all, cols),
+                                        out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask, aux)
+            dq[:, :, rows] += gq
+            if isinstance(cols, slice):
+                dk_all[:, :, cols] += gk
+                dv_all[:, :, cols] += gv
+            else:
+                dk_all.index_add_(2, cols, gk)
+                dv_all.index_add_(2, cols, gv)
         dk, dv = _reduce_scatter(dk_all, cfg), _reduce_scatter(dv_all, cfg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _gathered_allowed(plan):
+def _gathered_blocks(plan, device):
+    """(query rows, gathered key/value columns, mask) of the all_gather
+    attention. One sequence per row without a window: the causal attention of
+    each of this rank's chunks is a block over every earlier chunk (no mask)
+    and the square causal block of its own chunk; without the causal mask one
+    block. Otherwise one block masked by position."""
     cfg = plan.cfg
     mine = plan.layouts[cfg.p2p_rank]
-    k_pos = torch.cat([plan.layouts[j].pos for j in range(cfg.p2p_size)])
-    k_sid = None if mine.sid is None else torch.cat([plan.layouts[j].sid for j in range(cfg.p2p_size)])
-    return _allowed(mine.pos, mine.sid, k_pos, k_sid, plan.causal, plan.window)
+    if mine.sid is not None or plan.window != ((-1, 0) if plan.causal else (-1, -1)):
+        k_pos = torch.cat([plan.layouts[j].pos for j in range(cfg.p2p_size)])
+        k_sid = None if mine.sid is None else torch.cat([plan.layouts[j].sid for j in range(cfg.p2p_size)])
+        return [(slice(None), slice(None), _allowed(mine.pos, mine.sid, k_pos, k_sid, plan.causal, plan.window))]
+    if not plan.causal:
+        return [(slice(None), slice(None), None)]
+    n, r = cfg.p2p_size, cfg.p2p_rank
+    c = mine.first.stop  # tokens of a chunk; a rank's shard is 2c, gathered in rank order
+
+    def columns(chunk):  # where the whole sequence's chunk sits in the gathered keys
+        start = chunk * 2 * c if chunk < n else (2 * n - 1 - chunk) * 2 * c + c
+        return torch.arange(start, start + c, device=device)
+
+    blocks = []
+    for rows, chunk in ((mine.first, r), (mine.second, 2 * n - 1 - r)):
+        if chunk:
+            blocks.append((rows, torch.cat([columns(i) for i in range(chunk)]), None))
+        blocks.append((rows, columns(chunk), CAUSAL))
+    return blocks
 
 
 def _gather(t, cfg):
