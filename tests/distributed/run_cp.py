@@ -6,7 +6,7 @@ sequence on one rank (float64, from the same inputs). Configurations: every
 cp_comm_type the world size allows (a2a+p2p as 2 x 2 at four ranks, and as
 a2a 1 x p2p 2 at two), formats sbhd/bshd/thd, masks causal/no_mask,
 sliding windows, GQA, a value head size other than the query's, fp32, bf16
-and fp16. Then TransformerLayer (MultiheadAttention inside, rotary
+and fp16, and thd with padding after each sequence. Then TransformerLayer (MultiheadAttention inside, rotary
 embeddings at each shard's positions) against the same layer without
 context parallelism, the bad inputs that must raise, and a peer that never
 answers (the wait must time out naming it). Prints "PASS run_cp".
@@ -89,15 +89,19 @@ def shard(t, fmt, cu, size, rank, broken):
     return cp.shard_sequence(t, dim, size, rank)
 
 
-def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d, dv, window, broken, a2a=2):
+def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d, dv, window, broken, a2a=2,
+                   padded=False):
     size, rank = groups.world, groups.rank
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, fmt, mask, dtype_name, heads, d, dv, window)).encode()))
     B, S = 2, 4 * size
-    cu = None
+    cu = cu_actual = None
     if fmt == "thd":
         lens = [2 * size, 6 * size, 4 * size]
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+        if padded:  # sequences shorter than the room each has (padding after each)
+            actual = [n - short for n, short in zip(lens, (1, 3, 0))]
+            cu_actual = torch.tensor([0] + list(itertools.accumulate(actual)), dtype=torch.int32)
         shape_q, shape_k, shape_v = ((sum(lens), heads, d), (sum(lens), groups_kv, d), (sum(lens), groups_kv, dv))
     else:
         lead = (S, B) if fmt == "sbhd" else (B, S)
@@ -106,7 +110,10 @@ def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d
     out_shape = (*shape_q[:-2], heads * dv)
     dout = torch.randn(out_shape, generator=gen).to(dtype)
     kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window, attention_dropout=0.0)
-    if fmt == "thd":
+    if fmt == "thd" and padded:
+        fkw = dict(cu_seqlens_q=cu_actual.to(dev), cu_seqlens_kv=cu_actual.to(dev), cu_seqlens_q_padded=cu.to(dev),
+                   cu_seqlens_kv_padded=cu.to(dev))
+    elif fmt == "thd":
         fkw = dict(cu_seqlens_q=cu.to(dev), cu_seqlens_kv=cu.to(dev))
     else:
         fkw = {}
@@ -124,7 +131,8 @@ def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d
     ql, kl, vl = (t.to(dev).requires_grad_() for t in parts[:3])
     out = mod(ql, kl, vl, **fkw)
     out.backward(parts[3].to(dev))
-    name = f"{kind} {fmt} {mask} {dtype_name} h{heads}/{groups_kv} d{d}/{dv} window {window}"
+    name = (f"{kind} {fmt}{' padded' if padded else ''} {mask} {dtype_name} h{heads}/{groups_kv} d{d}/{dv} "
+            f"window {window}")
     errors = []
     for what, got, want in (("output", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
                             ("dv", vl.grad, vr.grad)):
@@ -161,6 +169,13 @@ def attention_cases(world):
                 i += 1
     for dtype in dtypes:  # every dtype on the ring's causal sbhd
         yield "p2p", "sbhd", "causal", dtype, 4, 2, 8, 8, None
+
+
+def padded_thd_cases():
+    """thd with padding after each sequence (cu_seqlens_*_padded), TE's thd masks."""
+    yield "p2p", "thd", "padding_causal", "fp32", 4, 2, 8, 12, None
+    yield "p2p", "thd", "padding", "bf16", 4, 2, 8, 8, (2, 1)
+    yield "all_gather", "thd", "padding_causal", "fp32", 4, 1, 8, 8, None
 
 
 def transformer_layer_case(groups, dev, kind):
@@ -292,6 +307,9 @@ def main():
         if kind == "a2a+p2p" and world == 2:
             a2a = 2 if count % 2 else 1  # at two ranks: a2a 2 x p2p 1, or a2a 1 x p2p 2
         errors += attention_case(groups, dev, *case, broken=args.break_layout, a2a=a2a)
+        count += 1
+    for case in padded_thd_cases():
+        errors += attention_case(groups, dev, *case, broken=args.break_layout, padded=True)
         count += 1
     seen = cp.stats()
     if not args.break_layout:

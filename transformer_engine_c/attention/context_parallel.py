@@ -174,16 +174,20 @@ def _thd_indices(cu_seqlens, cp_size, cp_rank, device):
 class _Layout:
     """Where the tokens of one rank's shard sit: `pos` [S] each token's
     position in its whole sequence, `sid` [S] its sequence (None: one
-    sequence per batch row), and the two halves of the shard (`first`,
-    `second`: slices, or index tensors for packed sequences)."""
-    __slots__ = ("pos", "sid", "first", "second")
+    sequence per batch row), `valid` [S] whether it is a token rather than
+    padding after its sequence (None: all are), and the two halves of the
+    shard (`first`, `second`: slices, or index tensors for packed
+    sequences)."""
+    __slots__ = ("pos", "sid", "valid", "first", "second")
 
 
-def _layout(ring_size, ring_rank, local_len, lens, device):
+def _layout(ring_size, ring_rank, local_len, lens, device, actual=None):
     """The layout of ring rank `ring_rank`'s shard: `local_len` tokens of one
-    sequence per batch row (lens None), or packed sequences of whole lengths
-    `lens`."""
+    sequence per batch row (lens None), or packed sequences of whole
+    (padded) lengths `lens`, of which the first `actual[i]` tokens are the
+    sequence's (actual None: all)."""
     out = _Layout()
+    out.valid = None
     if lens is None:
         c = local_len // 2
         ar = torch.arange(c, device=device)
@@ -205,10 +209,12 @@ def _layout(ring_size, ring_rank, local_len, lens, device):
     out.sid = (torch.cat(sid) if sid else empty).to(device)
     out.first = (torch.cat(first) if first else empty).to(device)
     out.second = (torch.cat(second) if second else empty).to(device)
+    if actual is not None:
+        out.valid = out.pos < torch.tensor(actual, dtype=torch.long, device=device)[out.sid]
     return out
 
 
-def _allowed(q_pos, q_sid, k_pos, k_sid, causal, window):
+def _allowed(q_pos, q_sid, k_pos, k_sid, causal, window, q_valid=None, k_valid=None):
     """[Sq, Skv] True where a query may see a key (None: everywhere)."""
     allowed = None
 
@@ -217,6 +223,8 @@ def _allowed(q_pos, q_sid, k_pos, k_sid, causal, window):
 
     if q_sid is not None:
         allowed = both(allowed, q_sid.view(-1, 1) == k_sid.view(1, -1))
+    if q_valid is not None:
+        allowed = both(allowed, q_valid.view(-1, 1) & k_valid.view(1, -1))
     qp, kp = q_pos.view(-1, 1), k_pos.view(1, -1)
     left, right = window
     if causal:
@@ -468,7 +476,9 @@ def _step_blocks(plan, step):
         # one sequence per row, no window: the diagonal block is plain causal (the shard's positions
         # increase), every other block sees all of its columns
         return rows, cols, (CAUSAL if plan.causal and step == 0 else None)
-    return rows, cols, _allowed(qp, qs, kp, ks, plan.causal, plan.window)
+    qv = None if mine.valid is None else mine.valid[rows]
+    kv = None if theirs.valid is None else theirs.valid[cols]
+    return rows, cols, _allowed(qp, qs, kp, ks, plan.causal, plan.window, qv, kv)
 
 
 def _cols(t, cols):
@@ -627,7 +637,9 @@ def _gathered_blocks(plan, device):
     if mine.sid is not None or plan.window != ((-1, 0) if plan.causal else (-1, -1)):
         k_pos = torch.cat([plan.layouts[j].pos for j in range(cfg.p2p_size)])
         k_sid = None if mine.sid is None else torch.cat([plan.layouts[j].sid for j in range(cfg.p2p_size)])
-        return [(slice(None), slice(None), _allowed(mine.pos, mine.sid, k_pos, k_sid, plan.causal, plan.window))]
+        k_valid = None if mine.valid is None else torch.cat([plan.layouts[j].valid for j in range(cfg.p2p_size)])
+        return [(slice(None), slice(None), _allowed(mine.pos, mine.sid, k_pos, k_sid, plan.causal, plan.window,
+                                                    mine.valid, k_valid))]
     if not plan.causal:
         return [(slice(None), slice(None), None)]
     n, r = cfg.p2p_size, cfg.p2p_rank
@@ -728,6 +740,43 @@ class _SequenceToHeads(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 # The entry point
 
+def _thd_lengths(cfg, q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad):
+    """(whole lengths each sequence occupies, its tokens' count or None when
+    the same) of thd's cu_seqlens (and their padded forms), checked."""
+    if cu_q is None or cu_kv is None:
+        raise ValueError("DotProductAttention: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", cu_q_pad),
+                    ("cu_seqlens_kv_padded", cu_kv_pad)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dim() != 1
+                              or t.numel() < 1 or int(t[0]) != 0 or bool((torch.diff(t) < 0).any())):
+            raise ValueError(f"{name} must be an integer tensor of non-decreasing offsets [b + 1] from 0, got "
+                             f"{t.tolist() if isinstance(t, torch.Tensor) else t!r}")
+    if (cu_q_pad is None) != (cu_kv_pad is None):
+        raise ValueError("DotProductAttention: under context parallelism give both cu_seqlens_q_padded and "
+                         "cu_seqlens_kv_padded, or neither")
+    for a, b, what in ((cu_q, cu_kv, "cu_seqlens"), (cu_q_pad, cu_kv_pad, "cu_seqlens_padded")):
+        if a is not None and (a.shape != b.shape or not torch.equal(a.cpu(), b.cpu())):
+            raise ValueError(f"DotProductAttention: under context parallelism {what}_kv must equal {what}_q "
+                             f"(self-attention), got {b.tolist()} and {a.tolist()}")
+    actual = torch.diff(cu_q.cpu()).tolist()
+    name = "cu_seqlens_q"
+    lens = actual
+    if cu_q_pad is not None:
+        name = "cu_seqlens_q_padded"
+        lens = torch.diff(cu_q_pad.cpu()).tolist()
+        if len(lens) != len(actual) or any(a > n for a, n in zip(actual, lens)):
+            raise ValueError(f"cu_seqlens_q_padded ({cu_q_pad.tolist()}) must hold each sequence of cu_seqlens_q "
+                             f"({cu_q.tolist()})")
+    if any(n % (2 * cfg.size) for n in lens):
+        raise ValueError(f"{name}: under context parallelism (cp size {cfg.size}) every sequence's length must be a "
+                         f"multiple of 2 x {cfg.size}; got lengths {lens}")
+    if sum(lens) // cfg.size != q.shape[0] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"query_layer: {name} describes {sum(lens)} tokens, so this rank's shard holds "
+                         f"{sum(lens) // cfg.size} (1/{cfg.size}); got query {q.shape[0]}, key/value {k.shape[0]} "
+                         "tokens")
+    return lens, (None if actual == lens else actual)
+
+
 def _fail(what):
     raise NotImplementedError(f"DotProductAttention under context parallelism: {what}")
 
@@ -737,36 +786,20 @@ def attention(q, k, v, cfg, fmt, mask_type, window, scale, cu_q, cu_kv, cu_q_pad
     `fmt`; thd: cu_seqlens of the whole sequences). Returns what the
     attention over the whole sequence returns for this rank's tokens."""
     kind = cfg.comm_type
+    if fmt == "thd" and mask_type in ("padding", "padding_causal"):
+        mask_type = "causal" if mask_type == "padding_causal" else "no_mask"  # thd is padded by cu_seqlens
     if mask_type not in CP_MASK_TYPES:
         _fail(f"attn_mask_type={mask_type!r} is not supported with cp_comm_type={kind!r} (supported: "
-              f"{CP_MASK_TYPES})")
+              f"{CP_MASK_TYPES}, and with thd padding / padding_causal)")
     if bias is not None:
         _fail("core_attention_bias is not supported")
     if dropout_p > 0:
         _fail(f"attention_dropout ({dropout_p}) in training is not supported")
     if fmt == "thd" and kind in ("a2a", "a2a+p2p"):
         _fail(f"qkv_format='thd' is not supported with cp_comm_type={kind!r} (use 'p2p' or 'all_gather')")
-    lens = None
+    lens = actual = None
     if fmt == "thd":
-        if cu_q is None or cu_kv is None:
-            raise ValueError("DotProductAttention: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
-        for name, pad in (("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
-            if pad is not None and not torch.equal(pad.cpu(), cu_q.cpu()):
-                _fail(f"{name} with padding between sequences is not supported")
-        if cu_kv.shape != cu_q.shape or not torch.equal(cu_kv.cpu(), cu_q.cpu()):
-            raise ValueError("DotProductAttention: under context parallelism cu_seqlens_kv must equal "
-                             f"cu_seqlens_q (self-attention), got {cu_kv.tolist()} and {cu_q.tolist()}")
-        lens = torch.diff(cu_q.cpu()).tolist()
-        if cu_q.dim() != 1 or int(cu_q[0]) != 0 or any(n < 0 for n in lens):
-            raise ValueError(f"cu_seqlens_q must be non-decreasing offsets [b + 1] from 0, got {cu_q.tolist()}")
-        bad = [n for n in lens if n % (2 * cfg.size)]
-        if bad:
-            raise ValueError(f"cu_seqlens_q: under context parallelism (cp size {cfg.size}) every sequence length "
-                             f"must be a multiple of 2 x {cfg.size}; got lengths {lens}")
-        if sum(lens) // cfg.size != q.shape[0] or k.shape[0] != q.shape[0]:
-            raise ValueError(f"query_layer: cu_seqlens_q describes {sum(lens)} tokens, so this rank's shard holds "
-                             f"{sum(lens) // cfg.size} (1/{cfg.size}); got query {q.shape[0]}, key/value "
-                             f"{k.shape[0]} tokens")
+        lens, actual = _thd_lengths(cfg, q, k, cu_q, cu_kv, cu_q_pad, cu_kv_pad)
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     else:
         seq = 0 if fmt == "sbhd" else 1
@@ -789,7 +822,7 @@ def attention(q, k, v, cfg, fmt, mask_type, window, scale, cu_q, cu_kv, cu_q_pad
     if cfg.a2a_size > 1:
         q4, k4, v4 = (_HeadsToSequence.apply(t.contiguous(), cfg) for t in (q4, k4, v4))
     local_len = q4.shape[2]
-    plan.layouts = [_layout(cfg.p2p_size, j, local_len, lens, q.device) for j in range(cfg.p2p_size)]
+    plan.layouts = [_layout(cfg.p2p_size, j, local_len, lens, q.device, actual) for j in range(cfg.p2p_size)]
     if kind == "all_gather":
         out = _GatheredAttention.apply(q4, k4, v4, plan)
     else:
