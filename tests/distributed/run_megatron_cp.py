@@ -12,7 +12,10 @@ rank, same weights and tokens:
 Each rank holds chunks r and 2cp-1-r of the sequence (Megatron's
 get_batch_on_this_cp_rank). --corrupt NAME scales that parameter's
 gradient by 1.001 before the comparison (the checker's negative test).
-  torchrun --nproc_per_node=2 tests/distributed/run_megatron_cp.py [--cp-comm-types p2p,all_gather,a2a]"""
+On CUDA (--device cuda: a GPU per rank, or TEC_SHARE_GPU=2) Megatron gives
+the attention its cp_stream.
+  torchrun --nproc_per_node=2 tests/distributed/run_megatron_cp.py [--cp-comm-types p2p,all_gather,a2a]
+      [--device cuda]"""
 import argparse
 import dataclasses
 import os
@@ -43,7 +46,7 @@ def build(cp, dev, comm_type, grad_acc_fusion=False):
 
 def local_loss(model, tokens, labels, cp, rank):
     """This rank's share of the mean per-token loss over the whole batch."""
-    pos = torch.arange(mg.SEQ).unsqueeze(0).expand(mg.BATCH, mg.SEQ)
+    pos = torch.arange(mg.SEQ, device=tokens.device).unsqueeze(0).expand(mg.BATCH, mg.SEQ)
     if cp > 1:
         tokens, labels, pos = (shard_sequence(t, 1, cp, rank) for t in (tokens, labels, pos))
     per_token = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels)
@@ -53,12 +56,14 @@ def local_loss(model, tokens, labels, cp, rank):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp-comm-types", default="p2p,all_gather,a2a")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--corrupt", default=None)
     args = ap.parse_args()
-    rank, world, dev = setup("cpu")
-    torch.set_default_device("cpu")
-    mg.cpu_workarounds()
+    rank, world, dev = setup(args.device)
+    torch.set_default_device("cpu")  # what Megatron makes without a device is made on the CPU and moved
+    if dev.type == "cpu":
+        mg.cpu_workarounds()
     mg.apex_wgrad_stand_in()
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -135,7 +140,7 @@ def main():
         print(f"rank {rank} FAIL:\n  " + "\n  ".join(errors), flush=True)
         sys.exit(1)
     if rank == 0:
-        print(f"PASS run_megatron_cp (CP={world}, {args.cp_comm_types})", flush=True)
+        print(f"PASS run_megatron_cp (CP={world}, {args.cp_comm_types}, {dev.type})", flush=True)
     dist.destroy_process_group()
 
 

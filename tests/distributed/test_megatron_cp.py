@@ -6,7 +6,7 @@ Skipped only when megatron-core is not installed."""
 import importlib.util
 
 import pytest
-from launch import run_torchrun, torchrun
+from launch import gpu_count, run_torchrun, torchrun
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                     or importlib.util.find_spec("megatron.core") is None,
@@ -16,7 +16,7 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 @needs_megatron
 def test_megatron_gpt_cp2_matches_cp1():
     out = run_torchrun("run_megatron_cp.py", 2, timeout=600,
-                       pass_line="PASS run_megatron_cp (CP=2, p2p,all_gather,a2a)")
+                       pass_line="PASS run_megatron_cp (CP=2, p2p,all_gather,a2a, cpu)")
     for kind in ("p2p", "all_gather", "a2a"):
         assert f"CP=2 {kind}: loss" in out and "29 gradients" in out, out[-3000:]
 
@@ -28,3 +28,10 @@ def test_megatron_cp_checker_catches_a_wrong_gradient():
                     timeout=600)
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert f"p2p: {name} gradient relative error" in proc.stdout, proc.stdout[-3000:]
+
+
+@needs_megatron
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 CUDA ranks (GPUs, or TEC_SHARE_GPU=2)")
+def test_megatron_gpt_cp2_cuda():
+    run_torchrun("run_megatron_cp.py", 2, ["--device", "cuda"], timeout=600,
+                 pass_line="PASS run_megatron_cp (CP=2, p2p,all_gather,a2a, cuda)")
