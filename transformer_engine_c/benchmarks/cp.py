@@ -18,7 +18,8 @@ Each row is causal self-attention of one sequence of TOKENS tokens (batch 1,
     the backward's gradient sums) and overlap = (cp_serial - cp) / exchange,
     the share of the exchange time hidden behind attention (0: none, 1: all).
 Times are medians over --iters samples after --warmup (the host clock after
-a device synchronisation and a barrier), the maximum over ranks. Results: a
+a device synchronisation and a barrier), the maximum over ranks; the
+variants of a sequence length are sampled in interleaved rounds. Results: a
 table on stdout, cp.json and cp.md in --out."""
 import argparse
 import json
@@ -73,21 +74,40 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def _median_max(fn, dev, warmup, iters):
-    """Median over samples of fn's time, each sample the slowest rank's."""
+def _medians(fns, dev, warmup, iters):
+    """{name: median ms} of each fn, each sample the slowest rank's. The
+    variants are sampled in interleaved rounds (one sample of each per round,
+    the order rotating), so that drift over the run and other load on the
+    machine weigh on all of them alike."""
+    names = list(fns)
     for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        _sync(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        samples.append(dt.item())
-    return statistics.median(samples) * 1e3
+        for name in names:
+            fns[name]()
+    samples = {name: [] for name in names}
+    for i in range(iters):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            _sync(dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[name]()
+            _sync(dev)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            samples[name].append(dt.item())
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+
+
+def _serial(fn):
+    """fn with the ring waiting for each message as soon as it is sent."""
+    from ..attention import context_parallel as cp
+
+    def run():
+        cp.overlap_exchanges = False
+        try:
+            fn()
+        finally:
+            cp.overlap_exchanges = True
+    return run
 
 
 def _fwd_bwd(mod, q, k, v, dout):
@@ -137,28 +157,28 @@ def worker(args):
         q, k, v, dout = (torch.randn(tokens, 1, h, d, generator=g).to(dev, dtype) for _ in range(4))
         whole = DotProductAttention(h, d, qkv_format="sbhd", attn_mask_type="causal")
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-        one = _median_max(_fwd_bwd(whole, qf, kf, vf, dout.reshape(tokens, 1, h * d)), dev, args.warmup, args.iters)
-        del qf, kf, vf
+        fns = {"one_rank": _fwd_bwd(whole, qf, kf, vf, dout.reshape(tokens, 1, h * d))}
         ql, kl, vl, dl = (cp.shard_sequence(t, 0, world, rank).contiguous() for t in (q, k, v, dout))
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
         dl = dl.reshape(dl.shape[0], 1, h * d)
+        kinds = []
         for kind in args.comm_types:
             if kind == "a2a" and h % world:
                 print(f"skipping a2a at {tokens} tokens: {h} heads do not divide by {world}", flush=True)
                 continue
             mod = DotProductAttention(h, d, qkv_format="sbhd", attn_mask_type="causal", cp_group=group,
                                       cp_global_ranks=list(range(world)), cp_stream=cp_stream, cp_comm_type=kind)
-            row = {"tokens": tokens, "comm_type": kind, "cp": world, "one_rank_ms": one}
-            row["cp_ms"] = _median_max(_fwd_bwd(mod, ql, kl, vl, dl), dev, args.warmup, args.iters)
-            row["speedup"] = one / row["cp_ms"]
+            kinds.append(kind)
+            fns[kind] = _fwd_bwd(mod, ql, kl, vl, dl)
             if kind == "p2p":
-                cp.overlap_exchanges = False
-                try:
-                    row["cp_serial_ms"] = _median_max(_fwd_bwd(mod, ql, kl, vl, dl), dev, args.warmup, args.iters)
-                finally:
-                    cp.overlap_exchanges = True
-                row["exchange_ms"] = _median_max(_exchanges(mod._cp, kl.detach(), vl.detach()), dev, args.warmup,
-                                                 args.iters)
+                fns["p2p_serial"] = _serial(fns[kind])
+                fns["exchange"] = _exchanges(mod._cp, kl.detach(), vl.detach())
+        ms = _medians(fns, dev, args.warmup, args.iters)
+        for kind in kinds:
+            row = {"tokens": tokens, "comm_type": kind, "cp": world, "one_rank_ms": ms["one_rank"],
+                   "cp_ms": ms[kind], "speedup": ms["one_rank"] / ms[kind]}
+            if kind == "p2p":
+                row["cp_serial_ms"], row["exchange_ms"] = ms["p2p_serial"], ms["exchange"]
                 row["overlap"] = (row["cp_serial_ms"] - row["cp_ms"]) / max(row["exchange_ms"], 1e-9)
             rows.append(row)
             if rank == 0:
