@@ -1,7 +1,8 @@
 """Megatron-Core's GPTModel (its TransformerEngine layer spec, with
 `transformer_engine` resolving to this package) at context_parallel_size =
-world size, against the same model at context_parallel_size = 1 on every
-rank, same weights and tokens:
+world size / --tp (tensor parallelism with sequence parallelism inside, at
+--tp > 1), against the same model at context_parallel_size = 1 (same
+tensor parallelism) on every rank, same weights and tokens:
   1. one step, for each cp_comm_type asked: the loss (each rank's tokens, summed over the group) and
      every parameter gradient (summed over the group, as Megatron's DDP
      sums them over the data- and context-parallel ranks) equal the CP=1
@@ -15,7 +16,7 @@ gradient by 1.001 before the comparison (the checker's negative test).
 On CUDA (--device cuda: a GPU per rank, or TEC_SHARE_GPU=2) Megatron gives
 the attention its cp_stream.
   torchrun --nproc_per_node=2 tests/distributed/run_megatron_cp.py [--cp-comm-types p2p,all_gather,a2a]
-      [--device cuda]"""
+      [--device cuda] [--tp 2 (at 4 ranks)]"""
 import argparse
 import dataclasses
 import os
@@ -34,10 +35,10 @@ from common import rel_err, setup  # noqa: E402
 from transformer_engine_c.attention.context_parallel import reset_stats, shard_sequence, stats  # noqa: E402
 
 
-def build(cp, dev, comm_type, grad_acc_fusion=False):
+def build(tp, cp, dev, comm_type, grad_acc_fusion=False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    config = dataclasses.replace(mg.transformer_config(1, dev, False, grad_acc_fusion, True),
+    config = dataclasses.replace(mg.transformer_config(tp, dev, tp > 1, grad_acc_fusion, True),
                                  context_parallel_size=cp, cp_comm_type=comm_type)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
                     vocab_size=mg.VOCAB, max_sequence_length=mg.SEQ, position_embedding_type="learned_absolute",
@@ -57,6 +58,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp-comm-types", default="p2p,all_gather,a2a")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with sequence parallelism); "
+                    "context-parallel size = world size / tp")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--corrupt", default=None)
     args = ap.parse_args()
@@ -67,27 +70,32 @@ def main():
     mg.apex_wgrad_stand_in()
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
+    tp, cp = args.tp, world // args.tp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     mg.seed_like_megatron()
     cp_group = parallel_state.get_context_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    crank = dist.get_rank(cp_group)
     errors = []
 
     kinds = args.cp_comm_types.split(",")
-    whole = build(1, dev, kinds[0])
+    whole = build(tp, 1, dev, kinds[0])
     mg.perturb_norms(whole, seed=7)
     state = {k: v.detach().clone() for k, v in whole.state_dict().items() if not k.endswith("_extra_state")}
     tokens, labels = mg.batch(dev)
-    ref_loss = local_loss(whole, tokens, labels, 1, rank)
+    ref_loss = local_loss(whole, tokens, labels, 1, crank)
     ref_loss.backward()
+    mg.reduce_sequence_parallel_grads(whole, tp_group)
     ref_grads = {n: p.grad.detach().clone() for n, p in whole.named_parameters()}
 
     # 1. one step against CP=1
     for kind in kinds:
-        model = build(world, dev, kind)
+        model = build(tp, cp, dev, kind)
         model.load_state_dict(state, strict=False)
         reset_stats()
-        loss = local_loss(model, tokens, labels, world, rank)
+        loss = local_loss(model, tokens, labels, cp, crank)
         loss.backward()
+        mg.reduce_sequence_parallel_grads(model, tp_group)
         total = loss.detach().clone()
         dist.all_reduce(total, group=cp_group)
         if abs(total.item() - ref_loss.item()) > 1e-5 * abs(ref_loss.item()):
@@ -103,20 +111,20 @@ def main():
             if e > mg.TOL:
                 errors.append(f"{kind}: {n} gradient relative error {e:.3g} > {mg.TOL} against CP=1")
         if rank == 0:
-            print(f"CP={world} {kind}: loss {total.item():.6f} (CP=1 {ref_loss.item():.6f}); {len(ref_grads)} "
+            print(f"CP={cp} TP={tp} {kind}: loss {total.item():.6f} (CP=1 {ref_loss.item():.6f}); {len(ref_grads)} "
                   f"gradients, largest relative error {worst[0]:.3g} ({worst[1]}); paths {stats()}", flush=True)
         del model
 
     # 2. Megatron's DDP + optimizer over the context-parallel ranks
-    model = build(world, dev, kinds[0], grad_acc_fusion=True)
+    model = build(tp, cp, dev, kinds[0], grad_acc_fusion=True)
     model.load_state_dict(state, strict=False)
     ddp, opt = mg.ddp_and_optimizer(model)
     losses = []
     for step in range(args.steps):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        loss = local_loss(ddp, tokens, labels, world, rank)
-        (loss * world).backward()  # Megatron's loss_func scales by cp size; DDP averages over the cp ranks
+        loss = local_loss(ddp, tokens, labels, cp, crank)
+        (loss * cp).backward()  # Megatron's loss_func scales by cp size; DDP averages over the cp ranks
         finalize_model_grads([ddp])
         if step == 0:
             for n, p in model.named_parameters():
@@ -140,7 +148,7 @@ def main():
         print(f"rank {rank} FAIL:\n  " + "\n  ".join(errors), flush=True)
         sys.exit(1)
     if rank == 0:
-        print(f"PASS run_megatron_cp (CP={world}, {args.cp_comm_types}, {dev.type})", flush=True)
+        print(f"PASS run_megatron_cp (CP={cp}, TP={tp}, {args.cp_comm_types}, {dev.type})", flush=True)
     dist.destroy_process_group()
 
 
