@@ -107,6 +107,8 @@ def cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type, owner="DotProd
         raise RuntimeError(f"{owner}: cp_group was given but torch.distributed is not initialized")
     a2a_size, a2a_rank = _size_rank(a2a_group) if a2a_group is not None else (1, 0)
     p2p_size, p2p_rank = _size_rank(group) if group is not None else (1, 0)
+    if min(a2a_size, a2a_rank, p2p_size, p2p_rank) < 0:
+        raise ValueError(f"{owner}: rank {dist.get_rank()} is not a member of cp_group")
     size = a2a_size * p2p_size
     if size == 1:
         return None
