@@ -3,13 +3,14 @@ DotProductAttention with a cp_group over this rank's shard (chunks r and
 2cp-1-r of each sequence) and compares the output and the query, key and
 value gradients, row for row, with DotProductAttention over the whole
 sequence on one rank (float64, from the same inputs). Configurations: every
-cp_comm_type the world size allows (a2a+p2p as 2 x 2 at four ranks, and as
-a2a 1 x p2p 2 at two), formats sbhd/bshd/thd, masks causal/no_mask,
+cp_comm_type (a2a+p2p as 2 x 2 at four ranks; at two as a2a 2 x p2p 1 and
+a2a 1 x p2p 2 in turn), formats sbhd/bshd/thd, masks causal/no_mask,
 sliding windows, GQA, a value head size other than the query's, fp32, bf16
-and fp16, and thd with padding after each sequence. Then TransformerLayer (MultiheadAttention inside, rotary
-embeddings at each shard's positions) against the same layer without
-context parallelism, the bad inputs that must raise, and a peer that never
-answers (the wait must time out naming it). Prints "PASS run_cp".
+and fp16, and thd with padding after each sequence. Then TransformerLayer
+(rotary embeddings at each shard's positions) and MultiheadAttention over
+padded thd against the same layers without context parallelism, the bad
+inputs that must raise, and a peer that never answers (the wait must time
+out naming it). Prints "PASS run_cp".
 
     torchrun --nproc_per_node=2 tests/distributed/run_cp.py [--device cuda] [--break-layout]
 
@@ -219,6 +220,50 @@ def transformer_layer_case(groups, dev, kind):
     return errors
 
 
+def multihead_thd_case(groups, dev):
+    """MultiheadAttention over packed sequences with padding after each
+    (thd, padding_causal, rotary embeddings at the padded offsets) with the
+    p2p group, against the same layer over the whole batch."""
+    size, rank = groups.world, groups.rank
+    H, HEADS = 32, 2 * size
+    lens = [2 * size, 6 * size]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+    actual = torch.tensor([0] + list(itertools.accumulate([lens[0] - 1, lens[1] - 2])), dtype=torch.int32)
+    torch.manual_seed(12)
+    kw = dict(attention_dropout=0.0, num_gqa_groups=size, params_dtype=torch.float32, device=dev,
+              qkv_format="thd", attn_mask_type="padding_causal", input_layernorm=True)
+    full = tec.MultiheadAttention(H, HEADS, **kw)
+    part = tec.MultiheadAttention(H, HEADS, **kw)
+    part.load_state_dict(full.state_dict())
+    part.set_context_parallel_group(groups.all, list(range(size)), None, "p2p")
+    freqs = tec.RotaryPositionEmbedding(H // HEADS)(max(lens)).to(dev)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(lens), H, generator=gen).to(dev)
+    dy = torch.randn(sum(lens), H, generator=gen).to(dev)
+    fkw = dict(rotary_pos_emb=freqs, cu_seqlens_q=actual.to(dev), cu_seqlens_kv=actual.to(dev),
+               cu_seqlens_q_padded=cu.to(dev), cu_seqlens_kv_padded=cu.to(dev), pad_between_seqs=True)
+    xf = x.clone().requires_grad_()
+    yf = full(xf, **fkw)
+    yf.backward(dy)
+    xl = cp.shard_thd(x, cu, size, rank).requires_grad_()
+    y = part(xl, **fkw)
+    y.backward(cp.shard_thd(dy, cu, size, rank))
+    errors = []
+    for what, got, want in (("output", y, cp.shard_thd(yf.detach(), cu, size, rank)),
+                            ("input grad", xl.grad, cp.shard_thd(xf.grad, cu, size, rank))):
+        e = tolerance_error(f"MultiheadAttention thd padded: {what}", got, want)
+        if e:
+            errors.append(e)
+    grads = dict(full.named_parameters())
+    for n, p in part.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=groups.all)
+        e = tolerance_error(f"MultiheadAttention thd padded: {n} gradient", g, grads[n].grad)
+        if e:
+            errors.append(e)
+    return errors
+
+
 def expect_error(errors, what, exc, needle, fn):
     try:
         fn()
@@ -315,6 +360,7 @@ def main():
     if not args.break_layout:
         for kind in ("p2p", "all_gather", "a2a"):
             errors += transformer_layer_case(groups, dev, kind)
+        errors += multihead_thd_case(groups, dev)
         errors += bad_inputs(groups, dev)
         if not all(seen[k] for k in ("p2p_overlapped", "all_gather", "a2a", "fused_blocks", "math_blocks")):
             errors.append(f"a path did not run: {seen}")

@@ -245,8 +245,8 @@ class MultiheadAttention(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            cu_q, cu_kv = (cu_seqlens_q_padded, cu_seqlens_kv_padded) if pad_between_seqs else (cu_seqlens_q,
-                                                                                                cu_seqlens_kv)
+            padded = pad_between_seqs or (self.cp_size > 1 and cu_seqlens_q_padded is not None)  # CP shards by them
+            cu_q, cu_kv = (cu_seqlens_q_padded, cu_seqlens_kv_padded) if padded else (cu_seqlens_q, cu_seqlens_kv)
             rope_kw = dict(tensor_format=self.qkv_format, fused=True, cp_size=self.cp_size, cp_rank=self.cp_rank,
                            interleaved=self.rotary_pos_interleaved)
             q = apply_rotary_pos_emb(q, q_emb, cu_seqlens=cu_q, **rope_kw)
