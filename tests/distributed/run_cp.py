@@ -90,8 +90,8 @@ def shard(t, fmt, cu, size, rank, broken):
     return cp.shard_sequence(t, dim, size, rank)
 
 
-def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d, dv, window, broken, a2a=2,
-                   padded=False):
+def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d, dv, window, checkpoint=False, *,
+                   broken, a2a=2, padded=False):
     size, rank = groups.world, groups.rank
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, fmt, mask, dtype_name, heads, d, dv, window)).encode()))
@@ -130,10 +130,10 @@ def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d
                                   cp_global_ranks=cp_ranks, cp_comm_type=kind, **kw)
     parts = [shard(t, fmt, cu, size, rank, broken) for t in (q, k, v, dout)]
     ql, kl, vl = (t.to(dev).requires_grad_() for t in parts[:3])
-    out = mod(ql, kl, vl, **fkw)
+    out = mod(ql, kl, vl, checkpoint_core_attention=checkpoint, **fkw)
     out.backward(parts[3].to(dev))
     name = (f"{kind} {fmt}{' padded' if padded else ''} {mask} {dtype_name} h{heads}/{groups_kv} d{d}/{dv} "
-            f"window {window}")
+            f"window {window}{' checkpointed' if checkpoint else ''}")
     errors = []
     for what, got, want in (("output", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
                             ("dv", vl.grad, vr.grad)):
@@ -168,8 +168,8 @@ def attention_cases(world):
                     window = (3, 0) if mask == "causal" else (3, 2)
                 yield kind, fmt, mask, dtypes[i % len(dtypes)], h, hk, d, dv, window
                 i += 1
-    for dtype in dtypes:  # every dtype on the ring's causal sbhd
-        yield "p2p", "sbhd", "causal", dtype, 4, 2, 8, 8, None
+    for dtype in dtypes:  # every dtype on the ring's causal sbhd, recomputed in backward
+        yield "p2p", "sbhd", "causal", dtype, 4, 2, 8, 8, None, True
 
 
 def padded_thd_cases():
