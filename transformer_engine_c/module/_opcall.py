@@ -118,7 +118,7 @@ def _forward(layer, args, first_mb, grad, fp8):
     if fp8:
         key = next(_FP8_KEYS)
         _FP8_CTX[key] = ctx
-        token = torch.tensor([key], dtype=torch.int64)
+        token = torch.tensor([key], dtype=torch.int64, device="cpu")
         weakref.finalize(token, _FP8_CTX.pop, key, None)
         return _owned(layer, outs, ()) + [token]
     new = [t for t, where in zip(ctx.saved_tensors, spec.saved(layer)) if where == "new"]
