@@ -477,12 +477,12 @@ def test_compile_bench_blocks_compute_the_same():
     import torch
 
     import transformer_engine_c as tec
-    from transformer_engine_c.benchmarks import compile as cb
+    from transformer_engine_c.benchmarks import blocks
 
     torch.manual_seed(0)
-    ours = cb.OurBlock(tec, 64, 2, torch.float32, torch.device("cpu"))
-    ref = cb.TorchBlock(64, 2, torch.float32, torch.device("cpu"))
-    cb.copy_into(ours, ref)
+    ours = blocks.OurBlock(tec, 64, 2, torch.float32, torch.device("cpu"))
+    ref = blocks.TorchBlock(64, 2, torch.float32, torch.device("cpu"))
+    blocks.copy_into(ours, ref)
     x = torch.randn(16, 2, 64)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-4, rtol=1e-4)
 
@@ -517,12 +517,12 @@ def test_bench_fp8_host_command_runs_on_cpu(tmp_path):
 def test_fp8_host_general_variant_runs_the_general_path(monkeypatch):
     """fp8_delayed_general turns the one-call steps off for its step only."""
     from transformer_engine_c.benchmarks import fp8_host as H
-    from transformer_engine_c.module import _fp8
+    from transformer_engine_c.module import _fp8_gemm
 
     seen = []
-    step = H.general_path(lambda: seen.append(_fp8.ONE_CALL))
+    step = H.general_path(lambda: seen.append(_fp8_gemm.ONE_CALL))
     step()
-    assert seen == [False] and _fp8.ONE_CALL is True
+    assert seen == [False] and _fp8_gemm.ONE_CALL is True
 
 
 def test_fp8_host_categories():
@@ -534,5 +534,6 @@ def test_fp8_host_categories():
     assert H.category(("~", 0, "<built-in method torch.empty>")) == "allocations"
     assert H.category(("~", 0, "<method 'run_backward' of 'torch._C._EngineBase' objects>")) == "autograd engine"
     assert H.category(("/x/transformer_engine_c/module/_fp8.py", 1, "fprop")) == "FP8 bookkeeping"
+    assert H.category(("/x/transformer_engine_c/module/_fp8_gemm.py", 1, "fprop")) == "FP8 bookkeeping"
     assert H.category(("/x/transformer_engine_c/module/_steps.py", 1, "fprop")) == "layer steps"
     assert H.category(("/somewhere/else.py", 1, "f")) == "other"

@@ -34,6 +34,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .blocks import TorchBlock, geometry
+
 GPU_SHAPES = [(512, 1024, 1024), (2048, 2048, 6144), (8192, 4096, 12288)]
 CPU_SHAPES = [(64, 64, 128)]
 LAYERS = ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
@@ -106,8 +108,6 @@ class TorchLNMLP(torch.nn.Module):
 def layer_geometry(tokens, hidden):
     """(sequence, batch, heads) of TransformerLayer at TOKENSxHIDDEN: --compile's
     geometry (ValueError where the tokens or heads do not divide evenly)."""
-    from .compile import geometry
-
     seq, batch, heads = geometry(tokens, hidden)
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not a multiple of its {heads} heads")
@@ -127,8 +127,6 @@ def torch_transformer_layer(ours, H, N, dtype, device):
     """--compile's TorchBlock with the values of our TransformerLayer's
     parameters, copied by name (the qkv Linear's rows: our query, key and
     value weights, one after the other, as the layer splits them)."""
-    from .compile import TorchBlock
-
     ref = TorchBlock(H, layer_geometry(1, H)[2], dtype, device, ffn=N)
     attn, mlp = ours.self_attention, ours.layernorm_mlp
     qkv = attn.layernorm_qkv

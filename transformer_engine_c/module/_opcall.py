@@ -19,7 +19,8 @@ import weakref
 import torch
 
 from ._config import as_2d
-from ._steps import fresh_temporaries, outside_buffers
+from ._steps import outside_buffers
+from ._temporaries import fresh_temporaries
 
 
 class OpSpec:
