@@ -420,7 +420,7 @@ def test_each_direction_updates_every_module_in_one_engine_call(monkeypatch, mod
                         real(dev, rec, stream))
     recipe = DelayedScaling(amax_history_len=2)
     layers = [te.Linear(32, 32) for _ in range(modules)]
-    x = torch.randn(16, 32, requires_grad=True)
+    x = torch.randn(16, 32, device=layers[0].weight.device, requires_grad=True)
     for step_ in range(2):
         calls.clear()
         with te.autocast(enabled=True, recipe=recipe):
