@@ -620,6 +620,54 @@ def test_reduce_overhead_replays_the_block_as_eager():
     assert _breaks() == 0
 
 
+class _TorchBlock(torch.nn.Module):
+    """Block's structure in torch.nn modules: the control of the
+    reduce-overhead gradient-accumulation test (torch's own layers under the
+    same loop)."""
+
+    def __init__(self, hidden=64, heads=4, **kw):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 3 * hidden, **kw)
+        self.proj = torch.nn.Linear(hidden, hidden, **kw)
+        self.ln2, self.fc1 = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 4 * hidden, **kw)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden, **kw)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, -1).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                                             is_causal=True)
+        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("make", [Block, _TorchBlock], ids=["ours", "torch"])
+def test_reduce_overhead_accumulates_gradients_over_micro_batches(make):
+    """mode="reduce-overhead" with gradient accumulation: several
+    micro-batches' backwards add into .grad with no zero_grad between them
+    (the graphs warm up, record and replay across the micro-batches); the
+    accumulated gradients are eager's. The torch.nn block under the same loop
+    is the control."""
+    torch.manual_seed(18)
+    m = make(device="cuda")
+    f = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    xs = [torch.randn(8, 2, 64, device="cuda") for _ in range(4)]
+    gs = [torch.randn(8, 2, 64, device="cuda") for _ in range(4)]
+    for step in range(3):  # optimizer steps, each over 4 micro-batches
+        for fn in (m, f):
+            for p in m.parameters():
+                p.grad = None
+            for x, g in zip(xs, gs):
+                fn(x).backward(g)
+            grads = [p.grad.clone() for p in m.parameters()]
+            if fn is m:
+                ref = grads
+        torch.testing.assert_close(grads, ref, rtol=1e-5, atol=1e-5)
+    assert _breaks() == 0
+
+
 @needs_cuda
 def test_graphed_callables_after_a_compiled_region():
     """tec.make_graphed_callables captures after a compiled region ran in
