@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from ..quantization import unwind_in_graph
 from ._config import as_2d
 from ._steps import outside_buffers
 from ._temporaries import fresh_temporaries
@@ -96,6 +97,10 @@ def forward(layer, args, first_mb, grad, fp8):
     before = fresh_temporaries(True)
     try:
         return _forward(layer, args, first_mb, grad, fp8)
+    except BaseException:
+        # the compiled code this call belongs to stops here: an autocast it entered is left, as a `with` block
+        unwind_in_graph()
+        raise
     finally:
         fresh_temporaries(before)
 
