@@ -179,6 +179,12 @@ class MultiheadAttention(torch.nn.Module):
         groups, hn = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
         per_group = self.num_attention_heads_per_partition // groups
         lead = mixed.shape[:-1]
+        if per_group == 1:  # no grouped query heads: one view, three slices of it
+            if self.qkv_weight_interleaved:  # [..., heads, 3, hn]
+                q, k, v = mixed.view(*lead, groups, 3, hn).unbind(-2)
+            else:  # [..., 3, heads, hn]
+                q, k, v = mixed.view(*lead, 3, groups, hn).unbind(-3)
+            return q, k, v, ln_out
         if self.qkv_weight_interleaved:  # [..., groups, per_group + 2, hn]
             q, k, v = mixed.view(*lead, groups, per_group + 2, hn).split((per_group, 1, 1), dim=-2)
         else:  # [..., per_group + 2, groups, hn]
