@@ -59,6 +59,13 @@ def _sub(name, suffix):
     return None if name is None else f"{name}.{suffix}"
 
 
+def _mask_type(what, value):
+    """A mask type given to forward (the constructor's were checked there)."""
+    if value not in MASK_TYPES:
+        raise ValueError(f"{what} must be one of {MASK_TYPES}, got {value!r}")
+    return value
+
+
 def _check_mask(mask, what):
     if mask is None:
         return
@@ -200,13 +207,12 @@ class TransformerLayer(torch.nn.Module):
         sequence under sequence parallelism), [b, s, hidden] (bshd) or
         [t, hidden] (thd, with cu_seqlens_q). Returns the layer's output, of
         the input's shape."""
-        self_mask = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
+        self_mask = self.self_attn_mask_type if self_attn_mask_type is None else _mask_type(
+            "self_attn_mask_type", self_attn_mask_type)
         window_size = self.window_size if window_size is None else window_size
-        enc_mask = self.enc_dec_attn_mask_type if enc_dec_attn_mask_type is None else enc_dec_attn_mask_type
+        enc_mask = self.enc_dec_attn_mask_type if enc_dec_attn_mask_type is None else _mask_type(
+            "enc_dec_attn_mask_type", enc_dec_attn_mask_type)
         enc_window = self.enc_dec_window_size if enc_dec_window_size is None else enc_dec_window_size
-        for what, value in (("self_attn_mask_type", self_mask), ("enc_dec_attn_mask_type", enc_mask)):
-            if value not in MASK_TYPES:
-                raise ValueError(f"{what} must be one of {MASK_TYPES}, got {value!r}")
         if inference_params is not None:
             raise NotImplementedError("TransformerLayer: inference_params (KV-cache inference) is not supported")
         hidden_states = hidden_states.contiguous()
@@ -223,15 +229,23 @@ class TransformerLayer(torch.nn.Module):
         if torch.is_autocast_enabled(device_type):
             hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
 
-        common = dict(is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
-                      rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
-                      core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                      fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
-        attn_out = self.self_attention(
-            hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask, window_size=window_size,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_q_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q,
-            **common)
+        # The attention gets the arguments that differ from its defaults (TE's, as here): every keyword
+        # passed costs host time on every call.
+        common = {"is_first_microbatch": is_first_microbatch}
+        if (checkpoint_core_attention or rotary_pos_emb is not None or core_attention_bias_type != "no_bias"
+                or core_attention_bias is not None or alibi_slopes is not None or not fast_zero_fill
+                or pad_between_seqs is not None):
+            common.update(checkpoint_core_attention=checkpoint_core_attention, rotary_pos_emb=rotary_pos_emb,
+                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                          alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
+                          pad_between_seqs=pad_between_seqs)
+        seqlens = {}
+        if cu_seqlens_q is not None or cu_seqlens_q_padded is not None or max_seqlen_q is not None:
+            seqlens = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q,
+                           cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_q_padded,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q)
+        attn_out = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask,
+                                       window_size=window_size, **seqlens, **common)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             out, residual = attn_out
             hidden_states = self._dropout_add(out, residual, self.drop_path)
