@@ -1,8 +1,10 @@
 """The GPT-style pre-LN block the benchmarks time: the same block of torch.nn
-modules (TorchBlock) and of the package's layers (OurBlock), its geometry for
-a TOKENSxHIDDEN shape, and one training step of it. --compile times the two
-blocks (benchmarks/compile.py), --tp1 compares TransformerLayer with them
-(benchmarks/tp1.py), --fp8 --host profiles ours (benchmarks/fp8_host.py).
+modules (TorchBlock) and of the package's layers (OurBlock), its attention
+half of torch.nn modules (TorchAttention), its geometry for a TOKENSxHIDDEN
+shape, and one training step of it. --compile times the two blocks
+(benchmarks/compile.py), --tp1 compares them, MultiheadAttention and
+TransformerLayer (benchmarks/tp1.py), --fp8 --host profiles ours
+(benchmarks/fp8_host.py).
 """
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,30 @@ def geometry(tokens, hidden):
         raise ValueError(f"tokens {tokens} is not a multiple of the sequence length {seq}")
     heads = hidden // 128 if hidden >= 256 else 2
     return seq, tokens // seq, heads
+
+
+def torch_attention(m, x):
+    """The attention half of a torch.nn block m (ln1, qkv, heads, proj): proj(causal attention(qkv(ln1(x))))."""
+    s, b, h = x.shape
+    q, k, v = m.qkv(m.ln1(x)).view(s, b, 3, m.heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
+    return m.proj(a)
+
+
+class TorchAttention(torch.nn.Module):
+    """The attention half of TorchBlock: nn.LayerNorm, one qkv nn.Linear,
+    causal F.scaled_dot_product_attention, nn.Linear proj (no residual), the
+    modules named as TorchBlock's."""
+
+    def __init__(self, hidden, heads, dtype, device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.ln1, self.qkv = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 3 * hidden, **kw)
+        self.proj = torch.nn.Linear(hidden, hidden, **kw)
+
+    def forward(self, x):
+        return torch_attention(self, x)
 
 
 class TorchBlock(torch.nn.Module):
@@ -33,24 +59,21 @@ class TorchBlock(torch.nn.Module):
         self.fc2 = torch.nn.Linear(ffn, hidden, **kw)
 
     def forward(self, x):
-        s, b, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
-        x = x + self.proj(a)
+        x = x + torch_attention(self, x)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
 class OurBlock(torch.nn.Module):
-    """The block of the package's layers."""
+    """The block of the package's layers (ffn as TorchBlock's)."""
 
-    def __init__(self, tec, hidden, heads, dtype, device):
+    def __init__(self, tec, hidden, heads, dtype, device, ffn=None):
         super().__init__()
         kw = dict(params_dtype=dtype, device=device)
         self.heads = heads
         self.qkv = tec.LayerNormLinear(hidden, 3 * hidden, **kw)
         self.attn = tec.DotProductAttention(heads, hidden // heads, attn_mask_type="causal")
         self.proj = tec.Linear(hidden, hidden, **kw)
-        self.mlp = tec.LayerNormMLP(hidden, 4 * hidden, **kw)
+        self.mlp = tec.LayerNormMLP(hidden, 4 * hidden if ffn is None else ffn, **kw)
 
     def forward(self, x):
         s, b, h = x.shape
