@@ -11,12 +11,17 @@ FP8 primary weights against bf16 parameters
 time per eager step, bf16 against FP8, and where the FP8 step's goes
 (transformer_engine_c.benchmarks.fp8_host); with --compile a GPT-style block
 under torch.compile, CUDA graphs and eagerly, ours against torch.nn's
-(transformer_engine_c.benchmarks.compile)."""
+(transformer_engine_c.benchmarks.compile); with --cp context-parallel
+attention against one rank over the whole sequence
+(transformer_engine_c.benchmarks.cp)."""
 import sys
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "--cp" in argv:
+        from .benchmarks import cp
+        return cp.main([a for a in argv if a != "--cp"])
     if "--compile" in argv:
         from .benchmarks import compile as compile_bench
         return compile_bench.main([a for a in argv if a != "--compile"])

@@ -177,7 +177,7 @@ class TransformerLayer(torch.nn.Module):
                 child.set_tensor_parallel_group(tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream=None, cp_comm_type="p2p"):
-        """TE's setter; the attention refuses a group of more than one rank."""
+        """TE's setter: the attention layers split each sequence over the group."""
         for child in self.children():
             if hasattr(child, "set_context_parallel_group"):
                 child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)

@@ -26,8 +26,9 @@ the RNG tracker's fork() when one is given and sequence_parallel is off, as
 TE does.
 
 Under FP8 autocast attention runs in the compute dtype (TE's recipes
-without fp8_dpa / fp8_mha). Raises NotImplementedError naming the feature:
-context parallelism (a cp_group of more than one rank), FP8 attention
+without fp8_dpa / fp8_mha). A cp_group of more than one rank splits each
+sequence over the group (context_parallel.py says how, and what it
+supports). Raises NotImplementedError naming the feature: FP8 attention
 (fp8_output, a recipe's fp8_dpa / fp8_mha),
 softmax types other than vanilla, return_max_logit, ALiBi, KV-cache
 inference (inference_params), score_mod."""
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from .._fp8_meta import initial_fp8_meta
 from ..module.base import ExtraStateMixin
 from ..quantization import FP8GlobalStateManager
+from . import context_parallel
 
 __all__ = ["DotProductAttention"]
 
@@ -225,12 +227,10 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p"):
-        """TE's setter; a group of more than one rank is context parallelism."""
-        groups = cp_group if isinstance(cp_group, (list, tuple)) else [cp_group]
-        for g in groups:
-            if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1:
-                raise NotImplementedError("DotProductAttention: context parallelism (a cp_group of "
-                                          f"{dist.get_world_size(g)} ranks) is not supported")
+        """TE's setter; a group of more than one rank (or the pair of groups of
+        cp_comm_type 'a2a+p2p') is context parallelism: query, key and value
+        are then this rank's shard of each sequence (context_parallel.py)."""
+        self._cp = context_parallel.cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = (
             cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
@@ -311,6 +311,9 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
 
     def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, br):
         p = self.attention_dropout if self.training else 0.0
+        if self._cp is not None:
+            return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale, cu_q,
+                                              cu_kv, cu_q_pad, cu_kv_pad, bias, p)
         with self._dropout_ctx():
             if fmt == "thd":
                 return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)

@@ -25,6 +25,7 @@ from ..module.linear import Linear
 from ..module.normalization import LayerNorm, RMSNorm
 from ..distributed import resolve_tp
 from .dot_product_attention import DotProductAttention
+from . import context_parallel
 from .rope import apply_rotary_pos_emb
 
 __all__ = ["MultiheadAttention"]
@@ -159,7 +160,10 @@ class MultiheadAttention(torch.nn.Module):
                 child.set_tensor_parallel_group(tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream=None, cp_comm_type="p2p"):
-        """TE's setter; core_attention refuses a group of more than one rank."""
+        """TE's setter: core_attention attends over the group's shards, and
+        rotary embeddings use this rank's positions in the whole sequence."""
+        cfg = context_parallel.cp_config(cp_group, cp_global_ranks, cp_stream, cp_comm_type, "MultiheadAttention")
+        self.cp_size, self.cp_rank = (1, 0) if cfg is None else (cfg.size, cfg.rank)
         for child in self.modules():
             if child is not self and hasattr(child, "set_context_parallel_group"):
                 child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)

@@ -1,0 +1,143 @@
+"""Megatron-Core's GPTModel (its TransformerEngine layer spec, with
+`transformer_engine` resolving to this package) at context_parallel_size =
+world size, against the same model at context_parallel_size = 1 on every
+rank, same weights and tokens:
+  1. one step, for each cp_comm_type asked: the loss (each rank's tokens, summed over the group) and
+     every parameter gradient (summed over the group, as Megatron's DDP
+     sums them over the data- and context-parallel ranks) equal the CP=1
+     model's over the whole sequence;
+  2. training with Megatron's DDP and optimizer (the first comm type): the first step's main_grads
+     equal the CP=1 gradients, the loss falls, and the parameters stay equal
+     across the ranks.
+Each rank holds chunks r and 2cp-1-r of the sequence (Megatron's
+get_batch_on_this_cp_rank). --corrupt NAME scales that parameter's
+gradient by 1.001 before the comparison (the checker's negative test).
+  torchrun --nproc_per_node=2 tests/distributed/run_megatron_cp.py [--cp-comm-types p2p,all_gather,a2a]"""
+import argparse
+import dataclasses
+import os
+import sys
+
+import transformer_engine_c
+
+transformer_engine_c.install_as_transformer_engine()  # before anything imports transformer_engine
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import megatron_gpt as mg  # noqa: E402
+from common import rel_err, setup  # noqa: E402
+from transformer_engine_c.attention.context_parallel import reset_stats, shard_sequence, stats  # noqa: E402
+
+
+def build(cp, dev, comm_type, grad_acc_fusion=False):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    config = dataclasses.replace(mg.transformer_config(1, dev, False, grad_acc_fusion, True),
+                                 context_parallel_size=cp, cp_comm_type=comm_type)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                    vocab_size=mg.VOCAB, max_sequence_length=mg.SEQ, position_embedding_type="learned_absolute",
+                    share_embeddings_and_output_weights=False).to(dev)
+
+
+def local_loss(model, tokens, labels, cp, rank):
+    """This rank's share of the mean per-token loss over the whole batch."""
+    pos = torch.arange(mg.SEQ).unsqueeze(0).expand(mg.BATCH, mg.SEQ)
+    if cp > 1:
+        tokens, labels, pos = (shard_sequence(t, 1, cp, rank) for t in (tokens, labels, pos))
+    per_token = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels)
+    return per_token.float().sum() / (mg.BATCH * mg.SEQ)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cp-comm-types", default="p2p,all_gather,a2a")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--corrupt", default=None)
+    args = ap.parse_args()
+    rank, world, dev = setup("cpu")
+    torch.set_default_device("cpu")
+    mg.cpu_workarounds()
+    mg.apex_wgrad_stand_in()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
+    mg.seed_like_megatron()
+    cp_group = parallel_state.get_context_parallel_group()
+    errors = []
+
+    kinds = args.cp_comm_types.split(",")
+    whole = build(1, dev, kinds[0])
+    mg.perturb_norms(whole, seed=7)
+    state = {k: v.detach().clone() for k, v in whole.state_dict().items() if not k.endswith("_extra_state")}
+    tokens, labels = mg.batch(dev)
+    ref_loss = local_loss(whole, tokens, labels, 1, rank)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in whole.named_parameters()}
+
+    # 1. one step against CP=1
+    for kind in kinds:
+        model = build(world, dev, kind)
+        model.load_state_dict(state, strict=False)
+        reset_stats()
+        loss = local_loss(model, tokens, labels, world, rank)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=cp_group)
+        if abs(total.item() - ref_loss.item()) > 1e-5 * abs(ref_loss.item()):
+            errors.append(f"{kind}: loss {total.item():.7f} vs {ref_loss.item():.7f} at CP=1")
+        worst = (0.0, None)
+        for n, p in model.named_parameters():
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=cp_group)
+            if args.corrupt == n:
+                g.mul_(1.001)
+            e = rel_err(g, ref_grads[n])
+            worst = max(worst, (e, n), key=lambda t: t[0])
+            if e > mg.TOL:
+                errors.append(f"{kind}: {n} gradient relative error {e:.3g} > {mg.TOL} against CP=1")
+        if rank == 0:
+            print(f"CP={world} {kind}: loss {total.item():.6f} (CP=1 {ref_loss.item():.6f}); {len(ref_grads)} "
+                  f"gradients, largest relative error {worst[0]:.3g} ({worst[1]}); paths {stats()}", flush=True)
+        del model
+
+    # 2. Megatron's DDP + optimizer over the context-parallel ranks
+    model = build(world, dev, kinds[0], grad_acc_fusion=True)
+    model.load_state_dict(state, strict=False)
+    ddp, opt = mg.ddp_and_optimizer(model)
+    losses = []
+    for step in range(args.steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = local_loss(ddp, tokens, labels, world, rank)
+        (loss * world).backward()  # Megatron's loss_func scales by cp size; DDP averages over the cp ranks
+        finalize_model_grads([ddp])
+        if step == 0:
+            for n, p in model.named_parameters():
+                e = rel_err(p.main_grad, ref_grads[n])
+                if e > mg.TOL:
+                    errors.append(f"DDP main_grad {n}: relative error {e:.3g} > {mg.TOL} against CP=1")
+        ok, _, _ = opt.step()
+        if not ok:
+            errors.append(f"step {step}: the optimizer skipped its update")
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=cp_group)
+        losses.append(total.item())
+    if rank == 0:
+        print("losses", [round(v, 5) for v in losses], flush=True)
+    if not losses[-1] < losses[0] - 1e-3:
+        errors.append(f"the loss did not fall over {args.steps} steps: {losses}")
+    errors += mg.same_on_every_rank([(n, p.detach()) for n, p in model.named_parameters()], cp_group,
+                                    "parameters after training")
+    dist.barrier()
+    if errors:
+        print(f"rank {rank} FAIL:\n  " + "\n  ".join(errors), flush=True)
+        sys.exit(1)
+    if rank == 0:
+        print(f"PASS run_megatron_cp (CP={world}, {args.cp_comm_types})", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
