@@ -73,7 +73,7 @@ PARTS[4]="tests/distributed/test_layernorm_mlp_tp.py tests/distributed/test_gemm
   tests/distributed/test_comm_gemm_overlap.py tests/distributed/test_grad_mode_overlap.py
   tests/distributed/test_graph_overlap.py tests/distributed/test_temporaries.py tests/distributed/test_tp.py
   tests/distributed/test_sp_reference.py tests/distributed/test_distributed_weight.py
-  tests/distributed/test_compile_tp.py tests/distributed/test_transformer_layer_tp.py"
+  tests/distributed/test_compile_tp.py tests/distributed/test_transformer_layer_tp.py tests/distributed/test_cp.py"
 PARTS[5]="tests/distributed/test_te_dropin.py tests/distributed/test_fp8_layers_tp.py
   tests/distributed/test_megatron_gpt.py tests/distributed/test_engine_collectives.py
   tests/test_megatron_construction.py::test_megatron_tensor_parallel_cuda tests/test_main_job.py::test_main_job_two_gpus"
