@@ -1,8 +1,12 @@
 """The counts of one pytest run, for the last line of a scripts/gpu_validate.sh
 part: "N passed, M failed, K skipped" (failed counts errors, skipped counts
 xfails), from its --junitxml report, or from its -v log where pytest was
-killed before it wrote the report.
+killed before it wrote the report; or from the ledger of tests/_cuda_state.py
+(one line per test, over every process a part took), where a test that
+failed while parts shared the GPU counts by its rerun alone, if RERUN is given.
     python3 scripts/pytest_counts.py REPORT.xml LOG
+    python3 scripts/pytest_counts.py --ledger LEDGER [RERUN]
+    python3 scripts/pytest_counts.py --failed LEDGER   (the node ids that failed or broke, one per line)
 """
 import os
 import re
@@ -37,7 +41,44 @@ def counts(report, log):
     return from_log(log) if os.path.exists(log) else (0, 0, 0)
 
 
+def read_ledger(path):
+    """{nodeid: outcome} (tests/_cuda_state.py's format; the last line of a test wins)."""
+    done = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                outcome, sep, nodeid = line.rstrip("\n").partition("\t")
+                if sep:
+                    done[nodeid] = outcome
+    return done
+
+
+def failed(ledger):
+    return [n for n, o in ledger.items() if o in ("failed", "broke")]
+
+
+def ledger_counts(path, rerun_path=None):
+    done = read_ledger(path)
+    rerun = read_ledger(rerun_path) if rerun_path else {}
+    first = failed(done)
+    for n in first:
+        if n in rerun:
+            done[n] = rerun[n]
+    n = {k: sum(o == k for o in done.values()) for k in ("passed", "skipped")}
+    line = f"{n['passed']} passed, {len(failed(done))} failed, {n['skipped']} skipped"
+    healed = [x for x in first if done[x] not in ("failed", "broke")]
+    if rerun_path and first:
+        line += f" ({len(first)} failed with the parts side by side; {len(healed)} of them passed alone)"
+    return line
+
+
 def main(argv):
+    if argv[:1] == ["--ledger"] and len(argv) in (2, 3):
+        print(ledger_counts(*argv[1:]))
+        return 0
+    if argv[:1] == ["--failed"] and len(argv) == 2:
+        print("\n".join(failed(read_ledger(argv[1]))))
+        return 0
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2

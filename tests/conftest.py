@@ -1,6 +1,9 @@
 import pytest
 import torch
 
+# one broken CUDA state stops the run at once, naming the test (tests/_cuda_state.py)
+from _cuda_state import pytest_collection_modifyitems, pytest_runtest_logreport, pytest_runtest_protocol  # noqa: F401
+
 CUDA_SKIP = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="no CUDA GPU on this machine (GPU tests run on the GPU machines)")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_SKIP)]

@@ -272,10 +272,29 @@ def test_bench_tp1_command_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads((out / "tp1.json").read_text())
     got = {(row["layer"], row["mode"]) for row in data["rows"]}
-    assert got == {(layer, mode) for layer in ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
+    assert got == {(layer, mode) for layer in ("Linear", "LayerNormLinear", "LayerNormMLP", "MultiheadAttention",
+                                               "ComposedBlock", "TransformerLayer")
                    for mode in ("fwd+bwd", "fwd (no_grad)")}
     assert all(row["ours_ms"] > 0 and row["torch_host_us"] > 0 for row in data["rows"])
-    assert "| LayerNormMLP | fwd+bwd | 8×16×32 |" in (out / "tp1.md").read_text()
+    assert [a["mode"] for a in data["against_block"]] == ["fwd+bwd", "fwd (no_grad)"]
+    assert all(a["host_ratio"] > 0 and a["ms_ratio"] > 0 for a in data["against_block"])
+    md = (out / "tp1.md").read_text()
+    assert "| LayerNormMLP | fwd+bwd | 8×16×32 |" in md and "| MultiheadAttention | fwd+bwd | 8×16×32 |" in md
+    assert "| fwd (no_grad) | 8×16×32 |" in md  # the TransformerLayer-against-ComposedBlock table
+
+
+def test_bench_tp1_against_block_pairs_the_rows():
+    """TransformerLayer's rows meet ComposedBlock's of the same shape and mode, and nothing else."""
+    from transformer_engine_c.benchmarks import tp1
+
+    def row(layer, mode, tokens, ms, us):
+        return dict(layer=layer, mode=mode, tokens=tokens, hidden=32, n=128, ours_ms=ms, ours_host_us=us)
+    rows = [row("TransformerLayer", "fwd+bwd", 16, 2.0, 30.0), row("ComposedBlock", "fwd+bwd", 16, 1.0, 20.0),
+            row("ComposedBlock", "fwd+bwd", 32, 9.0, 90.0), row("TransformerLayer", "fwd (no_grad)", 16, 1.0, 5.0),
+            row("MultiheadAttention", "fwd (no_grad)", 16, 1.0, 1.0)]
+    got = tp1.against_block(rows)
+    assert [(a["mode"], a["tokens"], a["ms_ratio"], a["host_ratio"]) for a in got] == [("fwd+bwd", 16, 0.5, 1.5)]
+    assert tp1.against_block(rows[:1]) == []
 
 
 def test_bench_tp1_same_numbers_as_torch_layers():
@@ -290,6 +309,10 @@ def test_bench_tp1_same_numbers_as_torch_layers():
     for layer in ("Linear", "LayerNormLinear", "LayerNormMLP"):
         ours, ref = tp1.build(tec, layer, 16, 32, torch.float32, torch.device("cpu"))
         assert torch.allclose(ours(x), ref(x), atol=1e-4, rtol=1e-4), layer
+    x = torch.randn(6, 2, 512, dtype=torch.float64).float()  # 4 heads of 128: a qkv split in another order shows
+    for layer in ("MultiheadAttention", "ComposedBlock"):
+        ours, ref = tp1.build(tec, layer, 512, 128, torch.float32, torch.device("cpu"))
+        torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-4, msg=layer)
 
 
 def test_bench_tp1_transformer_layer_twin_computes_the_same():
@@ -477,12 +500,12 @@ def test_compile_bench_blocks_compute_the_same():
     import torch
 
     import transformer_engine_c as tec
-    from transformer_engine_c.benchmarks import compile as cb
+    from transformer_engine_c.benchmarks import blocks
 
     torch.manual_seed(0)
-    ours = cb.OurBlock(tec, 64, 2, torch.float32, torch.device("cpu"))
-    ref = cb.TorchBlock(64, 2, torch.float32, torch.device("cpu"))
-    cb.copy_into(ours, ref)
+    ours = blocks.OurBlock(tec, 64, 2, torch.float32, torch.device("cpu"))
+    ref = blocks.TorchBlock(64, 2, torch.float32, torch.device("cpu"))
+    blocks.copy_into(ours, ref)
     x = torch.randn(16, 2, 64)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-4, rtol=1e-4)
 
@@ -517,12 +540,12 @@ def test_bench_fp8_host_command_runs_on_cpu(tmp_path):
 def test_fp8_host_general_variant_runs_the_general_path(monkeypatch):
     """fp8_delayed_general turns the one-call steps off for its step only."""
     from transformer_engine_c.benchmarks import fp8_host as H
-    from transformer_engine_c.module import _fp8
+    from transformer_engine_c.module import _fp8_gemm
 
     seen = []
-    step = H.general_path(lambda: seen.append(_fp8.ONE_CALL))
+    step = H.general_path(lambda: seen.append(_fp8_gemm.ONE_CALL))
     step()
-    assert seen == [False] and _fp8.ONE_CALL is True
+    assert seen == [False] and _fp8_gemm.ONE_CALL is True
 
 
 def test_fp8_host_categories():
@@ -534,5 +557,6 @@ def test_fp8_host_categories():
     assert H.category(("~", 0, "<built-in method torch.empty>")) == "allocations"
     assert H.category(("~", 0, "<method 'run_backward' of 'torch._C._EngineBase' objects>")) == "autograd engine"
     assert H.category(("/x/transformer_engine_c/module/_fp8.py", 1, "fprop")) == "FP8 bookkeeping"
+    assert H.category(("/x/transformer_engine_c/module/_fp8_gemm.py", 1, "fprop")) == "FP8 bookkeeping"
     assert H.category(("/x/transformer_engine_c/module/_steps.py", 1, "fprop")) == "layer steps"
     assert H.category(("/somewhere/else.py", 1, "f")) == "other"

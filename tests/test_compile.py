@@ -7,6 +7,8 @@ import torch
 import torch._dynamo
 
 import transformer_engine_c as tec
+from transformer_engine_c import quantization
+from transformer_engine_c.quantization import FP8GlobalStateManager
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DEV = DEVICES[-1]  # where the tests without a device parameter run (the layers' default device)
@@ -430,16 +432,105 @@ def test_fp8_forward_without_backward_frees_its_operands():
     assert not _opcall._FP8_CTX
 
 
-def test_fp8_autocast_inside_the_compiled_function_is_refused():
-    m = tec.Linear(32, 32, device=DEV)
+def _fp8_inside_steps(m, recipe, xs, compile_with=None):
+    """Steps of a function that enters the FP8 autocast itself and calls m
+    (compiled with fullgraph and `compile_with`'s backend where given): as
+    _fp8_steps, plus the autocast state after every step."""
+    def step(x):
+        with tec.autocast(enabled=True, recipe=recipe):
+            return m(x)
+    f = step if compile_with is None else torch.compile(step, fullgraph=True, backend=compile_with)
+    out = []
+    for x in xs:
+        x = x.clone().requires_grad_()
+        y = f(x)
+        assert not FP8GlobalStateManager.FP8_ENABLED and FP8GlobalStateManager.AUTOCAST_DEPTH == 0
+        y.sum().backward()
+        out += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+        for p in m.parameters():
+            p.grad = None
+    state = [t.clone() for mod in m.modules() if getattr(mod, "fp8_meta", None)
+             for k in ("scaling_fwd", "scaling_bwd") if mod.fp8_meta.get(k) is not None
+             for t in (mod.fp8_meta[k].scale, mod.fp8_meta[k].scale_inv, mod.fp8_meta[k].amax_history)]
+    return out, state
 
-    def f(x):
-        with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling()):
+
+@pytest.mark.parametrize("recipe,backend", [("DelayedScaling", "inductor"), ("Float8CurrentScaling", "aot_eager"),
+                                            ("Float8BlockScaling", "aot_eager")])
+def test_fp8_autocast_inside_the_compiled_function_matches_eager(recipe, backend):
+    """The FP8 autocast entered inside the traced function (Accelerate's FP8
+    autowrap of a compiled model): N compiled steps leave the outputs,
+    gradients and the recipe's state (scales, amax histories) of N eager
+    steps, bit for bit, and the autocast state outside as it was; the same
+    shapes do not compile again."""
+    def build():
+        torch.manual_seed(15)
+        return torch.nn.Sequential(tec.LayerNormLinear(64, 128, device=DEV), tec.Linear(128, 64, device=DEV))
+    torch.manual_seed(16)
+    xs = [torch.randn(32, 64, device=DEV) for _ in range(3)]
+    make = getattr(tec.recipe, recipe)
+    out_e, state_e = _fp8_inside_steps(build(), make(), xs)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out_c, state_c = _fp8_inside_steps(build(), make(), xs, compile_with=backend)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    assert _breaks() == 0
+    _same(out_e, out_c)
+    _same(state_e, state_c)
+    if recipe == "DelayedScaling":
+        assert len(state_e) == 2 * 2 * 3
+
+
+def test_fp8_autocast_inside_with_its_recipe_made_there():
+    """The recipe made inside the traced function, or left to the default:
+    a compiled step computes as an eager one, and leaves the same
+    delayed-scaling state."""
+    def build():
+        torch.manual_seed(17)
+        return tec.Linear(32, 32, device=DEV)
+    x = torch.randn(16, 32, device=DEV)
+
+    def made_inside(m, x):
+        with tec.fp8_autocast(enabled=True, fp8_recipe=tec.recipe.DelayedScaling(margin=1)):
             return m(x)
 
+    def default(m, x):
+        with tec.fp8_autocast(enabled=True):
+            return m(x)
+    for f in (made_inside, default):
+        m_e, m_c = build(), build()
+        ref = f(m_e, x)
+        FP8GlobalStateManager.reset()  # the compiled step's exit updates m_c alone
+        _same(torch.compile(f, fullgraph=True, backend="aot_eager")(m_c, x), ref)
+        FP8GlobalStateManager.reset()
+        _same([m_c.fp8_meta["scaling_fwd"].scale, m_c.fp8_meta["scaling_fwd"].amax_history],
+              [m_e.fp8_meta["scaling_fwd"].scale, m_e.fp8_meta["scaling_fwd"].amax_history])
+    assert not FP8GlobalStateManager.FP8_ENABLED
+
+
+def test_fp8_autocast_inside_refuses_what_cannot_cross():
+    """A recipe field that is not a plain value (a callable amax algorithm)
+    and an amax reduction group cannot cross into the compiled code: each
+    raises naming the way out; a failure in a layer inside leaves no
+    autocast entered."""
+    m = tec.Linear(32, 32, device=DEV)
+    algo = tec.recipe.DelayedScaling(amax_compute_algo=lambda h: h.max(0).values)
     newer = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
-    with pytest.raises(Exception, match="around the call of the compiled function" if newer else None):
-        torch.compile(f, fullgraph=True)(torch.randn(16, 32, device=DEV))
+    for kw, match in ((dict(recipe=algo), "by value"), (dict(amax_reduction_group=object()), "amax_reduction_group")):
+        def f(x):
+            with tec.autocast(enabled=True, **kw):
+                return m(x)
+        with pytest.raises(Exception, match=f"{match}.*around the call" if newer else None):
+            torch.compile(f, fullgraph=True, backend="aot_eager")(torch.randn(16, 32, device=DEV))
+        torch._dynamo.reset()
+    recipe = tec.recipe.DelayedScaling()
+
+    def g(x):
+        with tec.autocast(enabled=True, recipe=recipe):
+            return m(x)
+    with pytest.raises(ValueError, match="divisible"):  # FP8's shape rule, checked when the layer runs
+        torch.compile(g, fullgraph=True, backend="aot_eager")(torch.randn(15, 32, device=DEV))
+    assert not FP8GlobalStateManager.FP8_ENABLED and FP8GlobalStateManager.AUTOCAST_DEPTH == 0
+    assert not quantization._in_graph
 
 
 def test_compiled_without_fp8_called_inside_an_autocast_recompiles():
@@ -526,6 +617,54 @@ def test_reduce_overhead_replays_the_block_as_eager():
         out_e, grads_e = _run(m, x, g)
         out_c, grads_c = _run(f, x, g)
         torch.testing.assert_close((out_c, grads_c), (out_e, grads_e), rtol=1e-5, atol=1e-5)
+    assert _breaks() == 0
+
+
+class _TorchBlock(torch.nn.Module):
+    """Block's structure in torch.nn modules: the control of the
+    reduce-overhead gradient-accumulation test (torch's own layers under the
+    same loop)."""
+
+    def __init__(self, hidden=64, heads=4, **kw):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 3 * hidden, **kw)
+        self.proj = torch.nn.Linear(hidden, hidden, **kw)
+        self.ln2, self.fc1 = torch.nn.LayerNorm(hidden, **kw), torch.nn.Linear(hidden, 4 * hidden, **kw)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden, **kw)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, -1).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                                                             is_causal=True)
+        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("make", [Block, _TorchBlock], ids=["ours", "torch"])
+def test_reduce_overhead_accumulates_gradients_over_micro_batches(make):
+    """mode="reduce-overhead" with gradient accumulation: several
+    micro-batches' backwards add into .grad with no zero_grad between them
+    (the graphs warm up, record and replay across the micro-batches); the
+    accumulated gradients are eager's. The torch.nn block under the same loop
+    is the control."""
+    torch.manual_seed(18)
+    m = make(device="cuda")
+    f = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    xs = [torch.randn(8, 2, 64, device="cuda") for _ in range(4)]
+    gs = [torch.randn(8, 2, 64, device="cuda") for _ in range(4)]
+    for step in range(3):  # optimizer steps, each over 4 micro-batches
+        for fn in (m, f):
+            for p in m.parameters():
+                p.grad = None
+            for x, g in zip(xs, gs):
+                fn(x).backward(g)
+            grads = [p.grad.clone() for p in m.parameters()]
+            if fn is m:
+                ref = grads
+        torch.testing.assert_close(grads, ref, rtol=1e-5, atol=1e-5)
     assert _breaks() == 0
 
 

@@ -584,3 +584,38 @@ def test_make_graphed_callables_te_fp8_weight_caching(module, recipe):
     eager = _te_run("none", module, torch.bfloat16, recipe, True)
     _assert_same(full, eager, "full")
     _assert_same(individual, eager, "individual")
+
+
+@CUDA
+def test_capture_is_not_broken_by_garbage_finalized_during_it():
+    """Garbage that earlier work leaves (here a communicator in a reference
+    cycle, whose destroy synchronizes the device) is not finalized while
+    make_graphed_callables captures: the collector is paused there. The
+    module makes the cycle and enough objects to start a collection during
+    each capture; a collection that ran would invalidate the capture."""
+    import gc
+    comms = [tec.CommOverlap((32, 64), torch.bfloat16, device="cuda", name="garbage")]
+
+    class Churn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = tec.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+
+        def forward(self, x):
+            if torch.cuda.is_current_stream_capturing() and comms:
+                cycle = [comms.pop()]
+                cycle.append(cycle)
+                del cycle
+                junk = [[i] for i in range(20 * gc.get_threshold()[0])]  # past the youngest generation's threshold
+                del junk
+            return self.lin(x)
+
+    model = Churn()
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    graphed = tec.make_graphed_callables(model, (x,), num_warmup_iters=2)
+    assert not comms  # the capture made the garbage
+    assert gc.isenabled()
+    y = graphed(x)
+    y.sum().backward()
+    torch.cuda.synchronize()
+    gc.collect()  # the communicators are destroyed now, outside any capture

@@ -535,11 +535,34 @@ def test_delayed_updates_in_one_call_equal_one_by_one(device):
     for x, y in zip(ref, got):
         assert torch.equal(x.cpu().view(torch.int32), y.cpu().view(torch.int32))
 
-    with pytest.raises(ValueError, match="count"):
-        _C.fp8_delayed_updates(-1, 0, 3, 0)
+    with pytest.raises(ValueError, match="whole number of 64-byte records"):
+        _C.fp8_delayed_updates(-1, bytes(8 * 3), 0)
     bad = torch.tensor([0, 0, 0, 0, 1, 0, 0, 0], dtype=torch.int64)  # history length 0
     with pytest.raises(ValueError, match="history length"):
-        _C.fp8_delayed_updates(-1, bad.data_ptr(), 1, 0)
+        _C.fp8_delayed_updates(-1, F._pack_records([bad.tolist()]), 0)
+    # an address is refused: the table is read where it lies, so it must be host bytes
+    with pytest.raises(TypeError, match="records must be bytes"):
+        _C.fp8_delayed_updates(-1, bad.data_ptr(), 0)
+    with pytest.raises(TypeError, match="records must be bytes"):
+        _C.fp8_delayed_updates(-1, bad, 0)
+
+
+def test_delayed_updates_under_another_default_device(device):
+    """The records table is host memory whatever the default device: with
+    torch.set_default_device naming another device (CUDA in a training
+    script; "meta" here, which has no memory at all), the prepared updates
+    still run and give the bits of the one-by-one update."""
+    gen = torch.Generator().manual_seed(11)
+    h = _history_cases(gen, 4, 6).to(device)
+    one = [h.clone(), torch.ones(6, device=device), torch.zeros(6, device=device)]
+    many = [h.clone(), torch.ones(6, device=device), torch.zeros(6, device=device)]
+    F.delayed_update(*one, 448.0)
+    with torch.device("meta"):
+        run = F.delayed_updates_call([(*many, 448.0, 1.0, False)])
+        run()
+    for x, y in zip(one, many):
+        assert torch.equal(x.cpu().view(torch.int32), y.cpu().view(torch.int32))
+    assert not torch.equal(many[1].cpu(), torch.ones(6))  # the update ran
 
 
 # ------------------------------------------------- activation fused with the cast

@@ -16,7 +16,7 @@ import torch
 
 import transformer_engine_c as te
 from transformer_engine_c.benchmarks import fp8_params as bench
-from transformer_engine_c.module import _fp8
+from transformer_engine_c.module import _fp8, _fp8_gemm
 from transformer_engine_c.quantization import FP8GlobalStateManager as G
 from transformer_engine_c.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                                          MXFP8BlockScaling, QParams)
@@ -178,9 +178,9 @@ def test_outside_an_autocast_the_layer_dequantizes(kind):
 
 def count_weight_casts(monkeypatch):
     """Count the casts of weight roles (forward role 3i + 1): FP8Call._quantize
-    calls, and the casts the one-call steps make (_fp8._cast_args)."""
+    calls, and the casts the one-call steps make (_fp8_gemm._cast_args)."""
     calls = []
-    real, real_args = _fp8.FP8Call._quantize, _fp8._cast_args
+    real, real_args = _fp8.FP8Call._quantize, _fp8_gemm._cast_args
 
     def counting(self, t, fp8_dtype, role, forward, *a, **k):
         if forward and role % 3 == 1:
@@ -192,7 +192,7 @@ def count_weight_casts(monkeypatch):
             calls.append(role)
         return real_args(f, t, fp8_dtype, role, forward, *a, **k)
     monkeypatch.setattr(_fp8.FP8Call, "_quantize", counting)
-    monkeypatch.setattr(_fp8, "_cast_args", counting_args)
+    monkeypatch.setattr(_fp8_gemm, "_cast_args", counting_args)
     return calls
 
 

@@ -416,11 +416,11 @@ def test_each_direction_updates_every_module_in_one_engine_call(monkeypatch, mod
     G.reset()
     calls = []
     real = _C.fp8_delayed_updates
-    monkeypatch.setattr(_C, "fp8_delayed_updates", lambda dev, rec, count, stream: calls.append(count) or
-                        real(dev, rec, count, stream))
+    monkeypatch.setattr(_C, "fp8_delayed_updates", lambda dev, rec, stream: calls.append(len(rec) // 64) or
+                        real(dev, rec, stream))
     recipe = DelayedScaling(amax_history_len=2)
     layers = [te.Linear(32, 32) for _ in range(modules)]
-    x = torch.randn(16, 32, requires_grad=True)
+    x = torch.randn(16, 32, device=layers[0].weight.device, requires_grad=True)
     for step_ in range(2):
         calls.clear()
         with te.autocast(enabled=True, recipe=recipe):

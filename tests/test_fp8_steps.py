@@ -266,7 +266,7 @@ def test_steps_refuse_bad_input(device):
 # ------------------------------------------------------- through the layers
 
 import transformer_engine_c as te  # noqa: E402
-from transformer_engine_c.module import _fp8  # noqa: E402
+from transformer_engine_c.module import _fp8_gemm  # noqa: E402
 from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 
@@ -313,12 +313,12 @@ def test_layers_one_call_equals_the_general_path(monkeypatch, device, kind, rnam
     are the steps that ran (counted)."""
     recipe = DelayedScaling(amax_history_len=4) if rname == "delayed" else Float8CurrentScaling()
     calls = []
-    real_fwd, real_bwd = _fp8.fprop_one_call, _fp8.linear_bwd_one_call
-    monkeypatch.setattr(_fp8, "fprop_one_call", lambda *a: calls.append("f") or real_fwd(*a))
-    monkeypatch.setattr(_fp8, "linear_bwd_one_call", lambda *a: calls.append("b") or real_bwd(*a))
+    real_fwd, real_bwd = _fp8_gemm.fprop_one_call, _fp8_gemm.linear_bwd_one_call
+    monkeypatch.setattr(_fp8_gemm, "fprop_one_call", lambda *a: calls.append("f") or real_fwd(*a))
+    monkeypatch.setattr(_fp8_gemm, "linear_bwd_one_call", lambda *a: calls.append("b") or real_bwd(*a))
     one = _steps(_layer(kind, device, bias), recipe, device, first_mb)
     assert "f" in calls and "b" in calls
-    monkeypatch.setattr(_fp8, "ONE_CALL", False)
+    monkeypatch.setattr(_fp8_gemm, "ONE_CALL", False)
     general = _steps(_layer(kind, device, bias), recipe, device, first_mb)
     assert len(one) == len(general)
     for i, (a, b) in enumerate(zip(one, general)):
@@ -335,7 +335,7 @@ def test_layers_one_call_other_token_counts(monkeypatch, device, kind, lead):
     general path."""
     recipe = DelayedScaling(amax_history_len=4)
     one = _steps(_layer(kind, device, True), recipe, device, False, lead)
-    monkeypatch.setattr(_fp8, "ONE_CALL", False)
+    monkeypatch.setattr(_fp8_gemm, "ONE_CALL", False)
     general = _steps(_layer(kind, device, True), recipe, device, False, lead)
     for i, (a, b) in enumerate(zip(one, general)):
         assert (a is None) == (b is None), i
@@ -366,7 +366,7 @@ def test_layers_weight_gradient_elsewhere_equals_the_general_path(monkeypatch, d
     recipe = DelayedScaling(amax_history_len=4)
     results = []
     for one_call in (True, False):
-        monkeypatch.setattr(_fp8, "ONE_CALL", one_call)
+        monkeypatch.setattr(_fp8_gemm, "ONE_CALL", one_call)
         m = _prepared(kind, device, how)
         out = _steps(m, recipe, device, False)
         out += [p.main_grad.clone() for p in m.parameters() if hasattr(p, "main_grad")]

@@ -1,4 +1,4 @@
-"""The one-call FP8 steps (module/_fp8.ONE_CALL) against the general path
+"""The one-call FP8 steps (module/_fp8_gemm.ONE_CALL) against the general path
 over randomly drawn layer configurations: the layer and its options, the
 recipe and its parameters, the compute dtype, the token counts, the grad
 modes, weight caching, fused and delayed weight gradients, frozen
@@ -18,7 +18,7 @@ import torch
 
 import transformer_engine_c as te
 from helpers import Stack
-from transformer_engine_c.module import _fp8
+from transformer_engine_c.module import _fp8_gemm
 from transformer_engine_c.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams
 from transformer_engine_c.recipe import QParams
 
@@ -210,8 +210,8 @@ def run(c, one_call):
     """The configuration's steps with the one-call steps on or off:
     [(label, tensor or None)], ending with ("raised", type name, message)
     where a step raised."""
-    saved = _fp8.ONE_CALL
-    _fp8.ONE_CALL = one_call
+    saved = _fp8_gemm.ONE_CALL
+    _fp8_gemm.ONE_CALL = one_call
     res = []
     try:
         m = build(c)
@@ -274,7 +274,7 @@ def run(c, one_call):
     except Exception as e:  # noqa: BLE001  (compared with the other run's)
         res.append(("raised", type(e).__name__, str(e)))
     finally:
-        _fp8.ONE_CALL = saved
+        _fp8_gemm.ONE_CALL = saved
     return res
 
 
@@ -328,9 +328,9 @@ def test_the_sample_runs_the_one_call_steps(monkeypatch):
     most of its configurations, the one-call backward in a quarter at least,
     and none raises."""
     calls = collections.Counter()
-    real_fwd, real_bwd = _fp8.fprop_one_call, _fp8.linear_bwd_one_call
-    monkeypatch.setattr(_fp8, "fprop_one_call", lambda *a: calls.update(["f"]) or real_fwd(*a))
-    monkeypatch.setattr(_fp8, "linear_bwd_one_call",
+    real_fwd, real_bwd = _fp8_gemm.fprop_one_call, _fp8_gemm.linear_bwd_one_call
+    monkeypatch.setattr(_fp8_gemm, "fprop_one_call", lambda *a: calls.update(["f"]) or real_fwd(*a))
+    monkeypatch.setattr(_fp8_gemm, "linear_bwd_one_call",
                         lambda *a: (lambda r: calls.update(["b"] if r is not None else []) or r)(real_bwd(*a)))
     fwd = bwd = 0
     for c in SAMPLE:

@@ -68,3 +68,73 @@ def test_part_counts_from_the_report_or_the_log(tmp_path):
 
     assert counts(report, log) == "4 passed, 3 failed, 3 skipped"
     assert counts(tmp_path / "killed.xml", log) == "1 passed, 2 failed, 1 skipped"
+
+
+# tests/_cuda_state.py: a test that leaves the CUDA state broken stops its
+# process at once, named; a run resumed from the ledger runs only the rest;
+# the counts take each test once (the one that broke the state as failed).
+_INNER_CONFTEST = '''
+import sys
+sys.path.insert(0, {tests!r})
+import _cuda_state
+from _cuda_state import pytest_collection_modifyitems, pytest_runtest_logreport, pytest_runtest_protocol
+
+BROKEN = []
+_cuda_state.probe = lambda: "the device is gone" if BROKEN else None  # what a failed capture leaves
+'''
+_INNER_TESTS = '''
+import pytest
+from conftest import BROKEN
+
+def test_a():
+    pass
+
+def test_b_breaks_the_state():
+    BROKEN.append(1)  # passes itself, but the next test would inherit a broken state
+
+def test_c():
+    assert 0
+
+def test_d():
+    pytest.skip("not here")
+
+def test_e():
+    pass
+'''
+
+
+def test_a_broken_state_stops_the_run_and_the_rest_runs_in_a_fresh_process(tmp_path):
+    (tmp_path / "conftest.py").write_text(_INNER_CONFTEST.format(tests=os.path.join(ROOT, "tests")))
+    (tmp_path / "test_inner.py").write_text(_INNER_TESTS)
+    ledger = tmp_path / "ledger.txt"
+
+    def pytest_run():
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TEC_TEST_LEDGER": str(ledger)})
+
+    first = pytest_run()
+    assert first.returncode == 17, first.stdout + first.stderr
+    assert "test_inner.py::test_b_breaks_the_state left the CUDA state broken (the device is gone)" in first.stdout
+    assert ledger.read_text().splitlines() == ["passed\ttest_inner.py::test_a",
+                                               "broke\ttest_inner.py::test_b_breaks_the_state"]
+    second = pytest_run()  # a fresh process: only the tests not yet run
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "1 failed, 1 passed, 1 skipped, 2 deselected" in second.stdout, second.stdout
+    counts = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pytest_counts.py"), "--ledger",
+                             str(ledger)], capture_output=True, text=True, check=True).stdout.strip()
+    assert counts == "2 passed, 2 failed, 1 skipped"
+    failed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pytest_counts.py"), "--failed",
+                             str(ledger)], capture_output=True, text=True, check=True).stdout.split()
+    assert failed == ["test_inner.py::test_b_breaks_the_state", "test_inner.py::test_c"]
+    # a rerun alone that passes turns a failure into a pass, and says so
+    rerun = tmp_path / "rerun.txt"
+    rerun.write_text("passed\ttest_inner.py::test_c\n")
+    counts = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pytest_counts.py"), "--ledger",
+                             str(ledger), str(rerun)], capture_output=True, text=True, check=True).stdout.strip()
+    assert counts == "3 passed, 1 failed, 1 skipped (2 failed with the parts side by side; 1 of them passed alone)"
+
+
+def test_the_cuda_state_probe_passes_a_usable_state():
+    import _cuda_state  # conftest.py's plugin
+    assert _cuda_state.probe() is None  # on the CPU, or on a GPU nothing broke

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import transformer_engine_c as tec
-from transformer_engine_c.module import _plan, _steps
+from transformer_engine_c.module import _plan, _temporaries
 from conftest import CUDA_SKIP
 from mlp_reference import layernorm_mlp as mlp_ref
 from reference import layernorm_linear as lnl_ref
@@ -467,62 +467,62 @@ def test_without_torch_private_entry_points_function_apply_runs(monkeypatch):
 
 
 def test_temporaries_are_reused_per_thread_and_stream(monkeypatch):
-    monkeypatch.setattr(_steps, "_temps", threading.local())
+    monkeypatch.setattr(_temporaries, "_temps", threading.local())
     x = torch.zeros(2, 3, dtype=torch.bfloat16)
-    a = _steps.temp(x, (4, 3), -1, 0, _steps.T_PARTIAL)
+    a = _temporaries.temp(x, (4, 3), -1, 0, _temporaries.T_PARTIAL)
     assert a.shape == (4, 3) and a.dtype == torch.bfloat16
-    assert _steps.temp(x, (4, 3), -1, 0, _steps.T_PARTIAL) is a  # the same call again: reused
-    assert _steps.temp(x, (4, 3), -1, 7, _steps.T_PARTIAL) is not a  # another stream: its own
-    assert _steps.temp(x.float(), (4, 3), -1, 0, _steps.T_PARTIAL) is not a  # another dtype
-    assert _steps.temp(x, (4, 2, 3), -1, 0, _steps.T_PARTIAL).shape == (4, 2, 3)
-    assert _steps.temp(x, (4, 3), -1, 0, _steps.T_GATHERED) is not a  # another role: its own
-    ws = _steps.temp_bytes(x, 100, -1, 0, _steps.T_NORM_WS)
+    assert _temporaries.temp(x, (4, 3), -1, 0, _temporaries.T_PARTIAL) is a  # the same call again: reused
+    assert _temporaries.temp(x, (4, 3), -1, 7, _temporaries.T_PARTIAL) is not a  # another stream: its own
+    assert _temporaries.temp(x.float(), (4, 3), -1, 0, _temporaries.T_PARTIAL) is not a  # another dtype
+    assert _temporaries.temp(x, (4, 2, 3), -1, 0, _temporaries.T_PARTIAL).shape == (4, 2, 3)
+    assert _temporaries.temp(x, (4, 3), -1, 0, _temporaries.T_GATHERED) is not a  # another role: its own
+    ws = _temporaries.temp_bytes(x, 100, -1, 0, _temporaries.T_NORM_WS)
     assert ws.dtype == torch.uint8 and ws.shape == (100,)
-    assert _steps.temp_bytes(x, 100, -1, 0, _steps.T_NORM_WS) is ws
+    assert _temporaries.temp_bytes(x, 100, -1, 0, _temporaries.T_NORM_WS) is ws
     other = []
-    t = threading.Thread(target=lambda: other.append(_steps.temp(x, (4, 3), -1, 0, _steps.T_PARTIAL)))
+    t = threading.Thread(target=lambda: other.append(_temporaries.temp(x, (4, 3), -1, 0, _temporaries.T_PARTIAL)))
     t.start()
     t.join()
     assert other[0] is not a  # another thread: its own
 
 
 def test_temporaries_bounded(monkeypatch):
-    monkeypatch.setattr(_steps, "_temps", threading.local())
+    monkeypatch.setattr(_temporaries, "_temps", threading.local())
     x = torch.zeros(2, 3)
-    first = _steps.temp(x, (1, 3), -1, 0, _steps.T_PARTIAL)
-    for r in range(2, 2 + _steps._TEMP_SLOTS):
-        _steps.temp(x, (r, 3), -1, 0, _steps.T_PARTIAL)
-    assert len(_steps._temps.slots) == _steps._TEMP_SLOTS
-    assert _steps.temp(x, (1, 3), -1, 0, _steps.T_PARTIAL) is not first  # the oldest was dropped
-    monkeypatch.setattr(_steps, "_TEMP_HELD", 48)  # bytes held: adding a temporary drops the oldest down to it
-    _steps.temp(x, (1, 4), -1, 0, _steps.T_DY)
-    assert sum(t.nbytes for t in _steps._temps.slots.values()) <= 48 and len(_steps._temps.slots) <= 3
-    monkeypatch.setattr(_steps, "_TEMP_BYTES", 64)
-    big = _steps.temp(x, (5, 4), -1, 0, _steps.T_PARTIAL)  # 80 bytes: above the limit, fresh every call
-    assert _steps.temp(x, (5, 4), -1, 0, _steps.T_PARTIAL) is not big
+    first = _temporaries.temp(x, (1, 3), -1, 0, _temporaries.T_PARTIAL)
+    for r in range(2, 2 + _temporaries._TEMP_SLOTS):
+        _temporaries.temp(x, (r, 3), -1, 0, _temporaries.T_PARTIAL)
+    assert len(_temporaries._temps.slots) == _temporaries._TEMP_SLOTS
+    assert _temporaries.temp(x, (1, 3), -1, 0, _temporaries.T_PARTIAL) is not first  # the oldest was dropped
+    monkeypatch.setattr(_temporaries, "_TEMP_HELD", 48)  # bytes held: adding a temporary drops the oldest down to it
+    _temporaries.temp(x, (1, 4), -1, 0, _temporaries.T_DY)
+    assert sum(t.nbytes for t in _temporaries._temps.slots.values()) <= 48 and len(_temporaries._temps.slots) <= 3
+    monkeypatch.setattr(_temporaries, "_TEMP_BYTES", 64)
+    big = _temporaries.temp(x, (5, 4), -1, 0, _temporaries.T_PARTIAL)  # 80 bytes: above the limit, fresh every call
+    assert _temporaries.temp(x, (5, 4), -1, 0, _temporaries.T_PARTIAL) is not big
 
 
 def test_temporaries_not_while_capturing(monkeypatch):
     """On a CUDA device (code >= 0) a capture in progress gets a fresh
     tensor every call (shown on CPU tensors with the capture query mocked)."""
-    monkeypatch.setattr(_steps, "_temps", threading.local())
+    monkeypatch.setattr(_temporaries, "_temps", threading.local())
     x = torch.zeros(2, 3)
-    monkeypatch.setattr(_steps, "_capturing", lambda: False)
-    a = _steps.temp(x, (4, 3), 0, 5, _steps.T_PARTIAL)
-    assert _steps.temp(x, (4, 3), 0, 5, _steps.T_PARTIAL) is a
-    monkeypatch.setattr(_steps, "_capturing", lambda: True)
-    assert _steps.temp(x, (4, 3), 0, 5, _steps.T_PARTIAL) is not a
-    monkeypatch.setattr(_steps, "_capturing", None)  # no query in this torch: never reused on CUDA
-    assert _steps.temp(x, (4, 3), 0, 5, _steps.T_PARTIAL) is not a
+    monkeypatch.setattr(_temporaries, "_capturing", lambda: False)
+    a = _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL)
+    assert _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL) is a
+    monkeypatch.setattr(_temporaries, "_capturing", lambda: True)
+    assert _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL) is not a
+    monkeypatch.setattr(_temporaries, "_capturing", None)  # no query in this torch: never reused on CUDA
+    assert _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL) is not a
 
 
 def test_no_grad_norm_statistics_go_to_the_sink():
     m = _layer("lnl", "cpu", torch.float32)
     x = torch.randn(6, 24)
-    _steps._sinks.pop(torch.device("cpu"), None)
+    _temporaries._sinks.pop(torch.device("cpu"), None)
     with torch.no_grad():
         y = m(x)
-    assert _steps._sinks[torch.device("cpu")].numel() >= 12
+    assert _temporaries._sinks[torch.device("cpu")].numel() >= 12
     assert torch.equal(y, m(x).detach())
 
 
@@ -530,15 +530,15 @@ def test_no_grad_norm_statistics_go_to_the_sink():
 def test_temporaries_not_in_a_real_capture(monkeypatch):
     """torch.cuda.graph capture: the capture query answers, and every call
     gets a fresh tensor from the graph's pool; after it, reuse again."""
-    monkeypatch.setattr(_steps, "_temps", threading.local())
+    monkeypatch.setattr(_temporaries, "_temps", threading.local())
     x = torch.zeros(2, 3, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
-    a = _steps.temp(x, (4, 3), 0, stream, _steps.T_PARTIAL)
-    assert _steps.temp(x, (4, 3), 0, stream, _steps.T_PARTIAL) is a
+    a = _temporaries.temp(x, (4, 3), 0, stream, _temporaries.T_PARTIAL)
+    assert _temporaries.temp(x, (4, 3), 0, stream, _temporaries.T_PARTIAL) is a
     g = torch.cuda.CUDAGraph()
     got = []
     with torch.cuda.graph(g):
         s = torch.cuda.current_stream().cuda_stream
-        got += [_steps.temp(x, (4, 3), 0, s, _steps.T_PARTIAL), _steps.temp(x, (4, 3), 0, s, _steps.T_PARTIAL)]
+        got += [_temporaries.temp(x, (4, 3), 0, s, _temporaries.T_PARTIAL), _temporaries.temp(x, (4, 3), 0, s, _temporaries.T_PARTIAL)]
     assert got[0] is not got[1] and all(t is not a for t in got)
-    assert _steps.temp(x, (4, 3), 0, stream, _steps.T_PARTIAL) is a
+    assert _temporaries.temp(x, (4, 3), 0, stream, _temporaries.T_PARTIAL) is a

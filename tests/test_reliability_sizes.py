@@ -60,8 +60,8 @@ def re_search(pattern, text):
 # used to pass the buffer check and crash in the copy.
 RAW_COMM = PRELUDE + """
 c = CommOverlap((32, 32), torch.float32, tp_size=1)
-w = torch.randn(4, 4)
-out = torch.empty(4, 4)
+w = torch.randn(4, 4, device=c.device)  # the communicator's device (CUDA where there is one)
+out = torch.empty(4, 4, device=c.device)
 def expect(fn, pattern):
     try:
         fn()
@@ -82,7 +82,7 @@ expect(lambda: c._ag_gemm(None, 4, 4, 4, 0, 2**32, w.data_ptr(), 4, 1, out.data_
        r"\\(out_dtype\\) must be in")
 expect(lambda: c._set_gemm(None, -1, 0), r"\\(nbytes\\) must be in")
 # the communicator still works afterwards
-a = torch.randn(8, 4)
+a = torch.randn(8, 4, device=c.device)
 y = c.ag_gemm(a, w)
 torch.testing.assert_close(y, a @ w.t())
 print("OK")

@@ -94,8 +94,14 @@ def test_general_gemm_fp8_operands(device, layout):
     A, B = _operands(layout, torch.bfloat16, device, rows=(32,))
     qa, qb = _fp8(A), _fp8(B)
     out, *_ = general_gemm(qa, qb, torch.float32, layout=layout, use_split_accumulator=True)
-    # the FP8 values are exact; what differs is the fp32 accumulation
-    assert rel_err(out, _ref(_values(qa), _values(qb), layout)) < 1e-6
+    # The FP8 values are exact; what differs is the accumulation. The CPU
+    # emulation adds the products in fp32 (k=32: far below 1e-6). Hopper's
+    # FP8 tensor cores add products in an accumulator of about 14 mantissa
+    # bits before cuBLASLt promotes the partial sums to fp32 (DeepSeek-V3
+    # report, section 3.3.2): about 2^-14 relative per sum, so 2^-12 for
+    # the whole tensor (measured on an H100: 4.6e-5).
+    tol = 1e-6 if torch.device(device).type == "cpu" else 2.0 ** -12
+    assert rel_err(out, _ref(_values(qa), _values(qb), layout)) < tol
     out_bf16, *_ = general_gemm(qa, qb, torch.bfloat16, layout=layout)
     assert out_bf16.dtype == torch.bfloat16
     assert rel_err(out_bf16, out) < TOL[torch.bfloat16]

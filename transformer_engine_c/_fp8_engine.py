@@ -208,9 +208,14 @@ def delayed_updates_call(updates):
         per_device.setdefault(history.device, []).append(
             (history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr(), length, n, int(bool(most_recent)),
              _double_bits(fp8_max), _double_bits(divisor)))
-    return DelayedUpdates(tuple((d, device_code(d), torch.tensor(records, dtype=torch.int64).reshape(-1),
-                                 len(records)) for d, records in per_device.items()),
+    return DelayedUpdates(tuple((d, device_code(d), _pack_records(records)) for d, records in per_device.items()),
                           tuple(u[:3] for u in updates))
+
+
+def _pack_records(records):
+    """fp8_delayed_updates' records as bytes of native int64s: host memory
+    by construction, whatever the default device."""
+    return struct.pack(f"={len(records) * len(records[0])}q", *(v for r in records for v in r))
 
 
 def _double_bits(v):
@@ -221,7 +226,7 @@ def _double_bits(v):
 class DelayedUpdates:
     """Prepared delayed updates: per device, its engine code and the records
     of every update (fp8_delayed_updates': the addresses, lengths, flags and
-    constants, in one int64 host tensor), run in one engine call per device
+    constants, as bytes), run in one engine call per device
     on the device's current stream; and the tensors whose storage the
     addresses name (held here)."""
 
@@ -231,8 +236,8 @@ class DelayedUpdates:
         self.per_device, self.tensors = per_device, tensors
 
     def __call__(self):
-        for device, code, records, count in self.per_device:
-            _C.fp8_delayed_updates(code, records.data_ptr(), count, stream_of(device))
+        for device, code, records in self.per_device:
+            _C.fp8_delayed_updates(code, records, stream_of(device))
 
 
 def _gemm_operands(name, a, a_dtype, b, b_dtype):

@@ -10,6 +10,9 @@ by name (a layer by the key it was registered under).
                                     so a compiled layer runs the eager steps
   tec::norm_fwd / tec::norm_bwd     LayerNorm and RMSNorm (the engine's kernels)
   tec::gemm                         a GEMM (GroupedLinear's)
+  tec::autocast_enter / _exit       an FP8 autocast entered inside a compiled
+                                    function: its state set and restored,
+                                    and its exit's scale update, at run time
 
 Eager calls go straight to the engine (the dispatcher's cost is not paid
 there); a layer takes these operators while torch.compile traces it.
@@ -117,7 +120,8 @@ layer_bwd = _define("layer_bwd(str key, Tensor[] tensors, bool[] given, Tensor[]
                     "bool[] needs, int first_mb, bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
 # layer_bwd writes what its outputs do not show (main_grad, the delayed weight
 # gradients' queue): the compiler keeps it where no gradient it returns is used
-getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)(layer_bwd)
+_has_side_effect = getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)
+_has_side_effect(layer_bwd)
 _INDUCTOR_KEEPS_LAYER_BWD = False
 
 
@@ -125,7 +129,7 @@ def _keep_layer_bwd_in_inductor():
     """Inductor before torch 2.13 asks only an operator's schema whether it
     has side effects (a mutated argument), not the set above, and drops a
     layer_bwd none of whose outputs is used: its kernel's check is widened
-    to name layer_bwd. Done when a compiled graph's backward is traced (this
+    to name layer_bwd and the autocast operators. Done when a compiled graph's backward is traced (this
     operator's fake), once Inductor is loaded; never where Inductor asks the
     set itself."""
     global _INDUCTOR_KEEPS_LAYER_BWD
@@ -142,8 +146,40 @@ def _keep_layer_bwd_in_inductor():
         return
 
     def has_side_effects(self):
-        return self.op_overload is layer_bwd or asks(self)
+        return self.op_overload in _KEPT or asks(self)
     kernel.has_side_effects = has_side_effects
+
+
+# ---------------------------------------------------------------- FP8 autocast inside a compiled function
+
+# The autocast's own code (quantization.py) is told to these operators by
+# autocast_hooks: enter(recipe_name, enabled, calibrating), exit(enabled, grad).
+_AUTOCAST = {}
+
+
+def autocast_hooks(enter, exit):
+    _AUTOCAST["enter"], _AUTOCAST["exit"] = enter, exit
+
+
+def _autocast_enter(recipe, enabled, calibrating):
+    _AUTOCAST["enter"](recipe, enabled, calibrating)
+
+
+def _autocast_exit(enabled, grad):
+    _AUTOCAST["exit"](enabled, grad)
+
+
+def _autocast_fake(*args):
+    _keep_layer_bwd_in_inductor()
+
+
+autocast_enter = _define("autocast_enter(str recipe, bool enabled, bool calibrating) -> ()", _autocast_enter,
+                         _autocast_fake)
+autocast_exit = _define("autocast_exit(bool enabled, bool grad) -> ()", _autocast_exit, _autocast_fake)
+# they change what the layer operators after them read: kept, in program order
+_has_side_effect(autocast_enter)
+_has_side_effect(autocast_exit)
+_KEPT = (layer_bwd, autocast_enter, autocast_exit)
 
 
 class _LayerCall(torch.autograd.Function):

@@ -45,6 +45,9 @@ Refused, with the argument named: fp8_calibrating (calibration is not
 implemented), weight caching under Float8BlockScaling, FP8 for a callable
 that is not a torch.nn.Module, sample_kwargs, _order, retain_graph_in_backward.
 """
+import contextlib
+import gc
+
 import torch
 from torch.utils import _pytree
 
@@ -84,8 +87,9 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                 for c, e in zip(callables, enabled)]
     done = False
     try:
-        graphed = torch.cuda.make_graphed_callables(modules, sample_args, num_warmup_iters=num_warmup_iters,
-                                                    allow_unused_input=allow_unused_input, pool=pool)
+        with _collector_paused():
+            graphed = torch.cuda.make_graphed_callables(modules, sample_args, num_warmup_iters=num_warmup_iters,
+                                                        allow_unused_input=allow_unused_input, pool=pool)
         done = True
     finally:
         for cap in captures:
@@ -93,6 +97,25 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                 cap.finish(done)
         restore_fp8_tensors(saved)
     return graphed
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while the callables are warmed
+    up and captured, after one collection. A collection that runs during a
+    capture finalizes whatever garbage earlier work left, and a finalizer
+    may make a CUDA call that a capture forbids (a communicator's destroy
+    synchronizes the device): the capture then fails in whatever call comes
+    next, and only in a process with such garbage. torch.cuda.graph no longer
+    collects before it captures."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _check_arguments(callables, sample_kwargs, fp8_enabled, fp8_calibrating, fp8_recipe, fp8_weight_caching,

@@ -17,6 +17,7 @@ an enabled autocast (module/_fp8.py), with per-tensor or block scales; GroupedLi
 quantized_model_init / fp8_model_init(enabled=True) those layers hold their
 weights in FP8 (Float8Tensor parameters, or Float8BlockwiseQTensor under
 Float8BlockScaling; see docs/fp8.md's "FP8 primary weights")."""
+import ast
 import atexit
 import collections
 import contextlib
@@ -26,8 +27,10 @@ import weakref
 
 import torch
 
-from . import _fp8_meta
+from . import _fp8_meta, _library
 from .recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, Recipe
+from .recipe import from_spec as _recipe_from_spec
+from .recipe import spec as _recipe_spec
 
 __all__ = ["autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init", "get_default_fp8_recipe",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
@@ -335,12 +338,15 @@ class FP8GlobalStateManager:
         cls.AUTOCAST_DEPTH += 1
 
     @classmethod
-    def autocast_exit(cls, enabled, _graph=False):
+    def autocast_exit(cls, enabled, _graph=False, _grad=None):
         """After the state is restored: at the outermost exit with grad on
-        (and outside graph capture), reduce and update the forward amaxes."""
+        (and outside graph capture), reduce and update the forward amaxes.
+        _grad: the grad mode the block ran in, where it is not the current
+        one (a compiled forward runs without grad)."""
         cls.AUTOCAST_DEPTH -= 1
         if cls.AUTOCAST_DEPTH == 0:
-            if enabled and not _graph and torch.is_grad_enabled():
+            grad = torch.is_grad_enabled() if _grad is None else _grad
+            if enabled and not _graph and grad:
                 cls.reduce_and_update_fp8_tensors(forward=True)
 
     # ---- delayed scaling's global buffers
@@ -540,12 +546,13 @@ class _Autocast(contextlib.ContextDecorator):
     the forward update (FP8GlobalStateManager.autocast_exit). Entered once;
     as a decorator each call enters a fresh one."""
 
-    __slots__ = ("enabled", "calibrating", "recipe", "group", "graph", "saved")
+    __slots__ = ("enabled", "calibrating", "recipe", "group", "graph", "saved", "grad")
 
     def __init__(self, enabled, calibrating, recipe, group, graph):
         self.enabled, self.calibrating, self.recipe, self.group, self.graph = (
             enabled, calibrating, recipe, group, graph)
         self.saved = None
+        self.grad = None
 
     def _recreate_cm(self):
         return _Autocast(self.enabled, self.calibrating, self.recipe, self.group, self.graph)
@@ -554,18 +561,100 @@ class _Autocast(contextlib.ContextDecorator):
         if self.saved is not None:
             raise RuntimeError("an autocast context is entered once (make a new one per block)")
         if torch.compiler.is_compiling():
-            raise RuntimeError("te.autocast / fp8_autocast cannot be entered inside a function torch.compile "
-                               "traces: enter it around the call of the compiled function (its layers then "
-                               "compute in FP8)")
+            self._enter_traced()
+            return
         state = FP8GlobalStateManager.get_autocast_state()
         FP8GlobalStateManager.autocast_enter(enabled=self.enabled, calibrating=self.calibrating,
                                              fp8_recipe=self.recipe, fp8_group=self.group, _graph=self.graph)
         self.saved = state
 
     def __exit__(self, *exc):
+        if self.grad is not None:
+            self._exit_traced()
+            return False
         FP8GlobalStateManager.set_autocast_state(self.saved)
         FP8GlobalStateManager.autocast_exit(self.enabled, _graph=self.graph)
         return False
+
+    # Entered inside a function torch.compile traces: the trace sees the
+    # state the block sets (its layers are traced as FP8 calls), and the
+    # compiled code sets and restores it where the eager enter and exit
+    # would, through tec::autocast_enter / tec::autocast_exit, the exit
+    # running the forward update of delayed scaling.
+
+    def _enter_traced(self):
+        if self.graph:
+            raise RuntimeError("te.autocast(_graph=True) is make_graphed_callables' own and is not entered inside "
+                               "a compiled function")
+        if self.group is not None:
+            raise NotImplementedError("te.autocast / fp8_autocast with an amax_reduction_group (fp8_group) inside "
+                                      "a function torch.compile traces is not supported: enter it around the call "
+                                      "of the compiled function")
+        recipe = self.recipe
+        if recipe is not None:
+            if not isinstance(recipe, Recipe):
+                raise TypeError(f"recipe must be a transformer_engine_c.recipe.Recipe, got {type(recipe).__name__}")
+            if self.enabled or self.calibrating:
+                reason = recipe.unsupported_reason()
+                if reason:
+                    raise NotImplementedError(reason)
+            try:
+                described = repr(_recipe_spec(recipe))
+            except TypeError as e:
+                raise NotImplementedError(f"te.autocast inside a function torch.compile traces: the recipe crosses "
+                                          f"into the compiled code by value, and {e} (enter the autocast around "
+                                          f"the call of the compiled function)") from None
+        S = FP8GlobalStateManager
+        self.saved = S.get_autocast_state()
+        self.grad = torch.is_grad_enabled()
+        _library.autocast_enter("" if recipe is None else described, bool(self.enabled), bool(self.calibrating))
+        S.FP8_ENABLED, S.FP8_CALIBRATION = bool(self.enabled), bool(self.calibrating)
+        _mirror(S)
+        S.FP8_RECIPE, S.FP8_DISTRIBUTED_GROUP, S.FP8_GRAPH_CAPTURING = recipe, None, False
+
+    def _exit_traced(self):
+        _library.autocast_exit(bool(self.enabled), self.grad)
+        FP8GlobalStateManager.set_autocast_state(self.saved)
+
+
+# The states that the autocasts entered inside compiled code found, innermost last.
+_in_graph = []
+
+
+# The recipes of those autocasts, one per description (recipe.spec's repr)
+_in_graph_recipes = {}
+
+
+def _enter_in_graph(described, enabled, calibrating):
+    """tec::autocast_enter at run time: the eager enter with the recipe the
+    trace described ("": the default recipe)."""
+    recipe = None
+    if described:
+        recipe = _in_graph_recipes.get(described)
+        if recipe is None:
+            recipe = _in_graph_recipes[described] = _recipe_from_spec(ast.literal_eval(described))
+    state = FP8GlobalStateManager.get_autocast_state()
+    FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe)
+    _in_graph.append(state)
+
+
+def _exit_in_graph(enabled, grad):
+    """tec::autocast_exit at run time: the state restored, and at the
+    outermost exit of a block traced with grad, the forward update."""
+    FP8GlobalStateManager.set_autocast_state(_in_graph.pop())
+    FP8GlobalStateManager.autocast_exit(enabled, _grad=grad)
+
+
+def unwind_in_graph():
+    """After a failure inside compiled code: leave every autocast that the
+    compiled code entered, as a `with` block left by an exception does
+    (without the forward update)."""
+    while _in_graph:
+        FP8GlobalStateManager.set_autocast_state(_in_graph.pop())
+        FP8GlobalStateManager.AUTOCAST_DEPTH -= 1
+
+
+_library.autocast_hooks(_enter_in_graph, _exit_in_graph)
 
 
 def _init_recipe(what, recipe):

@@ -239,3 +239,35 @@ class NVFP4BlockScaling(Recipe):
     def unsupported_reason(self):
         return ("NVFP4BlockScaling is a Blackwell format (sm_100: FP4 with E4M3 scales per 16 elements); "
                 "transformer_engine_c offers DelayedScaling, Float8CurrentScaling and Float8BlockScaling")
+
+
+# ---- a recipe as a constant of a compiled graph
+
+_SPEC_TYPES = {}
+
+
+def spec(recipe):
+    """The recipe as nested tuples of plain values (`from_spec` rebuilds an
+    equal one): how an autocast entered inside a compiled function names its
+    recipe to the operators. TypeError for a field that is not a plain value
+    (a callable amax_compute_algo)."""
+    if dataclasses.is_dataclass(recipe):
+        return (type(recipe).__name__,
+                tuple((f.name, spec(getattr(recipe, f.name))) for f in dataclasses.fields(recipe)))
+    if isinstance(recipe, Format):
+        return ("Format", recipe.name)
+    if recipe is None or isinstance(recipe, (bool, int, float, str)):
+        return recipe
+    raise TypeError(f"a recipe field of type {type(recipe).__name__} is not a plain value")
+
+
+def from_spec(value):
+    """The recipe (or field value) `spec` described."""
+    if isinstance(value, tuple):
+        name, body = value
+        if name == "Format":
+            return Format[body]
+        cls = {c.__name__: c for c in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
+                                       NVFP4BlockScaling, QParams, MMParams)}[name]
+        return cls(**{k: from_spec(v) for k, v in body})
+    return value

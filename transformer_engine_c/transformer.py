@@ -7,7 +7,10 @@ parameter names and order (state dicts carry over with TE's keys):
   layernorm        LayerNorm / RMSNorm after the block (output_layernorm)
 Each block adds its output, plus the projection's bias, after hidden
 dropout, to the residual: the block's input, or its norm's output with
-apply_residual_connection_post_layernorm. parallel_attention_mlp feeds the
+apply_residual_connection_post_layernorm. The projections add their bias
+in the GEMM (the sublayers are built with return_bias=False): TE's
+bias-dropout-add, dropout(out + bias) + residual, with out + bias rounded
+once, in the GEMM's epilogue. parallel_attention_mlp feeds the
 same input to both blocks and adds both outputs once (Falcon).
 drop_path_rate drops whole rows along the first dimension, as TE's DropPath
 does. Tensor and sequence parallelism (set_parallel_mode, tp_group,
@@ -54,6 +57,13 @@ class DropPath(torch.nn.Module):
 
 def _sub(name, suffix):
     return None if name is None else f"{name}.{suffix}"
+
+
+def _mask_type(what, value):
+    """A mask type given to forward (the constructor's were checked there)."""
+    if value not in MASK_TYPES:
+        raise ValueError(f"{what} must be one of {MASK_TYPES}, got {value!r}")
+    return value
 
 
 def _check_mask(mask, what):
@@ -139,16 +149,16 @@ class TransformerLayer(torch.nn.Module):
                       qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope, **ub_flags)
         self.self_attention = MultiheadAttention(
             *attention_args, **common, input_layernorm=not output_layernorm, attention_type="self",
-            return_bias=not self.parallel_attention_mlp, name=_sub(name, "self_attention"))
+            return_bias=False, name=_sub(name, "self_attention"))
         if layer_type == "decoder":
             self.inter_attention = MultiheadAttention(
                 *attention_args, **common, attn_mask_type=enc_dec_attn_mask_type, input_layernorm=True,
-                attention_type="cross", return_bias=True, name=_sub(name, "inter_attention"))
+                attention_type="cross", return_bias=False, name=_sub(name, "inter_attention"))
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             tp_group=tp_group, tp_size=self.tp_size, get_rng_state_tracker=get_rng_state_tracker,
             init_method=init_method, output_layer_init_method=output_layer_init_method, bias=bias,
-            return_bias=not self.parallel_attention_mlp, sequence_parallel=self.sequence_parallel,
+            return_bias=False, sequence_parallel=self.sequence_parallel,
             params_dtype=params_dtype, return_layernorm_output=apply_residual_connection_post_layernorm,
             seq_length=seq_length, micro_batch_size=micro_batch_size, set_parallel_mode=set_parallel_mode,
             zero_centered_gamma=zero_centered_gamma, activation=activation, normalization=normalization,
@@ -177,13 +187,14 @@ class TransformerLayer(torch.nn.Module):
             if child is not self and hasattr(child, "reset_fp8_meta_tensors"):
                 child.reset_fp8_meta_tensors()
 
-    def _bias_dropout_add(self, x, bias, residual, drop_path=None):
-        if bias is not None and bias.numel():
-            x = x + bias
-        out = torch.nn.functional.dropout(x, p=self.hidden_dropout, training=self.training)
+    def _dropout_add(self, x, residual, drop_path=None):
+        """residual + drop_path(dropout(x)), x holding the projection's bias
+        (TE's bias-dropout-add); the dropouts only where they do something."""
+        if self.training and self.hidden_dropout > 0.0:
+            x = torch.nn.functional.dropout(x, p=self.hidden_dropout, training=True)
         if drop_path is not None:
-            out = drop_path(out)
-        return residual + out
+            x = drop_path(x)
+        return residual + x
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, window_size=None,
                 encoder_output=None, enc_dec_attn_mask=None, enc_dec_attn_mask_type=None, enc_dec_window_size=None,
@@ -196,13 +207,12 @@ class TransformerLayer(torch.nn.Module):
         sequence under sequence parallelism), [b, s, hidden] (bshd) or
         [t, hidden] (thd, with cu_seqlens_q). Returns the layer's output, of
         the input's shape."""
-        self_mask = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
+        self_mask = self.self_attn_mask_type if self_attn_mask_type is None else _mask_type(
+            "self_attn_mask_type", self_attn_mask_type)
         window_size = self.window_size if window_size is None else window_size
-        enc_mask = self.enc_dec_attn_mask_type if enc_dec_attn_mask_type is None else enc_dec_attn_mask_type
+        enc_mask = self.enc_dec_attn_mask_type if enc_dec_attn_mask_type is None else _mask_type(
+            "enc_dec_attn_mask_type", enc_dec_attn_mask_type)
         enc_window = self.enc_dec_window_size if enc_dec_window_size is None else enc_dec_window_size
-        for what, value in (("self_attn_mask_type", self_mask), ("enc_dec_attn_mask_type", enc_mask)):
-            if value not in MASK_TYPES:
-                raise ValueError(f"{what} must be one of {MASK_TYPES}, got {value!r}")
         if inference_params is not None:
             raise NotImplementedError("TransformerLayer: inference_params (KV-cache inference) is not supported")
         hidden_states = hidden_states.contiguous()
@@ -219,21 +229,28 @@ class TransformerLayer(torch.nn.Module):
         if torch.is_autocast_enabled(device_type):
             hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
 
-        common = dict(is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
-                      rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
-                      core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                      fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
-        attn_out = self.self_attention(
-            hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask, window_size=window_size,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_q_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q,
-            **common)
+        # The attention gets the arguments that differ from its defaults (TE's, as here): every keyword
+        # passed costs host time on every call.
+        common = {"is_first_microbatch": is_first_microbatch}
+        if (checkpoint_core_attention or rotary_pos_emb is not None or core_attention_bias_type != "no_bias"
+                or core_attention_bias is not None or alibi_slopes is not None or not fast_zero_fill
+                or pad_between_seqs is not None):
+            common.update(checkpoint_core_attention=checkpoint_core_attention, rotary_pos_emb=rotary_pos_emb,
+                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                          alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
+                          pad_between_seqs=pad_between_seqs)
+        seqlens = {}
+        if cu_seqlens_q is not None or cu_seqlens_q_padded is not None or max_seqlen_q is not None:
+            seqlens = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q,
+                           cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_q_padded,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q)
+        attn_out = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask,
+                                       window_size=window_size, **seqlens, **common)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
-            out, bias, residual = attn_out
-            hidden_states = self._bias_dropout_add(out, bias, residual, self.drop_path)
+            out, residual = attn_out
+            hidden_states = self._dropout_add(out, residual, self.drop_path)
         elif not self.parallel_attention_mlp:
-            out, bias = attn_out
-            hidden_states = self._bias_dropout_add(out, bias, hidden_states, self.drop_path)
+            hidden_states = self._dropout_add(attn_out, hidden_states, self.drop_path)
 
         if self.layer_type == "decoder":
             cross = self.inter_attention(
@@ -242,20 +259,19 @@ class TransformerLayer(torch.nn.Module):
                 cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
                 max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, **common)
             if self.apply_residual_connection_post_layernorm:
-                out, bias, residual = cross
+                out, residual = cross
             else:
-                (out, bias), residual = cross, hidden_states
-            hidden_states = self._bias_dropout_add(out, bias, residual)
+                out, residual = cross, hidden_states
+            hidden_states = self._dropout_add(out, residual)
 
         mlp_out = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
-            out, bias, residual = mlp_out
-            output = self._bias_dropout_add(out, bias, residual, self.drop_path)
+            out, residual = mlp_out
+            output = self._dropout_add(out, residual, self.drop_path)
         elif self.parallel_attention_mlp:
-            output = self._bias_dropout_add(attn_out, mlp_out, hidden_states, self.drop_path)
+            output = self._dropout_add(attn_out + mlp_out, hidden_states, self.drop_path)
         else:
-            out, bias = mlp_out
-            output = self._bias_dropout_add(out, bias, hidden_states, self.drop_path)
+            output = self._dropout_add(mlp_out, hidden_states, self.drop_path)
         if self.output_layernorm:
             output = self.layernorm(output)
         return output

@@ -127,19 +127,30 @@ static tec_status delayed_updates(int dev, const int64_t *r, int64_t count, void
     return TEC_OK;
 }
 
-/* fp8_delayed_updates(device, records, count, stream): records the address
- * of count records (above) in host memory. */
+/* fp8_delayed_updates(device, records, stream): records a bytes object of
+ * whole records (above), read where it lies in host memory. Taking bytes,
+ * not an address, means a device tensor's address cannot be handed in by
+ * mistake (a table built under a CUDA default device). */
 static PyObject *py_fp8_delayed_updates(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    ARGC("fp8_delayed_updates", 4);
+    ARGC("fp8_delayed_updates", 3);
     int dev;
-    int64_t count;
-    const int64_t *records;
+    char *bytes;
+    Py_ssize_t len;
     void *stream;
-    DEV(0, dev); PTR(1, records); I64(2, count); PTR(3, stream);
-    if (count < 0 || count > ((int64_t)1 << 24) || (count > 0 && !records))
-        return PyErr_Format(PyExc_ValueError, "fp8_delayed_updates: count %lld out of range or no records",
-                            (long long)count);
+    DEV(0, dev);
+    if (!PyBytes_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "fp8_delayed_updates: records must be bytes (records of %d int64 "
+                            "in host memory), not an address or a tensor", TEC_UPDATE_FIELDS);
+    if (PyBytes_AsStringAndSize(args[1], &bytes, &len) < 0)
+        return NULL;
+    PTR(2, stream);
+    const Py_ssize_t record = TEC_UPDATE_FIELDS * (Py_ssize_t)sizeof(int64_t);
+    if (len % record != 0 || len / record > ((Py_ssize_t)1 << 24))
+        return PyErr_Format(PyExc_ValueError, "fp8_delayed_updates: records is %zd bytes; expected a whole number "
+                            "of %zd-byte records, at most 2**24 of them", len, record);
+    int64_t count = (int64_t)(len / record);
+    const int64_t *records = (const int64_t *)bytes;
     tec_status st;
     CALL(delayed_updates(dev, records, count, stream));
     return run(m, st);
@@ -302,8 +313,8 @@ PyMethodDef tec_fp8_methods[] = {
     {"fp8_delayed_update", (PyCFunction)(void (*)(void))py_fp8_delayed_update, METH_FASTCALL,
      "fp8_delayed_update(device, history, scale, scale_inv, len, n, fp8_max, divisor, most_recent, stream)"},
     {"fp8_delayed_updates", (PyCFunction)(void (*)(void))py_fp8_delayed_updates, METH_FASTCALL,
-     "fp8_delayed_updates(device, records, count, stream): records of 8 int64 (history, scale, scale_inv, len, n, "
-     "most_recent, the bits of fp8_max and divisor as doubles)"},
+     "fp8_delayed_updates(device, records, stream): records a bytes object of records of 8 native int64 (history, "
+     "scale, scale_inv, len, n, most_recent, the bits of fp8_max and divisor as doubles)"},
     {"fp8_gemm", (PyCFunction)(void (*)(void))py_fp8_gemm, METH_FASTCALL,
      "fp8_gemm(device, m, n, k, a_format, b_format, a, lda, b, ldb, a_scale_inv, b_scale_inv, c, ldc, c_dtype, "
      "bias, accumulate, fast_accum, workspace, workspace_bytes, stream)"},

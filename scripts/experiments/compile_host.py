@@ -11,7 +11,7 @@ import time
 import torch
 
 import transformer_engine_c as tec
-from transformer_engine_c.benchmarks.compile import OurBlock, geometry
+from transformer_engine_c.benchmarks.blocks import OurBlock, geometry
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=1024)

@@ -6,7 +6,7 @@ launches), in µs per step (the least of 7 samples):
     python3 scripts/experiments/fp8_host_stubbed.py [--general]
 
 --general also times DelayedScaling with the one-call FP8 steps off
-(module/_fp8.ONE_CALL). [16, 64] inputs; Linear 64->64, LayerNormLinear
+(module/_fp8_gemm.ONE_CALL). [16, 64] inputs; Linear 64->64, LayerNormLinear
 64->64, LayerNormMLP 64->128->64, bf16 parameters."""
 import argparse
 import time
@@ -15,7 +15,7 @@ import torch
 
 import transformer_engine_c as te
 from transformer_engine_c import _C
-from transformer_engine_c.module import _fp8
+from transformer_engine_c.module import _fp8_gemm
 from transformer_engine_c.recipe import DelayedScaling, Float8CurrentScaling
 
 # the engine calls that compute (the workspace-size queries stay)
@@ -58,13 +58,13 @@ def main():
 
         def fp8(recipe, one_call=True):
             def run():
-                _fp8.ONE_CALL = one_call
+                _fp8_gemm.ONE_CALL = one_call
                 try:
                     with te.autocast(enabled=True, recipe=recipe):
                         y = m(x)
                     y.backward(dy)
                 finally:
-                    _fp8.ONE_CALL = True
+                    _fp8_gemm.ONE_CALL = True
             return run
         cases = {"bf16": lambda: m(x).backward(dy), "FP8 delayed": fp8(DelayedScaling(amax_history_len=16)),
                  "FP8 current": fp8(Float8CurrentScaling())}

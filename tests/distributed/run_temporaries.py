@@ -1,4 +1,4 @@
-"""torchrun runner: the layers' reused temporaries (module/_steps.py: a
+"""torchrun runner: the layers' reused temporaries (module/_temporaries.py: a
 gathered input, a partial sum before its reduce-scatter, a dgrad before its
 reduce-scatter) give the bits fresh allocations give when calls follow each
 other without synchronising: back to back, on CUDA on three streams in
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformer_engine_c as tec  # noqa: E402
-from transformer_engine_c.module import _steps  # noqa: E402
+from transformer_engine_c.module import _temporaries  # noqa: E402
 from common import setup  # noqa: E402
 
 IN, OUT, FFN, CALLS = 64, 48, 96, 6
@@ -138,15 +138,15 @@ def main():
     work = [(name, *inputs(name, dtype, rank, size, i, dev)) for i in range(CALLS) for name in ms]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    limit = _steps._TEMP_BYTES
-    _steps._TEMP_BYTES = -1  # the references: a fresh tensor for every temporary
+    limit = _temporaries._TEMP_BYTES
+    _temporaries._TEMP_BYTES = -1  # the references: a fresh tensor for every temporary
     ref = run_all(ms, work, lambda i: None)
     sync()
-    _steps._TEMP_BYTES = limit
-    assert not getattr(_steps._temps, "slots", None), "the references reused temporaries"
+    _temporaries._TEMP_BYTES = limit
+    assert not getattr(_temporaries._temps, "slots", None), "the references reused temporaries"
 
     got = run_all(ms, work, lambda i: None)  # back to back
-    assert _steps._temps.slots, "no temporary was reused"
+    assert _temporaries._temps.slots, "no temporary was reused"
     checks = [("back to back", got)]
     if cuda:
         streams = [torch.cuda.Stream() for _ in range(3)]

@@ -74,9 +74,11 @@ def run_case(name, kw, rank, tp, dev):
     with torch.no_grad():  # non-trivial norms and biases, the same on every rank where replicated
         for n, p in layer.named_parameters():
             if p.dim() == 1:
+                # a CPU generator draws on the CPU (the default device is the rank's), the same values on any device
                 g = torch.Generator().manual_seed(zlib.crc32(n.encode()) + (rank if getattr(
                     p, "tensor_model_parallel", False) else 0))
-                p.copy_(torch.randn(p.shape, generator=g).to(p) * 0.1 + (1.0 if n.endswith("weight") else 0.0))
+                v = torch.randn(p.shape, generator=g, device="cpu")
+                p.copy_(v.to(p) * 0.1 + (1.0 if n.endswith("weight") else 0.0))
     common.pop("ub_tp_comm_overlap", None)
     ref = tec.TransformerLayer(H, 2 * H, HEADS, **common)
     params = dict(layer.named_parameters())

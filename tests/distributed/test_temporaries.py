@@ -1,4 +1,4 @@
-"""The layers' reused temporaries (module/_steps.py) give the bits fresh allocations give,
+"""The layers' reused temporaries (module/_temporaries.py) give the bits fresh allocations give,
 back to back, on several CUDA streams, and from two threads (each on its own
 process group), on 2 ranks: CPU (gloo), CUDA (NCCL) and CUDA tensors through
 gloo (the ranks may share one GPU). With the

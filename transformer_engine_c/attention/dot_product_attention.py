@@ -323,11 +323,9 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             b, h, sq, _ = q.shape
             skv = k.shape[2]
-            allowed = _band(sq, skv, mask_type, window, q.device, br)
-            # the kernels' is_causal, where no bias needs the explicit mask
+            # the kernels' is_causal, where no bias needs the explicit mask (no mask is built)
             plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br and bias is None
-            if plain_causal:
-                allowed = None
+            allowed = None if plain_causal else _band(sq, skv, mask_type, window, q.device, br)
             if allowed is not None:
                 allowed = allowed.view(1, 1, sq, skv)
             if mask_type.startswith("padding"):
@@ -378,10 +376,8 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 continue
             a, c = int(start_q[i]), int(start_kv[i])
             qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q[a:a + lq], k[c:c + lk], v[c:c + lk]))
-            allowed = _band(lq, lk, mt, window, q.device, br)
             causal = mt == "causal" and lq == lk and window == (-1, 0) and not br
-            if causal:
-                allowed = None
+            allowed = None if causal else _band(lq, lk, mt, window, q.device, br)
             oi = _attend(qi, ki, vi, allowed if allowed is None else allowed.view(1, 1, lq, lk), causal,
                          self.softmax_scale, p, None)
             pieces.append((a, lq, oi[0].transpose(0, 1)))

@@ -183,6 +183,12 @@ class MultiheadAttention(torch.nn.Module):
         groups, hn = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
         per_group = self.num_attention_heads_per_partition // groups
         lead = mixed.shape[:-1]
+        if per_group == 1:  # no grouped query heads: one view, three slices of it
+            if self.qkv_weight_interleaved:  # [..., heads, 3, hn]
+                q, k, v = mixed.view(*lead, groups, 3, hn).unbind(-2)
+            else:  # [..., 3, heads, hn]
+                q, k, v = mixed.view(*lead, 3, groups, hn).unbind(-3)
+            return q, k, v, ln_out
         if self.qkv_weight_interleaved:  # [..., groups, per_group + 2, hn]
             q, k, v = mixed.view(*lead, groups, per_group + 2, hn).split((per_group, 1, 1), dim=-2)
         else:  # [..., per_group + 2, groups, hn]
@@ -254,14 +260,21 @@ class MultiheadAttention(torch.nn.Module):
         if self.q_norm is not None and not self.qk_norm_before_rope:
             q, k = self.q_norm(q), self.k_norm(k)
 
-        context = self.core_attention(
-            q, k, v, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, attention_mask=attention_mask,
-            attn_mask_type=attn_mask_type, window_size=window_size,
-            checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
-            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
-            pad_between_seqs=pad_between_seqs)
+        # core_attention gets the arguments that differ from its defaults (TE's, as here): every keyword
+        # passed costs host time on every call.
+        extra = {}
+        if (cu_seqlens_q is not None or cu_seqlens_kv is not None or cu_seqlens_q_padded is not None
+                or cu_seqlens_kv_padded is not None or max_seqlen_q is not None or max_seqlen_kv is not None):
+            extra.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                         cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        if (checkpoint_core_attention or core_attention_bias_type != "no_bias" or core_attention_bias is not None
+                or alibi_slopes is not None or not fast_zero_fill or pad_between_seqs is not None):
+            extra.update(checkpoint_core_attention=checkpoint_core_attention,
+                         core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                         alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
+        context = self.core_attention(q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format,
+                                      attn_mask_type=attn_mask_type, window_size=window_size, **extra)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         outputs = out if self.return_bias else (out,)
         if self.input_layernorm and self.return_layernorm_output:

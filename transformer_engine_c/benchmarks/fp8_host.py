@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from . import compile as block_bench
+from . import blocks
 from . import fp8 as fp8_bench
 from . import tp1
 
@@ -49,8 +49,8 @@ CATEGORIES = (
     ("allocations", lambda f, n: f == "~" and any(a in n for a in ("empty", "new_empty", "zeros", "expand",
                                                                     "ones", "full"))),
     ("autograd engine", lambda f, n: "run_backward" in n or "torch/autograd" in f),
-    ("FP8 bookkeeping", lambda f, n: any(p in f for p in ("module/_fp8.py", "quantization.py", "_fp8_meta.py",
-                                                           "_fp8_engine.py"))),
+    ("FP8 bookkeeping", lambda f, n: any(p in f for p in ("module/_fp8.py", "module/_fp8_gemm.py", "quantization.py",
+                                                           "_fp8_meta.py", "_fp8_engine.py"))),
     ("layer steps", lambda f, n: "transformer_engine_c/module" in f),
     ("attention", lambda f, n: "attention" in f or "scaled_dot_product" in n),
     ("torch", lambda f, n: f == "~" or "/torch/" in f),
@@ -110,33 +110,33 @@ def layer_steps(tec, recipe_mod, layer, shape, dtype, device):
 
 
 def general_path(step):
-    """step with the FP8 one-call steps off (module/_fp8.ONE_CALL): each
+    """step with the FP8 one-call steps off (module/_fp8_gemm.ONE_CALL): each
     cast and GEMM its own engine call, as before they existed."""
-    from transformer_engine_c.module import _fp8
+    from transformer_engine_c.module import _fp8_gemm
 
     def run():
-        _fp8.ONE_CALL = False
+        _fp8_gemm.ONE_CALL = False
         try:
             step()
         finally:
-            _fp8.ONE_CALL = True
+            _fp8_gemm.ONE_CALL = True
     return run
 
 
 def block_steps(tec, recipe_mod, shape, dtype, device):
     """{variant: step} of the GPT-style block of --compile."""
     tokens, hidden = shape
-    seq, batch, heads = block_bench.geometry(tokens, hidden)
-    ours = block_bench.OurBlock(tec, hidden, heads, dtype, device)
+    seq, batch, heads = blocks.geometry(tokens, hidden)
+    ours = blocks.OurBlock(tec, hidden, heads, dtype, device)
     x = torch.randn(seq, batch, hidden, dtype=dtype, device=device, requires_grad=True)
     dy = torch.randn(seq, batch, hidden, dtype=dtype, device=device)
-    delayed = block_bench.twin(tec, ours, hidden, heads, dtype, device)
-    current = block_bench.twin(tec, ours, hidden, heads, dtype, device)
-    general = block_bench.twin(tec, ours, hidden, heads, dtype, device)
-    return {"bf16": block_bench.step(ours, x, dy),
-            "fp8_delayed": block_bench.step(delayed, x, dy, tec, recipe_mod.DelayedScaling()),
-            "fp8_current": block_bench.step(current, x, dy, tec, recipe_mod.Float8CurrentScaling()),
-            "fp8_delayed_general": general_path(block_bench.step(general, x, dy, tec, recipe_mod.DelayedScaling()))}
+    delayed = blocks.twin(tec, ours, hidden, heads, dtype, device)
+    current = blocks.twin(tec, ours, hidden, heads, dtype, device)
+    general = blocks.twin(tec, ours, hidden, heads, dtype, device)
+    return {"bf16": blocks.step(ours, x, dy),
+            "fp8_delayed": blocks.step(delayed, x, dy, tec, recipe_mod.DelayedScaling()),
+            "fp8_current": blocks.step(current, x, dy, tec, recipe_mod.Float8CurrentScaling()),
+            "fp8_delayed_general": general_path(blocks.step(general, x, dy, tec, recipe_mod.DelayedScaling()))}
 
 
 def category(key):

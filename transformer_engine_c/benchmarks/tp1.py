@@ -7,22 +7,28 @@ on one device (tensor-parallel size 1).
 
 Shapes are TOKENSxHIDDENxN: Linear and LayerNormLinear map HIDDEN to N
 features, LayerNormMLP has hidden size HIDDEN and ffn_hidden_size N, and so
-has TransformerLayer (causal self-attention, hidden_dropout and
-attention_dropout 0), with --compile's geometry: sequences of min(TOKENS,
-2048) tokens, TOKENS / sequence of them, heads of 128 (of HIDDEN / 2 below
-256), input [sequence, batch, HIDDEN]; 2048x2048x8192 is --compile's block
-(ffn 4 x HIDDEN). The PyTorch layers: nn.Linear; nn.LayerNorm then
-nn.Linear; nn.LayerNorm, nn.Linear, tanh-GELU (TransformerEngine's "gelu"),
-nn.Linear; for TransformerLayer --compile's TorchBlock (nn.LayerNorm, one
-qkv nn.Linear, causal F.scaled_dot_product_attention, nn.Linear proj,
-residual, then the MLP's modules and a residual); all with the same
-parameter values. Each is timed forward+backward (grad_output given) and as
+have TransformerLayer (causal self-attention, hidden_dropout and
+attention_dropout 0) and ComposedBlock (--compile's block of our
+LayerNormLinear, DotProductAttention, Linear and LayerNormMLP, ffn N: what
+TransformerLayer is made of, composed by hand); MultiheadAttention is
+TransformerLayer's attention (input_layernorm, causal, no dropout). These
+three have --compile's geometry: sequences of min(TOKENS, 2048) tokens,
+TOKENS / sequence of them, heads of 128 (of HIDDEN / 2 below 256), input
+[sequence, batch, HIDDEN]; 2048x2048x8192 is --compile's block (ffn 4 x
+HIDDEN). The PyTorch layers: nn.Linear; nn.LayerNorm then nn.Linear;
+nn.LayerNorm, nn.Linear, tanh-GELU (TransformerEngine's "gelu"), nn.Linear;
+for TransformerLayer and ComposedBlock --compile's TorchBlock (nn.LayerNorm,
+one qkv nn.Linear, causal F.scaled_dot_product_attention, nn.Linear proj,
+residual, then the MLP's modules and a residual), for MultiheadAttention its
+attention half; all with the same parameter values. Each is timed forward+backward (grad_output given) and as
 a no-grad forward. A sample is --batch calls issued back to back: "ms" is the
 device time per call (CUDA events; the host clock on the CPU), "host us" the
 host's time to issue one call (from the same samples). Ours and PyTorch's
 are sampled in interleaved rounds, alternating which goes first; the figure is
 the median over --iters samples. Results: a table on stdout, tp1.json and
-tp1.md in --out; ratio = torch / ours (above 1: ours is faster).
+tp1.md in --out; ratio = torch / ours (above 1: ours is faster). Where a
+shape has both, a second table sets TransformerLayer against ComposedBlock
+(its host µs over the block's: above 1, the layer adds host work of its own).
 """
 import argparse
 import json
@@ -34,9 +40,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .blocks import OurBlock, TorchAttention, TorchBlock, copy_into, geometry
+
 GPU_SHAPES = [(512, 1024, 1024), (2048, 2048, 6144), (8192, 4096, 12288)]
 CPU_SHAPES = [(64, 64, 128)]
-LAYERS = ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
+LAYERS = ("Linear", "LayerNormLinear", "LayerNormMLP", "MultiheadAttention", "ComposedBlock", "TransformerLayer")
+ATTENTION = ("MultiheadAttention", "ComposedBlock", "TransformerLayer")  # input [sequence, batch, HIDDEN]
 
 
 def parse(argv):
@@ -59,12 +68,12 @@ def parse(argv):
     bad = [c for c in args.layers if c not in LAYERS]
     if bad:
         ap.error(f"unknown layer(s) {bad}; expected some of {LAYERS}")
-    if "TransformerLayer" in args.layers:
+    for layer in (c for c in args.layers if c in ATTENTION):
         for T, H, _ in args.shapes:
             try:
                 layer_geometry(T, H)
             except ValueError as exc:
-                ap.error(f"--shapes {T}x{H}x...: TransformerLayer: {exc}")
+                ap.error(f"--shapes {T}x{H}x...: {layer}: {exc}")
     return sampling_defaults(ap, args, cuda, cpu_iters=5)
 
 
@@ -104,10 +113,8 @@ class TorchLNMLP(torch.nn.Module):
 
 
 def layer_geometry(tokens, hidden):
-    """(sequence, batch, heads) of TransformerLayer at TOKENSxHIDDEN: --compile's
+    """(sequence, batch, heads) of the attention layers at TOKENSxHIDDEN: --compile's
     geometry (ValueError where the tokens or heads do not divide evenly)."""
-    from .compile import geometry
-
     seq, batch, heads = geometry(tokens, hidden)
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not a multiple of its {heads} heads")
@@ -115,30 +122,40 @@ def layer_geometry(tokens, hidden):
 
 
 def ours_layer(tec, layer, H, N, dtype, device):
-    """Our layer of that name, HIDDEN -> N (LayerNormMLP, TransformerLayer: hidden H, ffn N)."""
-    if layer == "TransformerLayer":
+    """Our layer of that name, HIDDEN -> N (LayerNormMLP, TransformerLayer,
+    ComposedBlock: hidden H, ffn N; MultiheadAttention: hidden H)."""
+    if layer in ATTENTION:
         heads = layer_geometry(1, H)[2]
-        return tec.TransformerLayer(H, N, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
-                                    device=device)
+        if layer == "TransformerLayer":
+            return tec.TransformerLayer(H, N, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+                                        device=device)
+        if layer == "MultiheadAttention":
+            return tec.MultiheadAttention(H, heads, attention_dropout=0.0, input_layernorm=True,
+                                          attn_mask_type="causal", params_dtype=dtype, device=device)
+        return OurBlock(tec, H, heads, dtype, device, ffn=N)
     return getattr(tec, layer)(H, N, params_dtype=dtype, device=device)
+
+
+def _attention_values(attn):
+    """{TorchAttention's parameter name: our MultiheadAttention's value} (the
+    qkv Linear's rows: our query, key and value weights, one after the other,
+    as the layer splits them)."""
+    qkv = attn.layernorm_qkv
+    return {"ln1.weight": qkv.layer_norm_weight, "ln1.bias": qkv.layer_norm_bias,
+            "qkv.weight": torch.cat([qkv.query_weight, qkv.key_weight, qkv.value_weight]),
+            "qkv.bias": torch.cat([qkv.query_bias, qkv.key_bias, qkv.value_bias]),
+            "proj.weight": attn.proj.weight, "proj.bias": attn.proj.bias}
 
 
 def torch_transformer_layer(ours, H, N, dtype, device):
     """--compile's TorchBlock with the values of our TransformerLayer's
-    parameters, copied by name (the qkv Linear's rows: our query, key and
-    value weights, one after the other, as the layer splits them)."""
-    from .compile import TorchBlock
-
+    parameters, copied by name."""
     ref = TorchBlock(H, layer_geometry(1, H)[2], dtype, device, ffn=N)
-    attn, mlp = ours.self_attention, ours.layernorm_mlp
-    qkv = attn.layernorm_qkv
-    pairs = {"ln1.weight": qkv.layer_norm_weight, "ln1.bias": qkv.layer_norm_bias,
-             "qkv.weight": torch.cat([qkv.query_weight, qkv.key_weight, qkv.value_weight]),
-             "qkv.bias": torch.cat([qkv.query_bias, qkv.key_bias, qkv.value_bias]),
-             "proj.weight": attn.proj.weight, "proj.bias": attn.proj.bias,
-             "ln2.weight": mlp.layer_norm_weight, "ln2.bias": mlp.layer_norm_bias,
-             "fc1.weight": mlp.fc1_weight, "fc1.bias": mlp.fc1_bias,
-             "fc2.weight": mlp.fc2_weight, "fc2.bias": mlp.fc2_bias}
+    mlp = ours.layernorm_mlp
+    pairs = dict(_attention_values(ours.self_attention), **{
+        "ln2.weight": mlp.layer_norm_weight, "ln2.bias": mlp.layer_norm_bias,
+        "fc1.weight": mlp.fc1_weight, "fc1.bias": mlp.fc1_bias, "fc2.weight": mlp.fc2_weight,
+        "fc2.bias": mlp.fc2_bias})
     ref.load_state_dict({name: value.detach() for name, value in pairs.items()})  # strict: every name
     return ref
 
@@ -149,6 +166,12 @@ def build(tec, layer, H, N, dtype, device):
     with torch.no_grad():
         if layer == "TransformerLayer":
             ref = torch_transformer_layer(ours, H, N, dtype, device)
+        elif layer == "MultiheadAttention":
+            ref = TorchAttention(H, layer_geometry(1, H)[2], dtype, device)
+            ref.load_state_dict({name: value.detach() for name, value in _attention_values(ours).items()})
+        elif layer == "ComposedBlock":
+            ref = TorchBlock(H, layer_geometry(1, H)[2], dtype, device, ffn=N)
+            copy_into(ours, ref)
         elif layer == "Linear":
             ref = torch.nn.Linear(H, N, dtype=dtype, device=device)
             ref.weight.copy_(ours.weight)
@@ -223,7 +246,7 @@ def run(args):
     for T, H, N in args.shapes:
         for layer in args.layers:
             ours, ref = build(tec, layer, H, N, args.dtype, device)
-            if layer == "TransformerLayer":
+            if layer in ATTENTION:
                 seq, batch, _ = layer_geometry(T, H)
                 in_shape = out_shape = (seq, batch, H)
             else:
@@ -241,15 +264,40 @@ def run(args):
     return rows
 
 
+def against_block(rows):
+    """TransformerLayer against ComposedBlock, for each shape and mode that
+    has both rows: their ms and host µs, ms_ratio = block ms / layer ms
+    (target >= 1.0) and host_ratio = layer µs / block µs (target <= 1.05)."""
+    block = {(r["tokens"], r["hidden"], r["n"], r["mode"]): r for r in rows if r["layer"] == "ComposedBlock"}
+    out = []
+    for r in rows:
+        b = block.get((r["tokens"], r["hidden"], r["n"], r["mode"])) if r["layer"] == "TransformerLayer" else None
+        if b is not None:
+            out.append(dict(mode=r["mode"], tokens=r["tokens"], hidden=r["hidden"], n=r["n"], layer_ms=r["ours_ms"],
+                            block_ms=b["ours_ms"], ms_ratio=b["ours_ms"] / r["ours_ms"],
+                            layer_host_us=r["ours_host_us"], block_host_us=b["ours_host_us"],
+                            host_ratio=r["ours_host_us"] / b["ours_host_us"]))
+    return out
+
+
 def table(rows):
-    head = (f"{'layer':<16} {'mode':<14} {'shape':<18} {'ours ms':>9} {'torch ms':>9} {'x':>6} "
+    head = (f"{'layer':<18} {'mode':<14} {'shape':<18} {'ours ms':>9} {'torch ms':>9} {'x':>6} "
             f"{'ours us':>9} {'torch us':>9} {'host':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['layer']:<16} {r['mode']:<14} {r['tokens']}x{r['hidden']}x{r['n']:<8} "
+        lines.append(f"{r['layer']:<18} {r['mode']:<14} {r['tokens']}x{r['hidden']}x{r['n']:<8} "
                      f"{r['ours_ms']:>9.4f} {r['torch_ms']:>9.4f} {r['ms_ratio']:>6.3f} "
                      f"{r['ours_host_us']:>9.1f} {r['torch_host_us']:>9.1f} {r['host_ratio']:>6.3f}")
     lines.append("x: torch ms / ours ms (target >= 1.0); host: ours host us / torch host us (target <= 1.0)")
+    against = against_block(rows)
+    if against:
+        lines += ["", f"{'TransformerLayer vs ComposedBlock':<34} {'shape':<18} {'layer ms':>9} {'block ms':>9} "
+                      f"{'x':>6} {'layer us':>9} {'block us':>9} {'host':>6}"]
+        for a in against:
+            lines.append(f"{a['mode']:<34} {a['tokens']}x{a['hidden']}x{a['n']:<8} {a['layer_ms']:>9.4f} "
+                         f"{a['block_ms']:>9.4f} {a['ms_ratio']:>6.3f} {a['layer_host_us']:>9.1f} "
+                         f"{a['block_host_us']:>9.1f} {a['host_ratio']:>6.3f}")
+        lines.append("x: block ms / layer ms (target >= 1.0); host: layer host us / block host us (target <= 1.05)")
     return "\n".join(lines)
 
 
@@ -263,6 +311,16 @@ def markdown(rows, meta):
         out.append(f"| {r['layer']} | {r['mode']} | {r['tokens']}×{r['hidden']}×{r['n']} | {r['ours_ms']:.4f} | "
                    f"{r['torch_ms']:.4f} | {r['ms_ratio']:.3f} | {r['ours_host_us']:.1f} | "
                    f"{r['torch_host_us']:.1f} | {r['host_ratio']:.3f} |")
+    against = against_block(rows)
+    if against:
+        out += ["", "TransformerLayer against the same block composed of our layers (ComposedBlock): "
+                "ratio = block ms / layer ms (≥ 1.0), host ratio = layer µs / block µs (≤ 1.05).", "",
+                "| mode | shape | layer ms | block ms | ratio | layer host µs | block host µs | host ratio |",
+                "|---|---|---|---|---|---|---|---|"]
+        for a in against:
+            out.append(f"| {a['mode']} | {a['tokens']}×{a['hidden']}×{a['n']} | {a['layer_ms']:.4f} | "
+                       f"{a['block_ms']:.4f} | {a['ms_ratio']:.3f} | {a['layer_host_us']:.1f} | "
+                       f"{a['block_host_us']:.1f} | {a['host_ratio']:.3f} |")
     return "\n".join(out) + "\n"
 
 
@@ -289,7 +347,7 @@ def main(argv=None):
     print(table(rows))
     if args.out:
         meta = meta_of(args)
-        write(args.out, "tp1", dict(meta=meta, rows=rows), markdown(rows, meta))
+        write(args.out, "tp1", dict(meta=meta, rows=rows, against_block=against_block(rows)), markdown(rows, meta))
     return 0
 
 

@@ -289,7 +289,7 @@ def get_extra_state(module):
     scaling tensors come to the host in one copy."""
     meta = getattr(module, "fp8_meta", None)
     if not meta or meta.get("recipe") is None:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     state = {"recipe": meta["recipe"]}
     if "scaling_fwd" in meta:
         fwd, bwd = meta["scaling_fwd"], meta["scaling_bwd"]

@@ -18,8 +18,10 @@ import weakref
 
 import torch
 
+from ..quantization import unwind_in_graph
 from ._config import as_2d
-from ._steps import fresh_temporaries, outside_buffers
+from ._steps import outside_buffers
+from ._temporaries import fresh_temporaries
 
 
 class OpSpec:
@@ -95,6 +97,10 @@ def forward(layer, args, first_mb, grad, fp8):
     before = fresh_temporaries(True)
     try:
         return _forward(layer, args, first_mb, grad, fp8)
+    except BaseException:
+        # the compiled code this call belongs to stops here: an autocast it entered is left, as a `with` block
+        unwind_in_graph()
+        raise
     finally:
         fresh_temporaries(before)
 
@@ -118,7 +124,7 @@ def _forward(layer, args, first_mb, grad, fp8):
     if fp8:
         key = next(_FP8_KEYS)
         _FP8_CTX[key] = ctx
-        token = torch.tensor([key], dtype=torch.int64)
+        token = torch.tensor([key], dtype=torch.int64, device="cpu")
         weakref.finalize(token, _FP8_CTX.pop, key, None)
         return _owned(layer, outs, ()) + [token]
     new = [t for t, where in zip(ctx.saved_tensors, spec.saved(layer)) if where == "new"]

@@ -22,6 +22,8 @@ from ._config import compute_dtype
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+# plain tensor types: a Parameter, or a tensor made from them (split parameters joined by torch.cat)
+_PLAIN_TYPES = (_Parameter, _Tensor)
 _DTYPE_CODES = _engine.DTYPE_CODES
 _CPU = torch.device("cpu")
 _is_grad_enabled = torch.is_grad_enabled
@@ -151,9 +153,10 @@ def _ready_device(plan, x, w, params, dtype):
     """The engine Device of a ready call (see the module docstring), else
     None: x a plain contiguous 2-D or 3-D tensor of dtype with plan.k
     features (a row layer's sequence divisible over the group), w and each
-    tensor of params (None allowed) a contiguous Parameter of dtype and its
-    shape in plan.shapes, all on one CPU or CUDA device, no autocast."""
-    if type(x) is not _Tensor or x.dtype is not dtype or type(w) is not _Parameter or not w.is_contiguous():
+    tensor of params (None allowed) a contiguous plain tensor (a Parameter,
+    or split parameters joined) of dtype and its shape in plan.shapes, all
+    on one CPU or CUDA device, no autocast."""
+    if type(x) is not _Tensor or x.dtype is not dtype or type(w) not in _PLAIN_TYPES or not w.is_contiguous():
         return None
     shapes = plan.shapes
     sh = x.shape
@@ -164,7 +167,7 @@ def _ready_device(plan, x, w, params, dtype):
         if not w.is_cpu:
             return None
         for p, shape in zip(params, plan.rest):
-            if p is not None and not (type(p) is _Parameter and p.dtype is dtype and p.is_cpu and p.is_contiguous()
+            if p is not None and not (type(p) in _PLAIN_TYPES and p.dtype is dtype and p.is_cpu and p.is_contiguous()
                                       and p.shape == shape):
                 return None
         return _engine.engine_device(_CPU)
@@ -174,7 +177,7 @@ def _ready_device(plan, x, w, params, dtype):
     if not w.is_cuda or w.get_device() != index:
         return None
     for p, shape in zip(params, plan.rest):
-        if p is not None and not (type(p) is _Parameter and p.dtype is dtype and p.is_cuda
+        if p is not None and not (type(p) in _PLAIN_TYPES and p.dtype is dtype and p.is_cuda
                                   and p.get_device() == index and p.is_contiguous() and p.shape == shape):
             return None
     return _engine.engine_device(index)

@@ -9,119 +9,23 @@ workspace, stream and dtype code) and contiguous tensors, and runs one engine
 call per kernel sequence: where no collective separates them, a norm and its
 GEMM (norm_linear_fwd), dgrad and wgrad (linear_bwd), or those and the norm's
 backward (norm_linear_bwd) are one call. Outputs are allocated in their final
-shape (no views) and what lives only within the call is a temporary (below).
+shape (no views) and what lives only within the call is a temporary
+(module/_temporaries.py).
 """
 import contextlib
-import threading
-from math import prod as _prod
 
 import torch
 
 from .. import _C
 from ..distributed import _all_gather_into, _reduce_scatter_into, all_reduce
-from . import _fp8
+from . import _fp8, _fp8_gemm
 from ._config import NO_UB, UB_FLAGS
+from ._temporaries import (T_ACT_OUT, T_ACT_WS, T_DGRAD, T_DH, T_DLN, T_DY, T_GATHERED, T_LN_OUT, T_NORM_WS, T_PARTIAL,
+                           T_WGRAD_INPUT, norm_stats, temp, temp_bytes)
 
 _F32 = torch.float32
 _U8 = torch.uint8
-_empty = torch.empty
 _NO_FLAGS = dict.fromkeys(UB_FLAGS, False)
-
-# ------------------------------------------------------------- temporaries
-# Tensors that live only until the GEMM, kernel or collective that reads them
-# within the same call, all in the calling stream's order (a collective's
-# stream waits for it, and it for the collective): a forward's gathered input
-# and its partial product before the reduce-scatter (without grad also the
-# norm's output); in backward the gathered dY and input, the dgrad before its
-# reduce-scatter, the norm's and activation's gradients and workspaces. Where a
-# call is all host work (small shapes), each thread keeps one tensor per
-# (role, shape, dtype, device, stream) and reuses it instead of allocating one
-# per call: the next call's writes are ordered after this call's reads, and
-# two roles never share a tensor. Not while a CUDA graph is captured (its
-# replays, on any stream, would share the tensor with eager calls), not above
-# _TEMP_BYTES (memory held between calls), at most _TEMP_SLOTS and _TEMP_HELD
-# bytes per thread (the oldest dropped first), and not inside the operators
-# torch.compile runs (`fresh`: PyTorch's CUDA graphs of mode="reduce-overhead"
-# warm up and record in a memory pool of their own, in which nothing may stay
-# alive between calls). Tensors that outlive the call (outputs, what backward
-# saves, a delayed wgrad's operands) are never temporaries.
-_TEMP_BYTES = 16 << 20
-_TEMP_SLOTS = 32
-_TEMP_HELD = 64 << 20
-_temps = threading.local()
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-(T_GATHERED, T_PARTIAL, T_DGRAD, T_WGRAD_INPUT, T_DY, T_DACT, T_DH, T_DLN, T_ACT_WS, T_NORM_WS, T_LN_OUT,
- T_FC1_OUT, T_ACT_OUT, T_FP8) = range(14)
-
-
-def temp(x, shape, dev, stream, role, dtype=None):
-    """A tensor of `shape` with x's device and dtype (or `dtype`) for the
-    temporary `role`, read and written in `stream`'s order; dev: the engine's
-    device code."""
-    dtype = dtype or x.dtype
-    if _prod(shape) * dtype.itemsize > _TEMP_BYTES or dev >= 0 and (_capturing is None or _capturing()):
-        return x.new_empty(shape, dtype=dtype)
-    slots = getattr(_temps, "slots", None)
-    if slots is None:
-        slots = _temps.slots = {}
-        _temps.fresh = False
-    if _temps.fresh:
-        return x.new_empty(shape, dtype=dtype)
-    key = (role, shape, dtype, dev, stream)
-    t = slots.get(key)
-    if t is None:
-        t = x.new_empty(shape, dtype=dtype)
-        held = t.nbytes + sum(u.nbytes for u in slots.values())  # only when a temporary is added
-        for old in list(slots):  # the oldest first
-            if len(slots) < _TEMP_SLOTS and held <= _TEMP_HELD:
-                break
-            held -= slots.pop(old).nbytes
-        slots[key] = t
-    return t
-
-
-def temp_bytes(x, nbytes, dev, stream, role):
-    """A uint8 [nbytes] workspace on x's device: a temporary."""
-    return temp(x, (nbytes,), dev, stream, role, _U8)
-
-
-# Where a no-grad forward's norm writes its statistics: nothing reads them, so
-# one float32 buffer per device serves every call and stream (writes racing
-# into it are harmless) instead of an allocation per call. An outgrown buffer
-# stays alive: a captured CUDA graph may still write to it.
-_sinks = {}
-_outgrown_sinks = []
-
-
-def fresh_temporaries(on):
-    """Whether every temporary and statistics sink is a fresh allocation
-    from now on in this thread (the operators torch.compile runs: see the
-    temporaries' comment); returns the setting it replaces."""
-    if getattr(_temps, "slots", None) is None:
-        _temps.slots = {}
-    before, _temps.fresh = getattr(_temps, "fresh", False), on
-    return before
-
-
-def _stats_sink(device, count):
-    t = _sinks.get(device)
-    if t is None or t.numel() < count:
-        if t is not None:
-            _outgrown_sinks.append(t)
-        t = _sinks[device] = _empty(max(count, 4096, 0 if t is None else 2 * t.numel()), dtype=_F32, device=device)
-    return t.data_ptr()
-
-
-def norm_stats(device, rows, rms, keep):
-    """(stats, its address) for a norm over `rows` rows: a fresh float32
-    [2 * rows] (LayerNorm: mu, then rsigma) or [rows] (RMSNorm) when
-    backward keeps it (or temporaries are fresh), else (None, the statistics
-    sink's address)."""
-    count = rows if rms else 2 * rows
-    if keep or _temps.__dict__.get("fresh"):
-        stats = _empty(count, dtype=_F32, device=device)
-        return stats, stats.data_ptr()
-    return None, _stats_sink(device, count)
 
 
 def _mu_rsigma(p, rows, rms):
@@ -169,7 +73,7 @@ def bias_grad_only(dy, n):
 
 def _bias_grad(call, dy, n):
     """The bias gradient: in FP8 the sums dY's cast took, else dY's own."""
-    db = None if call.fp8 is None else _fp8.bias_grad(call.fp8, dy)
+    db = None if call.fp8 is None else _fp8_gemm.bias_grad(call.fp8, dy)
     return db if db is not None else bias_grad_only(dy, n)
 
 
@@ -231,7 +135,7 @@ def fprop_overlap(call, tp, ub, x, w, bias):
     overlap and it pays at this shape (CommOverlap.take_overlap), else None.
     In FP8 the chunk GEMMs are FP8 GEMMs: a column layer gathers FP8 bytes
     (fp8_ag_gemm), a row layer's partials stay in the compute dtype, or are
-    FP8 bytes through a communicator with fp8_buf (_fp8.output_partials)."""
+    FP8 bytes through a communicator with fp8_buf (_fp8_gemm.output_partials)."""
     rows = x.shape[0]
     if not ub.enabled or rows == 0:
         return None
@@ -246,8 +150,8 @@ def fprop_overlap(call, tp, ub, x, w, bias):
                 return c.gemm_rs(x, w, bias=bias)
             f = call.fp8
             qx, qw = f.input(x, True), f.weight(w)
-            return c.gemm_rs(qx.data, qw.data, bias=bias, fp8=_fp8.chunk_gemm(f, qx, qw, 0, x.dtype),
-                             fp8_partials=_fp8.output_partials(f, x.dtype) if c.fp8_buf else None)
+            return c.gemm_rs(qx.data, qw.data, bias=bias, fp8=_fp8_gemm.chunk_gemm(f, qx, qw, 0, x.dtype),
+                             fp8_partials=_fp8_gemm.output_partials(f, x.dtype) if c.fp8_buf else None)
     return None
 
 
@@ -262,9 +166,9 @@ def fp8_ag_gemm(call, comm, x, w, bias, tp):
         qx = f.gather_input(x, slot, tp.group)
         qw = f.weight(w)
         keep = torch.empty_like(slot) if f.grad and not f.recomputing else None
-        fuse = _fp8._bias_fused(x, bias)
+        fuse = _fp8_gemm._bias_fused(x, bias)
         y = comm.ag_gemm(slot, qw.data, bias=bias if fuse else None, local_copy=keep,
-                         fp8=_fp8.chunk_gemm(f, qx, qw, 0, x.dtype))
+                         fp8=_fp8_gemm.chunk_gemm(f, qx, qw, 0, x.dtype))
     if keep is not None:
         f.keep_input(keep)
     if bias is not None and not fuse:
@@ -295,7 +199,7 @@ def gemm(call, rows, n, k, x, w, b, out, local=True):
     """out [rows, n] = x [rows, k] w[n, k]^T (+ b), all contiguous; in FP8
     under an FP8 autocast (local: x is this rank's rows, not gathered ones)."""
     if call.fp8 is not None:
-        _fp8.fprop(call.fp8, x, w, b, out, local)
+        _fp8_gemm.fprop(call.fp8, x, w, b, out, local)
         return
     _C.gemm(call.dev, call.code, call.code, 0, 1, rows, n, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n,
             0 if b is None else b.data_ptr(), 0, 0, call.ws, call.nbytes, call.stream)
@@ -387,7 +291,7 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
     column_sp = tp.mode == "column" and tp.sp and tp.size > 1
     # FP8 with the norm, casts and GEMM in one engine call (given tokens: without, the general path still
     # casts the weight, which records its amax)
-    one_call = fp8 and not ub.enabled and not column_sp and rows > 0 and _fp8.one_call_ok(call.fp8, w)
+    one_call = fp8 and not ub.enabled and not column_sp and rows > 0 and _fp8_gemm.one_call_ok(call.fp8, w)
     if not one_call and (ub.enabled or fp8 or column_sp):
         ln_out, stats = norm(call, x, gamma, beta, eps, zcg, keep)
         if column_sp:
@@ -412,7 +316,7 @@ def norm_fprop(call, tp, ub, x, gamma, beta, eps, zcg, w, b, keep, want_gathered
         return y, ln_out, stats, None
     beta_p = 0 if beta is None else beta.data_ptr()
     if one_call:
-        _fp8.fprop_one_call(call.fp8, ln_out, w, None if row else b, _as_2d(out),
+        _fp8_gemm.fprop_one_call(call.fp8, ln_out, w, None if row else b, _as_2d(out),
                             (x.data_ptr(), gamma.data_ptr(), beta_p, ln_out.data_ptr(), mu, rsigma, eps, zcg))
     else:
         _C.norm_linear_fwd(dev, call.code, rows, k, n, x.data_ptr(), gamma.data_ptr(), beta_p, ln_out.data_ptr(), mu,
@@ -524,7 +428,7 @@ def _linear_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
         all_reduce(dx, tp.group, tp.size)
     if wg is not None:
         if not wg.plain:
-            ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, x)
+            ops = None if call.fp8 is None or not wg.need_w else _fp8_gemm.wgrad_operands(call.fp8, dy, x)
             dw, db = wg(_as_2d(dy), _as_2d(x), NO_UB, fp8=ops)
         elif not wg.need_w:
             db = _bias_grad(call, dy, w.shape[0]) if wg.with_bias else None
@@ -553,13 +457,13 @@ def _fused_linear_bwd(call, rows, dy, x, w, dx, wg, with_db):
     dw = db = None
     if call.fp8 is not None:  # dgrad and wgrad as two FP8 GEMMs, the bias gradient from dY
         need_w = wg is not None and wg.plain and wg.need_w
-        done = _fp8.linear_bwd_one_call(call.fp8, dy, dx, need_w, with_db and need_w)
+        done = _fp8_gemm.linear_bwd_one_call(call.fp8, dy, dx, need_w, with_db and need_w)
         if done is not None:
             return done
         if dx is not None:
             _dgrad_gemm(call, rows, n, k, dy, w, dx)
         if wg is not None and wg.plain and wg.need_w:
-            dw = _fp8.wgrad(_fp8.wgrad_operands(call.fp8, dy, x), dy.dtype)
+            dw = _fp8_gemm.wgrad(_fp8_gemm.wgrad_operands(call.fp8, dy, x), dy.dtype)
             db = _bias_grad(call, dy, n) if with_db else None
         return dw, db
     if wg is not None and wg.plain and wg.need_w:
@@ -576,14 +480,14 @@ def _fused_linear_bwd(call, rows, dy, x, w, dx, wg, with_db):
 def _wgrad(call, wg, dy, xt, ub, dy_local=None):
     """The weight gradient of a backward whose dgrad ran apart: (dw, db)."""
     n, k = dy.shape[-1], xt.shape[-1]
-    ops = None if call.fp8 is None or not wg.need_w else _fp8.wgrad_operands(call.fp8, dy, xt)
+    ops = None if call.fp8 is None or not wg.need_w else _fp8_gemm.wgrad_operands(call.fp8, dy, xt)
     if not wg.plain:
         return wg(_as_2d(dy), _as_2d(xt), ub, None if dy_local is None else _as_2d(dy_local), fp8=ops)
     db_local = bias_grad_only(dy_local, n) if wg.bias_from_local and wg.with_bias else None
     if not wg.need_w:
         return None, (db_local if wg.bias_from_local else _bias_grad(call, dy, n) if wg.with_bias else None)
     if ops is not None:
-        dw = _fp8.wgrad(ops, dy.dtype)
+        dw = _fp8_gemm.wgrad(ops, dy.dtype)
         return dw, (db_local if wg.bias_from_local else _bias_grad(call, dy, n) if wg.with_bias else None)
     dw = xt.new_empty(n, k)
     db = xt.new_empty(n) if wg.with_bias and not wg.bias_from_local else None
@@ -628,7 +532,7 @@ def _column_backward(call, tp, ub, dy, x, w, need_dx, wg, dx_out):
                 fp, qdy = call.fp8, call.fp8.grad_output(dy)
                 qw = fp.weights[fp.gi]
                 dx = ub.comms["dgrad"].gemm_rs(_as_2d(qdy.data), qw.data_t,
-                                               fp8=_fp8.chunk_gemm(fp, qdy, qw, 1, dy.dtype)).view(x.shape)
+                                               fp8=_fp8_gemm.chunk_gemm(fp, qdy, qw, 1, dy.dtype)).view(x.shape)
         elif f["ub_bulk_wgrad"] and need_w:
             partial = dy.new_empty(rows, k)
             _dgrad_gemm(call, rows, n, k, dy, w, partial)
@@ -669,7 +573,7 @@ def _fp8_kept_input(call, x):
 def _dgrad_gemm(call, rows, n, k, dy, w, out):
     """out [rows, k] = dY [rows, n] W [n, k] (in FP8 under an FP8 autocast)."""
     if call.fp8 is not None:
-        _fp8.dgrad(call.fp8, dy, out)
+        _fp8_gemm.dgrad(call.fp8, dy, out)
         return
     _C.gemm(call.dev, call.code, call.code, 0, 0, rows, k, n, dy.data_ptr(), n, w.data_ptr(), k, out.data_ptr(), k,
             0, 0, 0, call.ws, call.nbytes, call.stream)
@@ -696,7 +600,7 @@ def _row_backward(call, tp, ub, dy_local, x, w, need_dx, wg, dx_out):
                 slot = c.get_buffer(local_chunk=True, shape=dy2.shape, dtype=_U8)
                 qdy = f.gather_grad_output(dy2, slot, tp.group)
                 qw = f.weights[f.gi]
-                dx = c.ag_gemm(slot, qw.data_t, fp8=_fp8.chunk_gemm(f, qdy, qw, 1, dy2.dtype)).view(x.shape)
+                dx = c.ag_gemm(slot, qw.data_t, fp8=_fp8_gemm.chunk_gemm(f, qdy, qw, 1, dy2.dtype)).view(x.shape)
                 # one rank: the gathered dY is dy2 (a bias gradient may sum it); under sequence
                 # parallelism the bias gradient is the local rows' (bias_from_local)
                 dy = dy2 if c.tp_size == 1 else _fp8.stand_in(dy2, gathered)
@@ -758,7 +662,7 @@ def _fp8_norm_linear_backward(call, dy, x, ln_out, stats, gamma, zcg, rms, w, wg
     with_db = wg is not None and wg.with_bias
     fused_db = with_db and need_w and not wg.bias_from_local
     f.begin_backward(gi, need_w, with_db and not wg.bias_from_local)
-    if not _fp8.bwd_one_call_ok(f, dy, True, need_w, fused_db):
+    if not _fp8_gemm.bwd_one_call_ok(f, dy, True, need_w, fused_db):
         return None
     try:
         dln = temp(ln_out, ln_out.shape, dev, stream, T_DLN)
@@ -768,7 +672,7 @@ def _fp8_norm_linear_backward(call, dy, x, ln_out, stats, gamma, zcg, rms, w, wg
         nbytes = _C.norm_bwd_workspace_bytes(dev, rows, k)
         ws = temp_bytes(x, nbytes, dev, stream, T_NORM_WS)
         mu, rsigma = _mu_rsigma(stats.data_ptr(), rows, rms)
-        dw, db = _fp8.linear_bwd_one_call(f, dy, dln, need_w, fused_db,
+        dw, db = _fp8_gemm.linear_bwd_one_call(f, dy, dln, need_w, fused_db,
                                           (x.data_ptr(), mu, rsigma, gamma.data_ptr(), dx.data_ptr(),
                                            dgamma.data_ptr(), 0 if dbeta is None else dbeta.data_ptr(), zcg,
                                            ws.data_ptr(), nbytes))

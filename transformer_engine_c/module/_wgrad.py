@@ -109,7 +109,7 @@ class Wgrad:
     def __call__(self, dy_total, x_total, ub, dy_local=None, fp8=None):
         """(dw for autograd, db for autograd): computed now, or (None, None)
         after queueing the GEMM for backward_dw(). fp8: the GEMM's FP8
-        operands (module/_fp8.wgrad_operands) under an FP8 autocast."""
+        operands (module/_fp8_gemm.wgrad_operands) under an FP8 autocast."""
         from ._steps import outside_buffers
 
         db_local = None
@@ -151,7 +151,8 @@ class Wgrad:
         return self._dummy_grads(), db
 
     def _compute_fp8(self, dy_total, ops, with_bias):
-        from ._fp8 import same_tensor, wgrad
+        from ._fp8 import same_tensor
+        from ._fp8_gemm import wgrad
 
         db = None
         if with_bias:  # the sums the dY cast took (one pass), else dY's own

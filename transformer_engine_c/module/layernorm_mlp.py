@@ -8,7 +8,7 @@ import torch
 from .. import _engine
 from .._C import prepare_for_saving, restore_from_saved
 from ..distributed import reduce_scatter_rows
-from . import _steps
+from . import _steps, _temporaries
 from ._config import UBConfig, TPConfig, as_2d, cast, check_input, compute_dtype, default_device, default_dtype
 from ._config import like_input, returned_bias
 from ._opcall import OpSpec, out_rows
@@ -142,7 +142,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if need[5] or need[6]:
             wg2 = wg_fc2.step(fc2_weight, ctx.has_b2 and need[6], call.first_mb,
                               bias_from_local=tp2.mode == "row" and tp2.sp, need_w=need[5])
-        dact = _steps.temp(a, a.shape, call.dev, call.stream, _steps.T_DACT)
+        dact = _temporaries.temp(a, a.shape, call.dev, call.stream, _temporaries.T_DACT)
         dact, dw2, db2 = _steps.linear_backward(call, tp2, layer.ub2, dy, a, w2, True, wg2, dact, gi=1)
         del a
 
