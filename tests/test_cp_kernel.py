@@ -108,3 +108,29 @@ def test_shards_are_the_balanced_chunks():
     assert cp.shard_sequence(x, 0, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     cu = torch.tensor([0, 4, 12])
     assert cp.shard_thd(torch.arange(12), cu, 2, 1).tolist() == [1, 2, 6, 7, 8, 9]
+
+
+def test_position_mask_rows_are_the_mask_of_positions():
+    """PositionMask (built a few rows at a time) against the rule written
+    out element by element: same sequence, both tokens (not padding), the
+    causal diagonal and the window; and a block masked by it equals the
+    block masked by the whole tensor."""
+    q_pos, q_sid = torch.tensor([0, 1, 2, 3, 0, 1, 2]), torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    k_pos, k_sid = torch.tensor([0, 1, 2, 0, 1, 2, 3]), torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    q_valid = torch.tensor([True, True, True, False, True, True, True])
+    k_valid = torch.tensor([True, True, True, True, True, False, True])
+    for causal, window in ((True, (-1, 0)), (True, (1, 0)), (False, (1, 1)), (False, (-1, -1))):
+        pm = cp.PositionMask(q_pos, q_sid, k_pos, k_sid, causal, window, q_valid, k_valid)
+        whole = torch.cat([pm.rows(a, min(a + 3, 7)) for a in range(0, 7, 3)])
+        want = torch.zeros(7, 7, dtype=torch.bool)
+        for i in range(7):
+            for j in range(7):
+                d = int(k_pos[j]) - int(q_pos[i])
+                ok = bool(q_sid[i] == k_sid[j] and q_valid[i] and k_valid[j])
+                ok = ok and (d <= 0 if causal else (window[1] == -1 or d <= window[1]))
+                want[i, j] = ok and (window[0] == -1 or -d <= window[0])
+        assert torch.equal(whole, want), (causal, window)
+        q, k, v = _inputs(b=1, s=7, seed=4)
+        a = cp.block_forward(q, k, v, 0.4, pm)
+        b = cp.block_forward(q, k, v, 0.4, want)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from .._comm_config import default_timeout
 from ..distributed import _all_gather_flat, _reduce_scatter_flat
 
-__all__ = ["COMM_TYPES", "ContextParallelTimeout", "CPConfig", "cp_config", "attention", "shard_sequence",
-           "shard_thd", "stats", "reset_stats", "block_forward", "block_backward"]
+__all__ = ["COMM_TYPES", "ContextParallelTimeout", "CPConfig", "PositionMask", "cp_config", "attention",
+           "shard_sequence", "shard_thd", "stats", "reset_stats", "block_forward", "block_backward"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 CP_MASK_TYPES = ("no_mask", "causal")
@@ -216,26 +216,40 @@ def _layout(ring_size, ring_rank, local_len, lens, device, actual=None):
     return out
 
 
-def _allowed(q_pos, q_sid, k_pos, k_sid, causal, window, q_valid=None, k_valid=None):
-    """[Sq, Skv] True where a query may see a key (None: everywhere)."""
-    allowed = None
+class PositionMask:
+    """A block's mask from where its tokens sit: query i may see key j when
+    both are tokens of the same sequence (`sid`, `valid`; None: one
+    sequence, no padding) and j's position is within i's causal diagonal and
+    window. Built a few query rows at a time (`rows`), never whole."""
+    __slots__ = ("q_pos", "q_sid", "q_valid", "k_pos", "k_sid", "k_valid", "causal", "window")
 
-    def both(a, m):
-        return m if a is None else a & m
+    def __init__(self, q_pos, q_sid, k_pos, k_sid, causal, window, q_valid=None, k_valid=None):
+        self.q_pos, self.q_sid, self.q_valid = q_pos, q_sid, q_valid
+        self.k_pos, self.k_sid, self.k_valid = k_pos, k_sid, k_valid
+        self.causal, self.window = causal, window
 
-    if q_sid is not None:
-        allowed = both(allowed, q_sid.view(-1, 1) == k_sid.view(1, -1))
-    if q_valid is not None:
-        allowed = both(allowed, q_valid.view(-1, 1) & k_valid.view(1, -1))
-    qp, kp = q_pos.view(-1, 1), k_pos.view(1, -1)
-    left, right = window
-    if causal:
-        allowed = both(allowed, kp <= qp)
-    elif right != -1:
-        allowed = both(allowed, kp <= qp + right)
-    if left != -1:
-        allowed = both(allowed, kp >= qp - left)
-    return allowed
+    def rows(self, a, z):
+        """[z - a, Skv] True where query rows a..z-1 may see a key."""
+        allowed = None
+
+        def both(m):
+            return m if allowed is None else allowed & m
+
+        if self.q_sid is not None:
+            allowed = both(self.q_sid[a:z].view(-1, 1) == self.k_sid.view(1, -1))
+        if self.q_valid is not None:
+            allowed = both(self.q_valid[a:z].view(-1, 1) & self.k_valid.view(1, -1))
+        qp, kp = self.q_pos[a:z].view(-1, 1), self.k_pos.view(1, -1)
+        left, right = self.window
+        if self.causal:
+            allowed = both(kp <= qp)
+        elif right != -1:
+            allowed = both(kp <= qp + right)
+        if left != -1:
+            allowed = both(kp >= qp - left)
+        if allowed is None:
+            allowed = torch.ones(z - a, kp.shape[1], dtype=torch.bool, device=kp.device)
+        return allowed
 
 
 # ---------------------------------------------------------------------------
@@ -256,11 +270,15 @@ def _scores(qt, kf, scale, allowed):
     return s
 
 
-def _dense(mask, sq, skv, device):
-    """A block's mask as a tensor [Sq, Skv] (True: attend), or None."""
-    if isinstance(mask, str):
-        return torch.ones(sq, skv, dtype=torch.bool, device=device).tril()
-    return mask
+def _mask_rows(mask, a, z, skv, device):
+    """Rows a..z-1 of a block's mask (True: attend), or None (no mask)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):  # CAUSAL: key j <= query i
+        return torch.arange(skv, device=device).view(1, -1) <= torch.arange(a, z, device=device).view(-1, 1)
+    if isinstance(mask, PositionMask):
+        return mask.rows(a, z)
+    return mask[a:z]
 
 
 def _fused(q, v, mask):
@@ -289,8 +307,8 @@ def _expand(t, g):
 def block_forward(q, k, v, scale, mask=None):
     """Attention of q [B, H, Sq, D] over k [B, Hk, Skv, D], v [B, Hk, Skv, Dv]
     (H a multiple of Hk: query head h uses key/value head h // (H / Hk)).
-    `mask`: None (every key), CAUSAL (square block, top-left causal) or a
-    bool tensor [Sq, Skv] (True: attend). Returns the output [B, H, Sq, Dv]
+    `mask`: None (every key), CAUSAL (square block, top-left causal), a
+    PositionMask, or a bool tensor [Sq, Skv] (True: attend). Returns the output [B, H, Sq, Dv]
     and the log-sum-exp of the scaled scores [B, H, Sq], both float32 (a row
     with no key: output 0, log-sum-exp -inf), and what block_backward needs
     of the kernel that ran. PyTorch's flash kernel where _fused says, else
@@ -308,13 +326,12 @@ def block_forward(q, k, v, scale, mask=None):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qc, kc, vc, 0.0, causal, scale=scale)
         return o.float(), lse.float(), ()
     _stats["math_blocks"] += 1
-    allowed = _dense(mask, sq, skv, q.device)
     qf = q.reshape(b, hk, g, sq, d).float()
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
     out = q.new_empty((b, hk, g, sq, dv), dtype=torch.float32)
     lse = q.new_empty((b, hk, g, sq), dtype=torch.float32)
     for a, z in _tiles(sq, b * h * skv):
-        s = _scores(qf[..., a:z, :], kf, scale, None if allowed is None else allowed[a:z])
+        s = _scores(qf[..., a:z, :], kf, scale, _mask_rows(mask, a, z, skv, q.device))
         m = torch.logsumexp(s, dim=-1)
         p = s.sub_(torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1)).exp_()
         out[..., a:z, :] = torch.matmul(p, vf)
@@ -345,7 +362,6 @@ def block_backward(dout, q, k, v, out, lse, delta, scale, mask=None, aux=None):
                 do, qc, kc, vc, oc, lc, 0.0, causal, scale=scale)
         return (gq.float(), gk.float().view(b, hk, g, skv, d).sum(2),
                 gv.float().view(b, hk, g, skv, dv_).sum(2))
-    allowed = _dense(mask, sq, skv, q.device)
     qf = q.reshape(b, hk, g, sq, d).float()
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
     do = dout.reshape(b, hk, g, sq, dv_).float()
@@ -355,7 +371,7 @@ def block_backward(dout, q, k, v, out, lse, delta, scale, mask=None, aux=None):
     dk = q.new_zeros((b, hk, skv, d), dtype=torch.float32)
     dv = q.new_zeros((b, hk, skv, dv_), dtype=torch.float32)
     for a, z in _tiles(sq, b * h * skv):
-        s = _scores(qf[..., a:z, :], kf, scale, None if allowed is None else allowed[a:z])
+        s = _scores(qf[..., a:z, :], kf, scale, _mask_rows(mask, a, z, skv, q.device))
         m = lse[..., a:z]
         p = s.sub_(torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1)).exp_()
         dot = do[..., a:z, :]
@@ -480,7 +496,7 @@ def _step_blocks(plan, step):
         return rows, cols, (CAUSAL if plan.causal and step == 0 else None)
     qv = None if mine.valid is None else mine.valid[rows]
     kv = None if theirs.valid is None else theirs.valid[cols]
-    return rows, cols, _allowed(qp, qs, kp, ks, plan.causal, plan.window, qv, kv)
+    return rows, cols, PositionMask(qp, qs, kp, ks, plan.causal, plan.window, qv, kv)
 
 
 def _cols(t, cols):
@@ -640,8 +656,8 @@ def _gathered_blocks(plan, device):
         k_pos = torch.cat([plan.layouts[j].pos for j in range(cfg.p2p_size)])
         k_sid = None if mine.sid is None else torch.cat([plan.layouts[j].sid for j in range(cfg.p2p_size)])
         k_valid = None if mine.valid is None else torch.cat([plan.layouts[j].valid for j in range(cfg.p2p_size)])
-        return [(slice(None), slice(None), _allowed(mine.pos, mine.sid, k_pos, k_sid, plan.causal, plan.window,
-                                                    mine.valid, k_valid))]
+        return [(slice(None), slice(None), PositionMask(mine.pos, mine.sid, k_pos, k_sid, plan.causal, plan.window,
+                                                        mine.valid, k_valid))]
     if not plan.causal:
         return [(slice(None), slice(None), None)]
     n, r = cfg.p2p_size, cfg.p2p_rank
