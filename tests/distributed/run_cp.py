@@ -8,7 +8,9 @@ a2a 1 x p2p 2 in turn), formats sbhd/bshd/thd, masks causal/no_mask,
 sliding windows, GQA, a value head size other than the query's, fp32, bf16
 and fp16, and thd with padding after each sequence. Then TransformerLayer
 (rotary embeddings at each shard's positions) and MultiheadAttention over
-padded thd against the same layers without context parallelism, the bad
+padded thd against the same layers without context parallelism, attention
+dropout (the same seed the same output; the backward the forward's
+derivative, against a central difference), the bad
 inputs that must raise, and a peer that never answers (the wait must time
 out naming it). Prints "PASS run_cp".
 
@@ -264,6 +266,50 @@ def multihead_thd_case(groups, dev):
     return errors
 
 
+def dropout_case(groups, dev, kind):
+    """Attention dropout under context parallelism: the same seed gives the
+    same output, the output is not the one without dropout, and the
+    backward is the forward's derivative (the masks it redraws are the
+    forward's): the gradients' inner product with a random direction against
+    the central difference of the loss along it, summed over the group."""
+    size, rank = groups.world, groups.rank
+    errors = []
+    name = f"dropout {kind}"
+    m = tec.DotProductAttention(2 * size, 8, num_gqa_groups=size, qkv_format="sbhd", attention_dropout=0.3,
+                                cp_group=groups.all, cp_global_ranks=list(range(size)), cp_comm_type=kind)
+    gen = torch.Generator().manual_seed(21)
+    S, B = 4 * size, 2
+    full = [torch.randn(S, B, h, 8, generator=gen) for h in (2 * size, size, size)]
+    w_full = torch.randn(S, B, 2 * size * 8, generator=gen)
+    u_full = [torch.randn(t.shape, generator=gen) for t in full]
+    q, k, v, w, *u = (cp.shard_sequence(t, 0, size, rank).to(dev) for t in (*full, w_full, *u_full))
+
+    def loss(shift=0.0, grad=False):
+        torch.manual_seed(99)
+        args = [(t + shift * d).requires_grad_(grad) for t, d in zip((q, k, v), u)]
+        val = (m(*args) * w).sum()
+        return val, args
+
+    base, args = loss(grad=True)
+    base.backward()
+    again, _ = loss()
+    if not torch.equal(base.detach(), again.detach()):
+        errors.append(f"{name}: the same seed gave another output")
+    m.eval()
+    plain = (m(q, k, v) * w).sum()
+    m.train()
+    if abs(plain.item() - base.item()) < 1e-3 * abs(plain.item()):
+        errors.append(f"{name}: the output is the one without dropout ({base.item()} vs {plain.item()})")
+    eps = 1e-2
+    sums = torch.tensor([sum((a.grad * d).sum().item() for a, d in zip(args, u)),
+                         (loss(eps)[0].item() - loss(-eps)[0].item()) / (2 * eps)], dtype=torch.float64)
+    dist.all_reduce(sums, group=groups.all)
+    analytic, numeric = sums.tolist()
+    if abs(analytic - numeric) > 2e-3 * max(abs(numeric), 1.0):
+        errors.append(f"{name}: gradient along a direction {analytic:.6f}, central difference {numeric:.6f}")
+    return errors
+
+
 def expect_error(errors, what, exc, needle, fn):
     try:
         fn()
@@ -312,8 +358,6 @@ def bad_inputs(groups, dev):
     heads3 = dpa(3, 8, cp_group=g, cp_global_ranks=ranks, cp_comm_type="a2a", qkv_format="bshd")
     x3 = torch.randn(1, 4, 3, 8, device=dev)
     expect_error(errors, "a2a heads", ValueError, "must each divide", lambda: heads3(x3, x3, x3))
-    drop = dpa(4, 8, cp_group=g, cp_global_ranks=ranks, qkv_format="bshd", attention_dropout=0.1)
-    expect_error(errors, "dropout", NotImplementedError, "attention_dropout", lambda: drop(x, x, x))
     return errors
 
 
@@ -361,6 +405,8 @@ def main():
         for kind in ("p2p", "all_gather", "a2a"):
             errors += transformer_layer_case(groups, dev, kind)
         errors += multihead_thd_case(groups, dev)
+        for kind in ("p2p", "all_gather", "a2a"):
+            errors += dropout_case(groups, dev, kind)
         errors += bad_inputs(groups, dev)
         if not all(seen[k] for k in ("p2p_overlapped", "all_gather", "a2a", "fused_blocks", "math_blocks")):
             errors.append(f"a path did not run: {seen}")

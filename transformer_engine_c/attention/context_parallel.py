@@ -304,19 +304,35 @@ def _expand(t, g):
     return t.unsqueeze(2).expand(b, hk, g, s, d).reshape(b, hk * g, s, d)
 
 
-def block_forward(q, k, v, scale, mask=None):
+def _keep(shape, dropout, a, device):
+    """The kept elements (scaled by 1 / (1 - p)) of the dropout of a tile whose
+    first row is `a`, or None without dropout: dropout = (p, the block's
+    seed); the same arguments give the same draw, so the backward redraws
+    what the forward drew."""
+    if dropout is None:
+        return None
+    p, seed = dropout
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1000003 + a) % (1 << 63))
+    keep = torch.rand(shape, generator=gen, device=device) >= p
+    return keep.to(torch.float32).div_(1.0 - p)
+
+
+def block_forward(q, k, v, scale, mask=None, dropout=None):
     """Attention of q [B, H, Sq, D] over k [B, Hk, Skv, D], v [B, Hk, Skv, Dv]
     (H a multiple of Hk: query head h uses key/value head h // (H / Hk)).
     `mask`: None (every key), CAUSAL (square block, top-left causal), a
     PositionMask, or a bool tensor [Sq, Skv] (True: attend). Returns the output [B, H, Sq, Dv]
     and the log-sum-exp of the scaled scores [B, H, Sq], both float32 (a row
     with no key: output 0, log-sum-exp -inf), and what block_backward needs
-    of the kernel that ran. PyTorch's flash kernel where _fused says, else
-    float32 arithmetic over row tiles."""
+    of the kernel that ran. `dropout`: None, or (p, seed) to drop each
+    probability with chance p (the log-sum-exp is that of the probabilities
+    before dropout, so blocks merge as without it). PyTorch's flash kernel
+    where _fused says (no dropout), else float32 arithmetic over row tiles."""
     b, h, sq, d = q.shape
     hk, skv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hk
-    if _fused(q, v, mask):
+    if dropout is None and _fused(q, v, mask):
         _stats["fused_blocks"] += 1
         qc, kc, vc = q.contiguous(), _expand(k, g).contiguous(), _expand(v, g).contiguous()
         causal = mask is not None
@@ -334,17 +350,18 @@ def block_forward(q, k, v, scale, mask=None):
         s = _scores(qf[..., a:z, :], kf, scale, _mask_rows(mask, a, z, skv, q.device))
         m = torch.logsumexp(s, dim=-1)
         p = s.sub_(torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1)).exp_()
-        out[..., a:z, :] = torch.matmul(p, vf)
+        keep = _keep(p.shape, dropout, a, q.device)
+        out[..., a:z, :] = torch.matmul(p if keep is None else p * keep, vf)
         lse[..., a:z] = m
     return out.view(b, h, sq, dv), lse.view(b, h, sq), None
 
 
-def block_backward(dout, q, k, v, out, lse, delta, scale, mask=None, aux=None):
+def block_backward(dout, q, k, v, out, lse, delta, scale, mask=None, aux=None, dropout=None):
     """Gradients of block_forward's inputs given the whole row's output
     gradient dout [B, H, Sq, Dv], output `out` (in q's dtype), log-sum-exp
     lse [B, H, Sq] and delta = rowsum(dout * out) [B, H, Sq] (the merged
     ones: the block's share of the whole attention); `aux` is what
-    block_forward returned third. Returns float32 dq [B, H, Sq, D],
+    block_forward returned third, `dropout` what it was given. Returns float32 dq [B, H, Sq, D],
     dk [B, Hk, Skv, D], dv [B, Hk, Skv, Dv]."""
     b, h, sq, d = q.shape
     hk, skv, dv_ = k.shape[1], k.shape[2], v.shape[-1]
@@ -375,8 +392,12 @@ def block_backward(dout, q, k, v, out, lse, delta, scale, mask=None, aux=None):
         m = lse[..., a:z]
         p = s.sub_(torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1)).exp_()
         dot = do[..., a:z, :]
-        dv += torch.matmul(p.transpose(-1, -2), dot).sum(2)
-        ds = torch.matmul(dot, vf.transpose(-1, -2)).sub_(delta[..., a:z].unsqueeze(-1)).mul_(p)
+        keep = _keep(p.shape, dropout, a, q.device)
+        dv += torch.matmul((p if keep is None else p * keep).transpose(-1, -2), dot).sum(2)
+        dp = torch.matmul(dot, vf.transpose(-1, -2))
+        if keep is not None:
+            dp.mul_(keep)
+        ds = dp.sub_(delta[..., a:z].unsqueeze(-1)).mul_(p)
         dq[..., a:z, :] = torch.matmul(ds, kf).mul_(scale)
         dk += torch.matmul(ds.transpose(-1, -2), qf[..., a:z, :]).sum(2).mul_(scale)
     return dq.view(b, h, sq, d), dk, dv
@@ -472,7 +493,14 @@ def _unpack(flat, shapes):
 
 class _Plan:
     """What one context-parallel attention call needs beyond its tensors."""
-    __slots__ = ("cfg", "causal", "window", "scale", "lens", "layouts")
+    __slots__ = ("cfg", "causal", "window", "scale", "lens", "layouts", "dropout_p", "seed")
+
+    def dropout(self, block):
+        """block_forward's `dropout` for block number `block` of this rank's
+        call (a seed of its own per rank and block), or None."""
+        if not self.dropout_p:
+            return None
+        return self.dropout_p, ((self.seed * 31 + self.cfg.rank) * 1000003 + block) % (1 << 62)
 
 
 def _step_blocks(plan, step):
@@ -532,7 +560,8 @@ class _RingAttention(torch.autograd.Function):
                 ex = _Exchange(cfg, kv, torch.empty_like(kv), "forward key/value", step, tag=0)
                 _overlap(ex)
             rows, cols, mask = _step_blocks(plan, step)
-            o, m, aux = block_forward(q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols), plan.scale, mask)
+            o, m, aux = block_forward(q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols), plan.scale, mask,
+                                      plan.dropout(step))
             auxes.append(aux)
             out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, m)
             _stats["p2p_steps"] += 1
@@ -565,7 +594,7 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, mask = _step_blocks(plan, step)
             gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols),
                                         out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask,
-                                        ctx.auxes[step])
+                                        ctx.auxes[step], plan.dropout(step))
             dq[:, :, rows] += gq
             dk_step = torch.zeros(cur_k.shape, dtype=torch.float32, device=q.device)
             dv_step = torch.zeros(cur_v.shape, dtype=torch.float32, device=q.device)
@@ -608,8 +637,9 @@ class _GatheredAttention(torch.autograd.Function):
         out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
         auxes = []
-        for rows, cols, mask in _gathered_blocks(plan, q.device):
-            o, m, aux = block_forward(q[:, :, rows], _cols(k_all, cols), _cols(v_all, cols), plan.scale, mask)
+        for i, (rows, cols, mask) in enumerate(_gathered_blocks(plan, q.device)):
+            o, m, aux = block_forward(q[:, :, rows], _cols(k_all, cols), _cols(v_all, cols), plan.scale, mask,
+                                      plan.dropout(i))
             out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, m)
             auxes.append(aux)
         result = out.to(q.dtype)
@@ -630,9 +660,10 @@ class _GatheredAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk_all = torch.zeros_like(k_all, dtype=torch.float32)
         dv_all = torch.zeros_like(v_all, dtype=torch.float32)
-        for (rows, cols, mask), aux in zip(_gathered_blocks(plan, q.device), ctx.auxes):
+        for i, ((rows, cols, mask), aux) in enumerate(zip(_gathered_blocks(plan, q.device), ctx.auxes)):
             gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], _cols(k_all, cols), _cols(v_all, cols),
-                                        out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask, aux)
+                                        out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask, aux,
+                                        plan.dropout(i))
             dq[:, :, rows] += gq
             if isinstance(cols, slice):
                 dk_all[:, :, cols] += gk
@@ -802,7 +833,9 @@ def _fail(what):
 def attention(q, k, v, cfg, fmt, mask_type, window, scale, cu_q, cu_kv, cu_q_pad, cu_kv_pad, bias, dropout_p):
     """DotProductAttention's forward over this rank's shards q, k, v (in
     `fmt`; thd: cu_seqlens of the whole sequences). Returns what the
-    attention over the whole sequence returns for this rank's tokens."""
+    attention over the whole sequence returns for this rank's tokens (with
+    dropout_p > 0, with dropout masks of its own: each block's drawn from a
+    seed taken from the device's generator)."""
     kind = cfg.comm_type
     if fmt == "thd" and mask_type in ("padding", "padding_causal"):
         mask_type = "causal" if mask_type == "padding_causal" else "no_mask"  # thd is padded by cu_seqlens
@@ -811,8 +844,6 @@ def attention(q, k, v, cfg, fmt, mask_type, window, scale, cu_q, cu_kv, cu_q_pad
               f"{CP_MASK_TYPES}, and with thd padding / padding_causal)")
     if bias is not None:
         _fail("core_attention_bias is not supported")
-    if dropout_p > 0:
-        _fail(f"attention_dropout ({dropout_p}) in training is not supported")
     if fmt == "thd" and kind in ("a2a", "a2a+p2p"):
         _fail(f"qkv_format='thd' is not supported with cp_comm_type={kind!r} (use 'p2p' or 'all_gather')")
     lens = actual = None
@@ -837,6 +868,9 @@ def attention(q, k, v, cfg, fmt, mask_type, window, scale, cu_q, cu_kv, cu_q_pad
                          f"key/value heads must each divide by the a2a group's size {cfg.a2a_size}")
     plan = _Plan()
     plan.cfg, plan.causal, plan.window, plan.scale, plan.lens = cfg, mask_type == "causal", window, scale, lens
+    # dropout: a seed from the device's generator (under the RNG tracker's fork, as DotProductAttention draws)
+    plan.dropout_p = float(dropout_p)
+    plan.seed = int(torch.randint(0, 1 << 62, (1,), device=q.device)) if dropout_p > 0 else 0
     if cfg.a2a_size > 1:
         q4, k4, v4 = (_HeadsToSequence.apply(t.contiguous(), cfg) for t in (q4, k4, v4))
     local_len = q4.shape[2]

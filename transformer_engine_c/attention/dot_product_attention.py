@@ -311,10 +311,10 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
 
     def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, br):
         p = self.attention_dropout if self.training else 0.0
-        if self._cp is not None:
-            return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale, cu_q,
-                                              cu_kv, cu_q_pad, cu_kv_pad, bias, p)
         with self._dropout_ctx():
+            if self._cp is not None:
+                return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale,
+                                                  cu_q, cu_kv, cu_q_pad, cu_kv_pad, bias, p)
             if fmt == "thd":
                 return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
             if fmt == "sbhd":
