@@ -12,7 +12,8 @@ tensor parallelism) on every rank, same weights and tokens:
      across the ranks.
 Each rank holds chunks r and 2cp-1-r of the sequence (Megatron's
 get_batch_on_this_cp_rank). --corrupt NAME scales that parameter's
-gradient by 1.001 before the comparison (the checker's negative test).
+gradient by 1.001 before the comparison (the run must then fail); every
+run also checks that the comparison reports a gradient scaled so.
 On CUDA (--device cuda: a GPU per rank, or TEC_SHARE_GPU=2) Megatron gives
 the attention its cp_stream.
   torchrun --nproc_per_node=2 tests/distributed/run_megatron_cp.py [--cp-comm-types p2p,all_gather,a2a]
@@ -52,6 +53,18 @@ def local_loss(model, tokens, labels, cp, rank):
         tokens, labels, pos = (shard_sequence(t, 1, cp, rank) for t in (tokens, labels, pos))
     per_token = model(input_ids=tokens, position_ids=pos, attention_mask=None, labels=labels)
     return per_token.float().sum() / (mg.BATCH * mg.SEQ)
+
+
+def compare_grads(grads, ref_grads, what):
+    """(errors, (largest relative error, its parameter)) of gradients
+    against the CP=1 model's."""
+    errors, worst = [], (0.0, None)
+    for n, g in grads.items():
+        e = rel_err(g, ref_grads[n])
+        worst = max(worst, (e, n), key=lambda t: t[0])
+        if e > mg.TOL:
+            errors.append(f"{what}: {n} gradient relative error {e:.3g} > {mg.TOL} against CP=1")
+    return errors, worst
 
 
 def main():
@@ -100,16 +113,21 @@ def main():
         dist.all_reduce(total, group=cp_group)
         if abs(total.item() - ref_loss.item()) > 1e-5 * abs(ref_loss.item()):
             errors.append(f"{kind}: loss {total.item():.7f} vs {ref_loss.item():.7f} at CP=1")
-        worst = (0.0, None)
+        grads = {}
         for n, p in model.named_parameters():
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=cp_group)
-            if args.corrupt == n:
-                g.mul_(1.001)
-            e = rel_err(g, ref_grads[n])
-            worst = max(worst, (e, n), key=lambda t: t[0])
-            if e > mg.TOL:
-                errors.append(f"{kind}: {n} gradient relative error {e:.3g} > {mg.TOL} against CP=1")
+            grads[n] = p.grad.detach().clone()
+            dist.all_reduce(grads[n], group=cp_group)
+        if args.corrupt in grads:
+            grads[args.corrupt].mul_(1.001)
+        found, worst = compare_grads(grads, ref_grads, kind)
+        errors += found
+        if kind == kinds[0]:  # the comparison's negative test: a gradient 0.1% off must be reported
+            name = "decoder.layers.1.self_attention.linear_qkv.weight"
+            off = dict(grads, **{name: grads[name] * 1.001})
+            if not any(name in e for e in compare_grads(off, ref_grads, kind)[0]):
+                errors.append(f"the comparison did not report {name} scaled by 1.001")
+            elif rank == 0:
+                print(f"negative check: {name} scaled by 1.001 is reported", flush=True)
         if rank == 0:
             print(f"CP={cp} TP={tp} {kind}: loss {total.item():.6f} (CP=1 {ref_loss.item():.6f}); {len(ref_grads)} "
                   f"gradients, largest relative error {worst[0]:.3g} ({worst[1]}); paths {stats()}", flush=True)

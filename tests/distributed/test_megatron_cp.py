@@ -7,7 +7,7 @@ Skipped only when megatron-core is not installed."""
 import importlib.util
 
 import pytest
-from launch import gpu_count, run_torchrun, torchrun
+from launch import gpu_count, run_torchrun
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                     or importlib.util.find_spec("megatron.core") is None,
@@ -20,6 +20,8 @@ def test_megatron_gpt_cp2_matches_cp1():
                        pass_line="PASS run_megatron_cp (CP=2, TP=1, p2p,all_gather,a2a, cpu)")
     for kind in ("p2p", "all_gather", "a2a"):
         assert f"CP=2 TP=1 {kind}: loss" in out and "29 gradients" in out, out[-3000:]
+    # the comparison's negative test (in the same run): a gradient scaled by 1.001 is reported
+    assert "negative check: decoder.layers.1.self_attention.linear_qkv.weight scaled by 1.001 is reported" in out
 
 
 @needs_megatron
@@ -30,15 +32,6 @@ def test_megatron_gpt_tp2_cp2_matches_cp1():
     out = run_torchrun("run_megatron_cp.py", 4, ["--tp", "2", "--cp-comm-types", "p2p,all_gather", "--steps", "2"],
                        timeout=600, pass_line="PASS run_megatron_cp (CP=2, TP=2, p2p,all_gather, cpu)")
     assert "CP=2 TP=2 p2p: loss" in out and "CP=2 TP=2 all_gather: loss" in out, out[-3000:]
-
-
-@needs_megatron
-def test_megatron_cp_checker_catches_a_wrong_gradient():
-    name = "decoder.layers.1.self_attention.linear_qkv.weight"
-    proc = torchrun("run_megatron_cp.py", 2, ["--corrupt", name, "--cp-comm-types", "p2p", "--steps", "1"],
-                    timeout=600)
-    assert proc.returncode != 0, proc.stdout[-3000:]
-    assert f"p2p: {name} gradient relative error" in proc.stdout, proc.stdout[-3000:]
 
 
 @needs_megatron
