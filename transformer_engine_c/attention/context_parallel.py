@@ -2,7 +2,9 @@
 group of ranks the way TransformerEngine and Megatron-Core split it (2 x cp
 chunks, rank r holding chunks r and 2cp-1-r), attention computed against the
 other ranks' keys and values. Exercised by tests/distributed/run_cp.py
-(launched from tests/distributed/test_cp.py) and tests/test_cp_kernel.py.
+(launched from tests/distributed/test_cp.py), run_megatron_cp.py
+(Megatron-Core's GPT), tests/test_cp_kernel.py; timed by
+`python -m transformer_engine_c.bench --cp`.
 
 cp_comm_type:
   * "p2p": a ring of cp steps; each step attends the local queries to the
@@ -22,8 +24,10 @@ cp_comm_type:
     cp_group[1]; the group's rank is p2p_rank * a2a_size + a2a_rank.
 
 Masks are computed from each token's position in its whole sequence (and,
-for thd, its sequence), so causal masks and sliding windows mean what they
-mean without context parallelism. Every wait on a peer has a timeout
+for thd, its sequence and whether it is padding), so causal masks, sliding
+windows and thd padding mean what they mean without context parallelism.
+Attention dropout draws each block's mask from a seeded generator and
+redraws it in backward. Every wait on a peer has a timeout
 (TEC_COMM_TIMEOUT, 60 s) and raises ContextParallelTimeout naming the peer
 and the step.
 
