@@ -170,6 +170,7 @@ def attention_cases(world):
                     window = (3, 0) if mask == "causal" else (3, 2)
                 yield kind, fmt, mask, dtypes[i % len(dtypes)], h, hk, d, dv, window
                 i += 1
+    yield "p2p", "bshd", "causal_bottom_right", "fp32", 4, 2, 8, 8, None  # the same diagonal here
     for dtype in dtypes:  # every dtype on the ring's causal sbhd, recomputed in backward
         yield "p2p", "sbhd", "causal", dtype, 4, 2, 8, 8, None, True
 
@@ -179,6 +180,7 @@ def padded_thd_cases():
     yield "p2p", "thd", "padding_causal", "fp32", 4, 2, 8, 12, None
     yield "p2p", "thd", "padding", "bf16", 4, 2, 8, 8, (2, 1)
     yield "all_gather", "thd", "padding_causal", "fp32", 4, 1, 8, 8, None
+    yield "p2p", "thd", "padding_causal_bottom_right", "fp32", 4, 2, 8, 8, None
 
 
 def transformer_layer_case(groups, dev, kind):
@@ -342,7 +344,7 @@ def bad_inputs(groups, dev):
     x = torch.randn(1, 3, 4, 8, device=dev)
     expect_error(errors, "odd local sequence", ValueError, "must be two equal chunks", lambda: m(x, x, x))
     x = torch.randn(1, 4, 4, 8, device=dev)
-    for mt in ("padding_causal", "arbitrary", "causal_bottom_right"):
+    for mt in ("padding_causal", "arbitrary", "padding"):
         expect_error(errors, f"mask {mt}", NotImplementedError, f"attn_mask_type={mt!r}",
                      lambda: m(x, x, x, attn_mask_type=mt,
                                attention_mask=torch.zeros(1, 1, 1, 4, dtype=torch.bool, device=dev)))

@@ -10,7 +10,7 @@ from launch import gpu_count, run_torchrun, torchrun
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_cp_cpu(nproc):
     out = run_torchrun("run_cp.py", nproc, ["--device", "cpu"], pass_line=f"PASS run_cp (CP={nproc}, cpu)")
-    assert "compared 26 attention configurations" in out, out[-3000:]
+    assert "compared 28 attention configurations" in out, out[-3000:]
 
 
 def test_cp_checker_catches_a_wrong_layout():

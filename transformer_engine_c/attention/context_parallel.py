@@ -841,11 +841,13 @@ def attention(q, k, v, cfg, fmt, mask_type, window, scale, cu_q, cu_kv, cu_q_pad
     dropout_p > 0, with dropout masks of its own: each block's drawn from a
     seed taken from the device's generator)."""
     kind = cfg.comm_type
-    if fmt == "thd" and mask_type in ("padding", "padding_causal"):
-        mask_type = "causal" if mask_type == "padding_causal" else "no_mask"  # thd is padded by cu_seqlens
+    if fmt == "thd" and mask_type.startswith("padding"):  # thd is padded by cu_seqlens
+        mask_type = mask_type.replace("padding_", "").replace("padding", "no_mask")
+    if mask_type == "causal_bottom_right":
+        mask_type = "causal"  # queries and keys have the same lengths here: the diagonals coincide
     if mask_type not in CP_MASK_TYPES:
         _fail(f"attn_mask_type={mask_type!r} is not supported with cp_comm_type={kind!r} (supported: "
-              f"{CP_MASK_TYPES}, and with thd padding / padding_causal)")
+              f"{CP_MASK_TYPES}, causal_bottom_right, and with thd the padding types)")
     if bias is not None:
         _fail("core_attention_bias is not supported")
     if fmt == "thd" and kind in ("a2a", "a2a+p2p"):
