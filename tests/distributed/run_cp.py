@@ -6,7 +6,8 @@ sequence on one rank (float64, from the same inputs). Configurations: every
 cp_comm_type (a2a+p2p as 2 x 2 at four ranks; at two as a2a 2 x p2p 1 and
 a2a 1 x p2p 2 in turn), formats sbhd/bshd/thd, masks causal/no_mask,
 sliding windows, GQA, a value head size other than the query's, fp32, bf16
-and fp16, and thd with padding after each sequence. Then TransformerLayer
+and fp16, and thd with padding after each sequence (on CUDA the bshd and
+thd ones exchange on a cp_stream). Then TransformerLayer
 (rotary embeddings at each shard's positions) and MultiheadAttention over
 padded thd against the same layers without context parallelism, attention
 dropout (the same seed the same output; the backward the forward's
@@ -128,8 +129,9 @@ def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d
     ref.backward(dout.to(dev, torch.float64))
 
     cp_group, cp_ranks = groups.args(kind, a2a)
+    stream = torch.cuda.Stream() if dev.type == "cuda" and fmt != "sbhd" else None  # both ways on CUDA
     mod = tec.DotProductAttention(heads, (d, dv), num_gqa_groups=groups_kv, cp_group=cp_group,
-                                  cp_global_ranks=cp_ranks, cp_comm_type=kind, **kw)
+                                  cp_global_ranks=cp_ranks, cp_stream=stream, cp_comm_type=kind, **kw)
     parts = [shard(t, fmt, cu, size, rank, broken) for t in (q, k, v, dout)]
     ql, kl, vl = (t.to(dev).requires_grad_() for t in parts[:3])
     out = mod(ql, kl, vl, checkpoint_core_attention=checkpoint, **fkw)
