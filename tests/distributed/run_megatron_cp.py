@@ -6,7 +6,8 @@ tensor parallelism) on every rank, same weights and tokens:
   1. one step, for each cp_comm_type asked: the loss (each rank's tokens, summed over the group) and
      every parameter gradient (summed over the group, as Megatron's DDP
      sums them over the data- and context-parallel ranks) equal the CP=1
-     model's over the whole sequence;
+     model's over the whole sequence; with --packed also for packed
+     sequences (thd, Megatron's PackedSeqParams) with the first comm type;
   2. training with Megatron's DDP and optimizer (the first comm type): the first step's main_grads
      equal the CP=1 gradients, the loss falls, and the parameters stay equal
      across the ranks.
@@ -17,9 +18,10 @@ run also checks that the comparison reports a gradient scaled so.
 On CUDA (--device cuda: a GPU per rank, or TEC_SHARE_GPU=2) Megatron gives
 the attention its cp_stream.
   torchrun --nproc_per_node=2 tests/distributed/run_megatron_cp.py [--cp-comm-types p2p,all_gather,a2a]
-      [--device cuda] [--tp 2 (at 4 ranks)]"""
+      [--device cuda] [--tp 2 (at 4 ranks)] [--packed]"""
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -33,7 +35,9 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_gpt as mg  # noqa: E402
 from common import rel_err, setup  # noqa: E402
-from transformer_engine_c.attention.context_parallel import reset_stats, shard_sequence, stats  # noqa: E402
+from transformer_engine_c.attention.context_parallel import reset_stats, shard_sequence, shard_thd, stats  # noqa: E402
+
+PACKED = (4, 8)  # packed sequence lengths (thd): multiples of 2 x cp at cp <= 2, within the position table
 
 
 def build(tp, cp, dev, comm_type, grad_acc_fusion=False):
@@ -55,6 +59,24 @@ def local_loss(model, tokens, labels, cp, rank):
     return per_token.float().sum() / (mg.BATCH * mg.SEQ)
 
 
+def packed_loss(model, tokens, labels, cp, rank):
+    """This rank's share of the mean per-token loss over packed sequences
+    (thd: the batch's rows laid end to end, lengths PACKED): each sequence
+    cut into 2 x cp chunks as TE cuts it, positions counted within each."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = torch.tensor([0, *itertools.accumulate(PACKED)], dtype=torch.int32)
+    flat_tokens, flat_labels = tokens.reshape(-1)[:cu[-1]], labels.reshape(-1)[:cu[-1]]
+    pos = torch.cat([torch.arange(n) for n in PACKED]).to(tokens.device)
+    if cp > 1:
+        flat_tokens, flat_labels, pos = (shard_thd(t, cu, cp, rank) for t in (flat_tokens, flat_labels, pos))
+    cu_dev = cu.to(tokens.device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev, cu_seqlens_q_padded=cu_dev,
+                             cu_seqlens_kv_padded=cu_dev, max_seqlen_q=max(PACKED), max_seqlen_kv=max(PACKED))
+    per_token = model(input_ids=flat_tokens.unsqueeze(0), position_ids=pos.unsqueeze(0), attention_mask=None,
+                      labels=flat_labels.unsqueeze(0), packed_seq_params=params)
+    return per_token.float().sum() / int(cu[-1])
+
+
 def compare_grads(grads, ref_grads, what):
     """(errors, (largest relative error, its parameter)) of gradients
     against the CP=1 model's."""
@@ -71,6 +93,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp-comm-types", default="p2p,all_gather,a2a")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--packed", action="store_true", help="also packed sequences (thd, PackedSeqParams)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with sequence parallelism); "
                     "context-parallel size = world size / tp")
     ap.add_argument("--steps", type=int, default=3)
@@ -131,6 +154,35 @@ def main():
         if rank == 0:
             print(f"CP={cp} TP={tp} {kind}: loss {total.item():.6f} (CP=1 {ref_loss.item():.6f}); {len(ref_grads)} "
                   f"gradients, largest relative error {worst[0]:.3g} ({worst[1]}); paths {stats()}", flush=True)
+        del model
+
+    # 1b. packed sequences (thd) through Megatron's PackedSeqParams, against CP=1
+    if args.packed:
+        for n, p in whole.named_parameters():
+            p.grad = None
+        ref = packed_loss(whole, tokens, labels, 1, crank)
+        ref.backward()
+        mg.reduce_sequence_parallel_grads(whole, tp_group)
+        ref_packed = {n: p.grad.detach().clone() for n, p in whole.named_parameters()}
+        model = build(tp, cp, dev, kinds[0])
+        model.load_state_dict(state, strict=False)
+        reset_stats()
+        loss = packed_loss(model, tokens, labels, cp, crank)
+        loss.backward()
+        mg.reduce_sequence_parallel_grads(model, tp_group)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=cp_group)
+        if abs(total.item() - ref.item()) > 1e-5 * abs(ref.item()):
+            errors.append(f"packed {kinds[0]}: loss {total.item():.7f} vs {ref.item():.7f} at CP=1")
+        grads = {}
+        for n, p in model.named_parameters():
+            grads[n] = p.grad.detach().clone()
+            dist.all_reduce(grads[n], group=cp_group)
+        found, worst = compare_grads(grads, ref_packed, f"packed {kinds[0]}")
+        errors += found
+        if rank == 0:
+            print(f"packed CP={cp} TP={tp} {kinds[0]}: loss {total.item():.6f} (CP=1 {ref.item():.6f}); largest "
+                  f"relative error {worst[0]:.3g} ({worst[1]}); paths {stats()}", flush=True)
         del model
 
     # 2. Megatron's DDP + optimizer over the context-parallel ranks

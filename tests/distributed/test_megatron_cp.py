@@ -1,7 +1,8 @@
 """Megatron-Core's GPT model at context_parallel_size=2 through the
 `transformer_engine` alias (run_megatron_cp.py): a step's loss and
 gradients equal the same model's at context_parallel_size=1 for the p2p,
-all_gather and a2a comm types, and Megatron's DDP and optimizer train it;
+all_gather and a2a comm types and for packed sequences (thd), and
+Megatron's DDP and optimizer train it;
 at four ranks the same with tensor parallelism 2 inside.
 Skipped only when megatron-core is not installed."""
 import importlib.util
@@ -16,8 +17,9 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 @needs_megatron
 def test_megatron_gpt_cp2_matches_cp1():
-    out = run_torchrun("run_megatron_cp.py", 2, timeout=600,
+    out = run_torchrun("run_megatron_cp.py", 2, ["--packed"], timeout=600,
                        pass_line="PASS run_megatron_cp (CP=2, TP=1, p2p,all_gather,a2a, cpu)")
+    assert "packed CP=2 TP=1 p2p: loss" in out, out[-3000:]
     for kind in ("p2p", "all_gather", "a2a"):
         assert f"CP=2 TP=1 {kind}: loss" in out and "29 gradients" in out, out[-3000:]
     # the comparison's negative test (in the same run): a gradient scaled by 1.001 is reported
@@ -37,5 +39,5 @@ def test_megatron_gpt_tp2_cp2_matches_cp1():
 @needs_megatron
 @pytest.mark.skipif(gpu_count() < 2, reason="needs 2 CUDA ranks (GPUs, or TEC_SHARE_GPU=2)")
 def test_megatron_gpt_cp2_cuda():
-    run_torchrun("run_megatron_cp.py", 2, ["--device", "cuda"], timeout=600,
+    run_torchrun("run_megatron_cp.py", 2, ["--device", "cuda", "--packed"], timeout=600,
                  pass_line="PASS run_megatron_cp (CP=2, TP=1, p2p,all_gather,a2a, cuda)")
