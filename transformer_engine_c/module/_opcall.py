@@ -237,9 +237,12 @@ def _owned(layer, outs, saved):
     (LayerNormLinear's normalised output is also saved)."""
     res = []
     taken = {t.data_ptr() for t in saved}
+    d = layer.__dict__
+    buffers = [cfg for cfg in (d["ub"], d.get("ub2")) if cfg is not None and cfg.enabled]
     for t in outs:
-        t = t.reshape(-1, t.shape[-1])
-        for cfg in (layer.ub, getattr(layer, "ub2", layer.ub)):
+        if t.dim() != 2:
+            t = t.reshape(-1, t.shape[-1])
+        for cfg in buffers:
             t = outside_buffers(t, cfg)
         if not t.numel():
             # an empty tensor has no address to compare, but it may still be
