@@ -132,6 +132,57 @@ def test_parameters_split(device):
         tec.Linear(32, 24, parameters_split={"a": 8, "b": 8}, device=device)
 
 
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
+@pytest.mark.parametrize("return_bias", [False, True])
+def test_split_parameters_enter_the_function_one_by_one(kind, return_bias):
+    """Split parameters reach the GEMMs joined without a copy in autograd's
+    graph: the same output and each parameter's gradient as a layer of one
+    weight with their values, over steps with the parameters updated in
+    place (the joined view sees it), and after one is replaced by a tensor
+    elsewhere in memory (joined by a copy then); delay_wgrad_compute's
+    gradients land in each split parameter too."""
+    torch.manual_seed(0)
+    split = {"query_": 8, "key_": 8, "value_": 8}
+    m = getattr(tec, kind)(16, 24, parameters_split=split, return_bias=return_bias, device="cpu")
+    one = getattr(tec, kind)(16, 24, return_bias=return_bias, device="cpu")
+    names = ("query_", "key_", "value_")
+
+    def sync():
+        with torch.no_grad():
+            one.weight.copy_(torch.cat([getattr(m, n + "weight") for n in names]))
+            one.bias.copy_(torch.cat([getattr(m, n + "bias") for n in names]))
+    x, dy = torch.randn(6, 16), torch.randn(6, 24)
+    for step in range(3):
+        if step == 2:  # a replaced parameter no longer lies beside the others
+            m.key_weight = torch.nn.Parameter(m.key_weight.detach().clone() + 1.0)
+        sync()
+        for p in list(m.parameters()) + list(one.parameters()):
+            p.grad = None
+        outs = []
+        for layer in (m, one):
+            y = layer(x)
+            y, b = (y[0], y[1]) if return_bias else (y, None)
+            (y if b is None else y + b).backward(dy)
+            outs.append(y)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat([getattr(m, n + "weight").grad for n in names]), one.weight.grad)
+        torch.testing.assert_close(torch.cat([getattr(m, n + "bias").grad for n in names]), one.bias.grad)
+        with torch.no_grad():  # an optimizer step, in place
+            for n in names:
+                getattr(m, n + "weight").mul_(0.5).add_(0.25)
+        with torch.no_grad():
+            y_ng = m(x)
+        sync()
+        with torch.no_grad():
+            y_ref = one(x)
+        torch.testing.assert_close(y_ng[0] if return_bias else y_ng, y_ref[0] if return_bias else y_ref)
+    d = getattr(tec, kind)(16, 24, parameters_split=split, delay_wgrad_compute=True, device="cpu")
+    d(x).backward(dy)
+    assert d.query_weight.grad is None
+    d.backward_dw()
+    assert all(getattr(d, n + "weight").grad is not None for n in names)
+
+
 def test_save_original_input(device):
     m = _make("Linear", device, save_original_input=True)
     x = torch.randn(4, 2, 32, device=device, requires_grad=True)

@@ -39,6 +39,8 @@ from ._plan import PLAN_ATTRS, LinearPlan
 from ._weights import is_distributed_weight
 from ._wgrad import WeightGrads
 
+_Parameter = torch.nn.Parameter
+
 __all__ = ["initialize_ub", "get_ub", "destroy_ub", "UserBufferQuantizationMode", "TransformerEngineBaseModule"]
 
 
@@ -187,6 +189,29 @@ def _split_sizes(parameters_split, out_features):
         raise ValueError(f"parameters_split sizes {sizes} do not add up to out_features={out_features}")
     stems = [n.rstrip("_") for n in names]
     return [f"{s}_weight" for s in stems], [f"{s}_bias" for s in stems], sizes
+
+
+def _joined_view(parts):
+    """Split parameters (along dim 0) as one tensor outside autograd: a view
+    of their storage where they still lie there back to back (as they are
+    made), else None."""
+    p0 = parts[0]
+    rows, storage, end = 0, p0.untyped_storage().data_ptr(), p0.data_ptr()
+    for p in parts:
+        if (p.data_ptr() != end or not p.is_contiguous() or p.dtype is not p0.dtype
+                or p.untyped_storage().data_ptr() != storage):
+            return None
+        rows += p.shape[0]
+        end += p.nbytes
+    return p0.detach().as_strided((rows,) + tuple(p0.shape[1:]), p0.stride())
+
+
+def split_grads(g, sizes, count):
+    """The gradients of `count` split parameters (the rows `sizes` of g, or
+    None each without g)."""
+    if not count:
+        return ()
+    return (None,) * count if g is None else g.split_with_sizes(sizes)
 
 
 def _set_tp_attributes(t, is_parallel, dim):
@@ -427,6 +452,38 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         if len(self.weight_names) == 1:
             return self._parameters[self.weight_names[0]]
         return torch.cat(self._weight_params())
+
+    def _split_operands(self, with_bias):
+        """(weight, bias, parts) of a call with split parameters: the joined
+        weight and bias (outside autograd: _joined) and the parameters that
+        enter the layer's Function themselves, after its other arguments, so
+        that its backward hands each its rows of dW and db (split_grads): no
+        concatenation in autograd's graph, forward or backward. The bias
+        only `with_bias`; a quantized or distributed split weight is joined
+        by torch.cat as before (parts empty)."""
+        ws = self._weight_params()
+        if any(type(p) is not _Parameter for p in ws):
+            return self._weight_tensor(), self._bias_tensor() if with_bias else None, ()
+        if not with_bias:
+            return self._join(ws, "_joined_weight"), None, tuple(ws)
+        bs = [self._parameters[n] for n in self.bias_names]
+        return self._join(ws, "_joined_weight"), self._join(bs, "_joined_bias"), tuple(ws + bs)
+
+    def _join(self, parts, slot):
+        """The split parameters joined outside autograd: their view
+        (_joined_view), kept in the layer under `slot` while the parts are the
+        same memory (their addresses and shapes; the view holds their storage,
+        so no other tensor can take those addresses), or a copy made now
+        where they no longer lie back to back."""
+        key = tuple((p.data_ptr(), p.shape) for p in parts)
+        kept = self.__dict__.get(slot)
+        if kept is None or kept[0] != key:
+            view = _joined_view(parts)
+            if view is None:
+                self.__dict__[slot] = None
+                return torch.cat([p.detach() for p in parts])
+            kept = self.__dict__[slot] = (key, view)
+        return kept[1]
 
     def _bias_tensor(self):
         """The bias parameter (concatenated when split), or None without one."""
