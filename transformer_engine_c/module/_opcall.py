@@ -92,6 +92,15 @@ def _check_fp8(layer, call, fp8):
                            f"function's call, as when it was compiled{hint})")
 
 
+def _call_key(x, first_mb, plan):
+    """What a layer call's Call derives from besides the layer's parameters:
+    the input's memory, shape and dtype, the micro-batch flag and the plan.
+    A backward whose forward was the layer's last one (with this key) takes
+    that forward's Call, as an eager backward takes ctx.call, instead of
+    deriving it again."""
+    return x.data_ptr(), x.shape, x.dtype, first_mb, id(plan)
+
+
 def forward(layer, args, first_mb, grad, fp8):
     before = fresh_temporaries(True)
     try:
@@ -116,6 +125,8 @@ def _forward(layer, args, first_mb, grad, fp8):
     ctx = _Ctx()
     out = spec.fn.forward(ctx, *args, call)
     outs = out if isinstance(out, tuple) else (out,)
+    if not fp8:
+        layer.__dict__["_op_last_call"] = (_call_key(args[0], first_mb, plan), call)
     if fp8:
         key = next(_FP8_KEYS)
         _FP8_CTX[key] = ctx
@@ -177,7 +188,11 @@ def _backward(layer, args, new, grads, needs, first_mb, fp8):
         ctx.needs_input_grad = tuple(needs) + (False,)
         return _present(layer, spec.fn.backward(ctx, *grads), args, needs)
     plan = layer._plan or layer._make_plan()
-    call = spec.call(layer, plan, args, _first_mb(first_mb))
+    kept = layer.__dict__.get("_op_last_call")
+    if kept is not None and kept[0] == _call_key(args[0], first_mb, plan):
+        call = kept[1]  # the forward's, as an eager backward reads ctx.call
+    else:
+        call = spec.call(layer, plan, args, _first_mb(first_mb))
     _check_fp8(layer, call, False)
     ctx = _Ctx()
     it = iter(new)
