@@ -4,6 +4,7 @@ main_grad (and TE's grad_added_to_main_grad protocol), is_first_microbatch,
 delay_wgrad_compute + backward_dw, torch.autocast, parameters_split,
 save_original_input, the RNG tracker, TE's default initialisation and
 parameter attributes, DistributedWeight gathered once per step."""
+import copy
 import warnings
 
 import pytest
@@ -176,6 +177,10 @@ def test_split_parameters_enter_the_function_one_by_one(kind, return_bias):
         with torch.no_grad():
             y_ref = one(x)
         torch.testing.assert_close(y_ng[0] if return_bias else y_ng, y_ref[0] if return_bias else y_ref)
+    c = copy.deepcopy(m)  # a copy keeps no view of the original's parameters
+    assert "_joined_weight" not in c.__dict__ and "_joined_bias" not in c.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
     d = getattr(tec, kind)(16, 24, parameters_split=split, delay_wgrad_compute=True, device="cpu")
     d(x).backward(dy)
     assert d.query_weight.grad is None

@@ -522,7 +522,11 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
     # -- the operators torch.compile traces (module/_opcall.py) -------------
 
     def __setstate__(self, state):
-        # deepcopy and unpickling: the copy crosses into the operators under a key of its own
+        # deepcopy and unpickling: the copy crosses into the operators under a key of its own, and keeps
+        # nothing made for the original's calls (a Call holds the engine's workspace address; the joined
+        # views, the original's parameters)
+        for key in ("_op_last_call", "_joined_weight", "_joined_bias"):
+            state.pop(key, None)
         super().__setstate__(state)
         self.__dict__["_op_key"] = _library.register_layer(self)
 
