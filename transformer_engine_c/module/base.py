@@ -455,35 +455,40 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
 
     def _split_operands(self, with_bias):
         """(weight, bias, parts) of a call with split parameters: the joined
-        weight and bias (outside autograd: _joined) and the parameters that
-        enter the layer's Function themselves, after its other arguments, so
-        that its backward hands each its rows of dW and db (split_grads): no
-        concatenation in autograd's graph, forward or backward. The bias
-        only `with_bias`; a quantized or distributed split weight is joined
-        by torch.cat as before (parts empty)."""
-        ws = self._weight_params()
-        if any(type(p) is not _Parameter for p in ws):
-            return self._weight_tensor(), self._bias_tensor() if with_bias else None, ()
-        if not with_bias:
-            return self._join(ws, "_joined_weight"), None, tuple(ws)
-        bs = [self._parameters[n] for n in self.bias_names]
-        return self._join(ws, "_joined_weight"), self._join(bs, "_joined_bias"), tuple(ws + bs)
-
-    def _join(self, parts, slot):
-        """The split parameters joined outside autograd: their view
-        (_joined_view), kept in the layer under `slot` while the parts are the
-        same memory (their addresses and shapes; the view holds their storage,
-        so no other tensor can take those addresses), or a copy made now
-        where they no longer lie back to back."""
-        key = tuple((p.data_ptr(), p.shape) for p in parts)
-        kept = self.__dict__.get(slot)
-        if kept is None or kept[0] != key:
-            view = _joined_view(parts)
-            if view is None:
-                self.__dict__[slot] = None
-                return torch.cat([p.detach() for p in parts])
-            kept = self.__dict__[slot] = (key, view)
-        return kept[1]
+        weight and bias (outside autograd) and the parameters that enter the
+        layer's Function themselves, after its other arguments, so that its
+        backward hands each its rows of dW and db (split_grads): no
+        concatenation in autograd's graph, forward or backward. Joined are
+        views of the storage the parameters share (_joined_view), kept in the
+        layer while the parameters are the same objects over the same memory
+        (their addresses and shapes; the views hold that storage, so no other
+        tensor can take those addresses), or copies made per call where they
+        no longer lie back to back. The bias only `with_bias`; a quantized or distributed split
+        weight is joined by torch.cat as before (parts empty)."""
+        params = self._parameters
+        parts = [params[n] for n in self.weight_names]
+        nw = len(parts)
+        if with_bias:
+            parts += [params[n] for n in self.bias_names]
+        key = []
+        for p in parts:
+            if type(p) is not _Parameter:
+                return self._weight_tensor(), self._bias_tensor() if with_bias else None, ()
+            key += (id(p), p.data_ptr(), p.shape)  # the kept tuple holds p: no other object takes its id
+        kept = self.__dict__.get("_joined")
+        if kept is not None and kept[0] == key:
+            return kept[1], kept[2], kept[3]
+        w = _joined_view(parts[:nw])
+        b = _joined_view(parts[nw:]) if with_bias else None
+        parts = tuple(parts)
+        if w is None or with_bias and b is None:  # copies, made per call
+            self.__dict__["_joined"] = None
+            w = torch.cat([p.detach() for p in parts[:nw]]) if w is None else w
+            if with_bias and b is None:
+                b = torch.cat([p.detach() for p in parts[nw:]])
+            return w, b, parts
+        self.__dict__["_joined"] = (key, w, b, parts)
+        return w, b, parts
 
     def _bias_tensor(self):
         """The bias parameter (concatenated when split), or None without one."""
@@ -525,7 +530,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         # deepcopy and unpickling: the copy crosses into the operators under a key of its own, and keeps
         # nothing made for the original's calls (a Call holds the engine's workspace address; the joined
         # views, the original's parameters)
-        for key in ("_op_last_call", "_joined_weight", "_joined_bias"):
+        for key in ("_op_last_call", "_joined"):
             state.pop(key, None)
         super().__setstate__(state)
         self.__dict__["_op_key"] = _library.register_layer(self)
