@@ -554,14 +554,17 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         is part of the key a traced call holds, so a compiled graph that
         PyTorch's caches keep on disk is reused only for a layer of the same
         configuration (another process may give another layer the same
-        registry key)."""
-        tp, tp2 = self.tp, getattr(self, "tp2", self.tp)
-        return (f"{tp.mode},{tp.sp},{tp.size},{tp2.mode},{tp2.sp},{tp2.size},{getattr(self, 'in_local', 0)},"
-                f"{getattr(self, 'out_local', 0)},{getattr(self, 'hidden_size', 0)},"
-                f"{getattr(self, 'size_per_partition', 0)},{getattr(self, 'activation', '')},"
-                f"{getattr(self, 'normalization', '')},{getattr(self, 'checkpoint', False)},"
-                f"{getattr(self, 'return_layernorm_output', False)},"
-                f"{getattr(self, 'return_layernorm_output_gathered', False)}")
+        registry key). Read from __dict__: an attribute this kind of layer
+        does not have is then a dictionary miss, where getattr would go
+        through nn.Module.__getattr__ and its AttributeError, in each guard
+        check of a compiled graph that holds the key."""
+        d = self.__dict__
+        tp = d["tp"]
+        tp2 = d.get("tp2", tp)
+        return (f"{tp.mode},{tp.sp},{tp.size},{tp2.mode},{tp2.sp},{tp2.size},{d.get('in_local', 0)},"
+                f"{d.get('out_local', 0)},{d.get('hidden_size', 0)},{d.get('size_per_partition', 0)},"
+                f"{d.get('activation', '')},{d.get('normalization', '')},{d.get('checkpoint', False)},"
+                f"{d.get('return_layernorm_output', False)},{d.get('return_layernorm_output_gathered', False)}")
 
     def _op_forward(self, args, first_mb, grad, fp8):
         return _opcall.forward(self, args, first_mb, grad, fp8)
@@ -576,7 +579,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         return _opcall.grads_present(self, args, needs)
 
     def _op_noutputs(self):
-        return 2 if getattr(self, "return_layernorm_output", False) else 1
+        return 2 if self.__dict__.get("return_layernorm_output", False) else 1
 
     # -- delayed weight gradients -------------------------------------------
 
