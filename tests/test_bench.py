@@ -495,6 +495,17 @@ def test_bench_compile_command_runs_on_cpu(tmp_path):
     assert "| 32 × 64 |" in (out / "compile.md").read_text()
 
 
+def test_compile_bench_compile_adds():
+    """What compiling adds to each block's host time, and their ratio; none
+    without the four variants, no ratio where torch's block gains nothing."""
+    from transformer_engine_c.benchmarks import compile as cb
+
+    host = {"ours": 100.0, "ours_compiled": 130.0, "torch": 50.0, "torch_compiled": 60.0}
+    assert cb.compile_adds(host) == dict(ours=30.0, torch=10.0, ratio=3.0)
+    assert cb.compile_adds({k: v for k, v in host.items() if k != "torch_compiled"}) is None
+    assert cb.compile_adds(dict(host, torch_compiled=45.0))["ratio"] is None
+
+
 def test_compile_bench_blocks_compute_the_same():
     """Our block and the torch.nn block compute the same function (like with like)."""
     import torch

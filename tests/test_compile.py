@@ -725,3 +725,35 @@ def test_the_traced_key_holds_the_layers_configuration():
     from transformer_engine_c import _library
     with pytest.raises(RuntimeError, match="configuration changed since the call was traced"):
         _library._layer(f"{c._op_key}|{a._op_signature()}", check=True)
+
+
+def test_the_operators_backward_takes_its_forwards_call():
+    """tec::layer_bwd takes the Call its forward made where that forward was
+    the layer's last (as an eager backward takes ctx.call), and derives one
+    where another forward came between (micro-batches in flight); the
+    gradients are the same either way."""
+    from transformer_engine_c.module import _opcall
+
+    m = tec.LayerNormLinear(32, 16, device=DEV)
+    made = []
+    spec = m._op_spec
+    m._op_spec = _opcall.OpSpec(spec.fn, weights=spec.weights, biases=spec.biases, nograd=spec.nograd,
+                                saved=spec.saved, ctx=spec.ctx, new_shapes=spec.new_shapes,
+                                call=lambda *a: made.append(1) or spec.call(*a))
+    xs = [torch.randn(8, 32, device=DEV) for _ in range(2)]
+    args = [[x, m.layer_norm_weight, m.layer_norm_bias, m.weight, m.bias] for x in xs]
+    needs, dy = [True] * 5, torch.randn(8, 16, device=DEV)
+
+    def forward(a):
+        outs = m._op_forward(a, -1, True, False)
+        return outs[1:]  # the saved tensors the forward made
+
+    grads = []
+    new = forward(args[0])
+    grads.append(m._op_backward(args[0], new, [dy], needs, -1, False))
+    assert len(made) == 1  # the backward took the forward's Call
+    news = [forward(a) for a in args]
+    grads += [m._op_backward(a, n, [dy], needs, -1, False) for a, n in zip(args, news)][::-1]
+    assert len(made) == 4  # the first backward's forward was not the last: its Call made again
+    for got, want in zip(grads[2], grads[0]):
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want))

@@ -516,6 +516,26 @@ def test_temporaries_not_while_capturing(monkeypatch):
     assert _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL) is not a
 
 
+def test_fresh_temporaries_only_on_a_cuda_device(monkeypatch):
+    """Inside the compiled path's operators (fresh) a CUDA temporary (device
+    code >= 0, shown with the capture query mocked) is a new tensor every
+    call, a CPU one is reused as outside; the setting is restored."""
+    monkeypatch.setattr(_temporaries, "_temps", threading.local())
+    monkeypatch.setattr(_temporaries, "_capturing", lambda: False)
+    x = torch.zeros(2, 3)
+    before = _temporaries.fresh_temporaries(True)
+    try:
+        cpu = _temporaries.temp(x, (4, 3), -1, 0, _temporaries.T_PARTIAL)
+        assert _temporaries.temp(x, (4, 3), -1, 0, _temporaries.T_PARTIAL) is cpu
+        cuda = _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL)
+        assert _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL) is not cuda
+        assert _temporaries.norm_stats(torch.device("cpu"), 4, False, False)[0] is None  # the sink
+    finally:
+        assert _temporaries.fresh_temporaries(before) is True
+    assert _temporaries.temp(x, (4, 3), 0, 5, _temporaries.T_PARTIAL) is _temporaries.temp(
+        x, (4, 3), 0, 5, _temporaries.T_PARTIAL)
+
+
 def test_no_grad_norm_statistics_go_to_the_sink():
     m = _layer("lnl", "cpu", torch.float32)
     x = torch.randn(6, 24)

@@ -4,6 +4,7 @@ main_grad (and TE's grad_added_to_main_grad protocol), is_first_microbatch,
 delay_wgrad_compute + backward_dw, torch.autocast, parameters_split,
 save_original_input, the RNG tracker, TE's default initialisation and
 parameter attributes, DistributedWeight gathered once per step."""
+import copy
 import warnings
 
 import pytest
@@ -130,6 +131,63 @@ def test_parameters_split(device):
     assert even.q_weight.shape == (8, 32) and even.v_bias.shape == (8,)
     with pytest.raises(ValueError, match="do not add up to out_features=24"):
         tec.Linear(32, 24, parameters_split={"a": 8, "b": 8}, device=device)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
+@pytest.mark.parametrize("return_bias", [False, True])
+def test_split_parameters_enter_the_function_one_by_one(kind, return_bias):
+    """Split parameters reach the GEMMs joined without a copy in autograd's
+    graph: the same output and each parameter's gradient as a layer of one
+    weight with their values, over steps with the parameters updated in
+    place (the joined view sees it), and after one is replaced by a tensor
+    elsewhere in memory (joined by a copy then); delay_wgrad_compute's
+    gradients land in each split parameter too."""
+    torch.manual_seed(0)
+    split = {"query_": 8, "key_": 8, "value_": 8}
+    m = getattr(tec, kind)(16, 24, parameters_split=split, return_bias=return_bias, device="cpu")
+    one = getattr(tec, kind)(16, 24, return_bias=return_bias, device="cpu")
+    names = ("query_", "key_", "value_")
+
+    def sync():
+        with torch.no_grad():
+            one.weight.copy_(torch.cat([getattr(m, n + "weight") for n in names]))
+            one.bias.copy_(torch.cat([getattr(m, n + "bias") for n in names]))
+    x, dy = torch.randn(6, 16), torch.randn(6, 24)
+    for step in range(3):
+        if step == 1:  # a new Parameter over the same memory: the gradient is its own
+            m.value_weight = torch.nn.Parameter(m.value_weight.data)
+        if step == 2:  # a replaced parameter no longer lies beside the others
+            m.key_weight = torch.nn.Parameter(m.key_weight.detach().clone() + 1.0)
+        sync()
+        for p in list(m.parameters()) + list(one.parameters()):
+            p.grad = None
+        outs = []
+        for layer in (m, one):
+            y = layer(x)
+            y, b = (y[0], y[1]) if return_bias else (y, None)
+            (y if b is None else y + b).backward(dy)
+            outs.append(y)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat([getattr(m, n + "weight").grad for n in names]), one.weight.grad)
+        torch.testing.assert_close(torch.cat([getattr(m, n + "bias").grad for n in names]), one.bias.grad)
+        with torch.no_grad():  # an optimizer step, in place
+            for n in names:
+                getattr(m, n + "weight").mul_(0.5).add_(0.25)
+        with torch.no_grad():
+            y_ng = m(x)
+        sync()
+        with torch.no_grad():
+            y_ref = one(x)
+        torch.testing.assert_close(y_ng[0] if return_bias else y_ng, y_ref[0] if return_bias else y_ref)
+    c = copy.deepcopy(m)  # a copy keeps no view of the original's parameters
+    assert "_joined" in m.__dict__ and "_joined" not in c.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x))
+    d = getattr(tec, kind)(16, 24, parameters_split=split, delay_wgrad_compute=True, device="cpu")
+    d(x).backward(dy)
+    assert d.query_weight.grad is None
+    d.backward_dw()
+    assert all(getattr(d, n + "weight").grad is not None for n in names)
 
 
 def test_save_original_input(device):

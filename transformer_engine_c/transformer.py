@@ -244,8 +244,9 @@ class TransformerLayer(torch.nn.Module):
             seqlens = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q,
                            cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_q_padded,
                            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q)
-        attn_out = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask,
-                                       window_size=window_size, **seqlens, **common)
+        modules = self._modules  # not nn.Module.__getattr__ (several dict lookups, every call)
+        attn_out = modules["self_attention"](hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask,
+                                             window_size=window_size, **seqlens, **common)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             out, residual = attn_out
             hidden_states = self._dropout_add(out, residual, self.drop_path)
@@ -264,7 +265,7 @@ class TransformerLayer(torch.nn.Module):
                 out, residual = cross, hidden_states
             hidden_states = self._dropout_add(out, residual)
 
-        mlp_out = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
+        mlp_out = modules["layernorm_mlp"](hidden_states, is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
             out, residual = mlp_out
             output = self._dropout_add(out, residual, self.drop_path)

@@ -171,10 +171,12 @@ class MultiheadAttention(torch.nn.Module):
     def _project(self, with_norm, plain, hidden_states, is_first_microbatch):
         """(the projection of hidden_states, the norm's output or None): through
         the submodule `with_norm` (LayerNormLinear) under input_layernorm, else
-        `plain` (Linear)."""
+        `plain` (Linear). Submodules are read from _modules directly (as the
+        layers read their parameters: nn.Module.__getattr__ costs several
+        dict lookups, on every call)."""
         if not self.input_layernorm:
-            return getattr(self, plain)(hidden_states, is_first_microbatch=is_first_microbatch), None
-        out = getattr(self, with_norm)(hidden_states, is_first_microbatch=is_first_microbatch)
+            return self._modules[plain](hidden_states, is_first_microbatch=is_first_microbatch), None
+        out = self._modules[with_norm](hidden_states, is_first_microbatch=is_first_microbatch)
         return out if self.return_layernorm_output else (out, None)
 
     def _self_qkv(self, hidden_states, is_first_microbatch):
@@ -273,9 +275,10 @@ class MultiheadAttention(torch.nn.Module):
             extra.update(checkpoint_core_attention=checkpoint_core_attention,
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                          alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
-        context = self.core_attention(q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format,
-                                      attn_mask_type=attn_mask_type, window_size=window_size, **extra)
-        out = self.proj(context, is_first_microbatch=is_first_microbatch)
+        modules = self._modules
+        context = modules["core_attention"](q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format,
+                                            attn_mask_type=attn_mask_type, window_size=window_size, **extra)
+        out = modules["proj"](context, is_first_microbatch=is_first_microbatch)
         outputs = out if self.return_bias else (out,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (ln_out,)

@@ -177,10 +177,21 @@ def run(args):
         host = {n: v[1] for n, v in res.items()}
         ratios = {r: (ms[a] / ms[b] if a in ms and b in ms and ms[b] > 0 else None) for r, (a, b) in RATIOS.items()}
         rows.append(dict(tokens=shape[0], hidden=shape[1], ms=ms, host_us=host, compile_s=seconds, status=status,
-                         ratios=ratios))
+                         ratios=ratios, compile_adds=compile_adds(host)))
         del fns, ran
         torch._dynamo.reset()
     return rows
+
+
+def compile_adds(host):
+    """What torch.compile adds to each block's host µs per step: {"ours":
+    ours_compiled - ours, "torch": torch_compiled - torch, "ratio": ours' /
+    torch's (target <= 1.05)}, or None without the four variants (or where
+    compiling takes nothing from torch's block, so that no ratio exists)."""
+    if not all(n in host for n in ("ours", "ours_compiled", "torch", "torch_compiled")):
+        return None
+    ours, ref = host["ours_compiled"] - host["ours"], host["torch_compiled"] - host["torch"]
+    return dict(ours=ours, torch=ref, ratio=ours / ref if ref > 0 else None)
 
 
 def _f(v, spec):
@@ -200,7 +211,12 @@ def table(rows):
         for name, v in r["ratios"].items():
             if v is not None:
                 lines.append(f"  ratio {name:<40} {v:.3f}")
-    lines.append("ratio: the other variant's ms / ours (above 1: ours is faster)")
+        adds = r.get("compile_adds")
+        if adds is not None:
+            lines.append(f"  compiling adds host us: ours {adds['ours']:.1f}, torch {adds['torch']:.1f}, ratio "
+                         f"{_f(adds['ratio'], '.3f')}")
+    lines.append("ratio: the other variant's ms / ours (above 1: ours is faster); compiling adds: ours' added host "
+                 "us / torch's (target <= 1.05)")
     return "\n".join(lines)
 
 
@@ -216,6 +232,12 @@ def markdown(rows, meta):
     for r in rows:
         out.append(f"| {r['tokens']} × {r['hidden']} | " + " | ".join(_f(r["ratios"][k], ".3f") for k in RATIOS)
                    + " |")
+    adds = [r for r in rows if r.get("compile_adds")]
+    if adds:
+        out += ["", "What torch.compile adds to each block's host µs per step (compiled − eager); ratio = ours / "
+                "torch's (≤ 1.05).", "", "| tokens × hidden | ours | torch | ratio |", "|---|---|---|---|"]
+        out += [f"| {r['tokens']} × {r['hidden']} | {r['compile_adds']['ours']:.1f} | "
+                f"{r['compile_adds']['torch']:.1f} | {_f(r['compile_adds']['ratio'], '.3f')} |" for r in adds]
     out += ["", "Compile seconds (first two calls): " + "; ".join(
         f"{r['tokens']}×{r['hidden']}: " + ", ".join(f"{n} {s:.1f}" for n, s in r["compile_s"].items())
         for r in rows)]

@@ -93,6 +93,15 @@ def _check_fp8(layer, call, fp8):
                            f"function's call, as when it was compiled{hint})")
 
 
+def _call_key(x, first_mb, plan):
+    """What a layer call's Call derives from besides the layer's parameters:
+    the input's memory, shape and dtype, the micro-batch flag and the plan.
+    A backward whose forward was the layer's last one (with this key) takes
+    that forward's Call, as an eager backward takes ctx.call, instead of
+    deriving it again."""
+    return x.data_ptr(), x.shape, x.dtype, first_mb, id(plan)
+
+
 def forward(layer, args, first_mb, grad, fp8):
     before = fresh_temporaries(True)
     try:
@@ -121,6 +130,8 @@ def _forward(layer, args, first_mb, grad, fp8):
     ctx = _Ctx()
     out = spec.fn.forward(ctx, *args, call)
     outs = out if isinstance(out, tuple) else (out,)
+    if not fp8:
+        layer.__dict__["_op_last_call"] = (_call_key(args[0], first_mb, plan), call)
     if fp8:
         key = next(_FP8_KEYS)
         _FP8_CTX[key] = ctx
@@ -182,7 +193,11 @@ def _backward(layer, args, new, grads, needs, first_mb, fp8):
         ctx.needs_input_grad = tuple(needs) + (False,)
         return _present(layer, spec.fn.backward(ctx, *grads), args, needs)
     plan = layer._plan or layer._make_plan()
-    call = spec.call(layer, plan, args, _first_mb(first_mb))
+    kept = layer.__dict__.get("_op_last_call")
+    if kept is not None and kept[0] == _call_key(args[0], first_mb, plan):
+        call = kept[1]  # the forward's, as an eager backward reads ctx.call
+    else:
+        call = spec.call(layer, plan, args, _first_mb(first_mb))
     _check_fp8(layer, call, False)
     ctx = _Ctx()
     it = iter(new)
@@ -242,9 +257,12 @@ def _owned(layer, outs, saved):
     (LayerNormLinear's normalised output is also saved)."""
     res = []
     taken = {t.data_ptr() for t in saved}
+    d = layer.__dict__
+    buffers = [cfg for cfg in (d["ub"], d.get("ub2")) if cfg is not None and cfg.enabled]
     for t in outs:
-        t = t.reshape(-1, t.shape[-1])
-        for cfg in (layer.ub, getattr(layer, "ub2", layer.ub)):
+        if t.dim() != 2:
+            t = t.reshape(-1, t.shape[-1])
+        for cfg in buffers:
             t = outside_buffers(t, cfg)
         if not t.numel():
             # an empty tensor has no address to compare, but it may still be

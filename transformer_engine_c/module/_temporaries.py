@@ -26,10 +26,11 @@ _empty = torch.empty
 # two roles never share a tensor. Not while a CUDA graph is captured (its
 # replays, on any stream, would share the tensor with eager calls), not above
 # _TEMP_BYTES (memory held between calls), at most _TEMP_SLOTS and _TEMP_HELD
-# bytes per thread (the oldest dropped first), and not inside the operators
-# torch.compile runs (`fresh`: PyTorch's CUDA graphs of mode="reduce-overhead"
-# warm up and record in a memory pool of their own, in which nothing may stay
-# alive between calls). Tensors that outlive the call (outputs, what backward
+# bytes per thread (the oldest dropped first), and not on a CUDA device inside
+# the operators torch.compile runs (`fresh`: PyTorch's CUDA graphs of
+# mode="reduce-overhead" warm up and record in a memory pool of their own, in
+# which nothing may stay alive between calls; CPU tensors have no such pool and
+# are reused there too). Tensors that outlive the call (outputs, what backward
 # saves, a delayed wgrad's operands) are never temporaries.
 _TEMP_BYTES = 16 << 20
 _TEMP_SLOTS = 32
@@ -51,7 +52,7 @@ def temp(x, shape, dev, stream, role, dtype=None):
     if slots is None:
         slots = _temps.slots = {}
         _temps.fresh = False
-    if _temps.fresh:
+    if _temps.fresh and dev >= 0:
         return x.new_empty(shape, dtype=dtype)
     key = (role, shape, dtype, dev, stream)
     t = slots.get(key)
@@ -80,9 +81,9 @@ _outgrown_sinks = []
 
 
 def fresh_temporaries(on):
-    """Whether every temporary and statistics sink is a fresh allocation
-    from now on in this thread (the operators torch.compile runs: see the
-    temporaries' comment); returns the setting it replaces."""
+    """Whether every temporary and statistics sink on a CUDA device is a
+    fresh allocation from now on in this thread (the operators torch.compile
+    runs: see the temporaries' comment); returns the setting it replaces."""
     if getattr(_temps, "slots", None) is None:
         _temps.slots = {}
     before, _temps.fresh = getattr(_temps, "fresh", False), on
@@ -101,10 +102,10 @@ def _stats_sink(device, count):
 def norm_stats(device, rows, rms, keep):
     """(stats, its address) for a norm over `rows` rows: a fresh float32
     [2 * rows] (LayerNorm: mu, then rsigma) or [rows] (RMSNorm) when
-    backward keeps it (or temporaries are fresh), else (None, the statistics
-    sink's address)."""
+    backward keeps it (or temporaries on a CUDA device are fresh), else
+    (None, the statistics sink's address)."""
     count = rows if rms else 2 * rows
-    if keep or _temps.__dict__.get("fresh"):
+    if keep or device.type != "cpu" and _temps.__dict__.get("fresh"):
         stats = _empty(count, dtype=_F32, device=device)
         return stats, stats.data_ptr()
     return None, _stats_sink(device, count)

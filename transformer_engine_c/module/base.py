@@ -39,6 +39,8 @@ from ._plan import PLAN_ATTRS, LinearPlan
 from ._weights import is_distributed_weight
 from ._wgrad import WeightGrads
 
+_Parameter = torch.nn.Parameter
+
 __all__ = ["initialize_ub", "get_ub", "destroy_ub", "UserBufferQuantizationMode", "TransformerEngineBaseModule"]
 
 
@@ -187,6 +189,29 @@ def _split_sizes(parameters_split, out_features):
         raise ValueError(f"parameters_split sizes {sizes} do not add up to out_features={out_features}")
     stems = [n.rstrip("_") for n in names]
     return [f"{s}_weight" for s in stems], [f"{s}_bias" for s in stems], sizes
+
+
+def _joined_view(parts):
+    """Split parameters (along dim 0) as one tensor outside autograd: a view
+    of their storage where they still lie there back to back (as they are
+    made), else None."""
+    p0 = parts[0]
+    rows, storage, end = 0, p0.untyped_storage().data_ptr(), p0.data_ptr()
+    for p in parts:
+        if (p.data_ptr() != end or not p.is_contiguous() or p.dtype is not p0.dtype
+                or p.untyped_storage().data_ptr() != storage):
+            return None
+        rows += p.shape[0]
+        end += p.nbytes
+    return p0.detach().as_strided((rows,) + tuple(p0.shape[1:]), p0.stride())
+
+
+def split_grads(g, sizes, count):
+    """The gradients of `count` split parameters (the rows `sizes` of g, or
+    None each without g)."""
+    if not count:
+        return ()
+    return (None,) * count if g is None else g.split_with_sizes(sizes)
 
 
 def _set_tp_attributes(t, is_parallel, dim):
@@ -428,6 +453,43 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
             return self._parameters[self.weight_names[0]]
         return torch.cat(self._weight_params())
 
+    def _split_operands(self, with_bias):
+        """(weight, bias, parts) of a call with split parameters: the joined
+        weight and bias (outside autograd) and the parameters that enter the
+        layer's Function themselves, after its other arguments, so that its
+        backward hands each its rows of dW and db (split_grads): no
+        concatenation in autograd's graph, forward or backward. Joined are
+        views of the storage the parameters share (_joined_view), kept in the
+        layer while the parameters are the same objects over the same memory
+        (their addresses and shapes; the views hold that storage, so no other
+        tensor can take those addresses), or copies made per call where they
+        no longer lie back to back. The bias only `with_bias`; a quantized or distributed split
+        weight is joined by torch.cat as before (parts empty)."""
+        params = self._parameters
+        parts = [params[n] for n in self.weight_names]
+        nw = len(parts)
+        if with_bias:
+            parts += [params[n] for n in self.bias_names]
+        key = []
+        for p in parts:
+            if type(p) is not _Parameter:
+                return self._weight_tensor(), self._bias_tensor() if with_bias else None, ()
+            key += (id(p), p.data_ptr(), p.shape)  # the kept tuple holds p: no other object takes its id
+        kept = self.__dict__.get("_joined")
+        if kept is not None and kept[0] == key:
+            return kept[1], kept[2], kept[3]
+        w = _joined_view(parts[:nw])
+        b = _joined_view(parts[nw:]) if with_bias else None
+        parts = tuple(parts)
+        if w is None or with_bias and b is None:  # copies, made per call
+            self.__dict__["_joined"] = None
+            w = torch.cat([p.detach() for p in parts[:nw]]) if w is None else w
+            if with_bias and b is None:
+                b = torch.cat([p.detach() for p in parts[nw:]])
+            return w, b, parts
+        self.__dict__["_joined"] = (key, w, b, parts)
+        return w, b, parts
+
     def _bias_tensor(self):
         """The bias parameter (concatenated when split), or None without one."""
         if not self.use_bias:
@@ -465,7 +527,11 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
     # -- the operators torch.compile traces (module/_opcall.py) -------------
 
     def __setstate__(self, state):
-        # deepcopy and unpickling: the copy crosses into the operators under a key of its own
+        # deepcopy and unpickling: the copy crosses into the operators under a key of its own, and keeps
+        # nothing made for the original's calls (a Call holds the engine's workspace address; the joined
+        # views, the original's parameters)
+        for key in ("_op_last_call", "_joined"):
+            state.pop(key, None)
         super().__setstate__(state)
         self.__dict__["_op_key"] = _library.register_layer(self)
 
@@ -488,14 +554,17 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         is part of the key a traced call holds, so a compiled graph that
         PyTorch's caches keep on disk is reused only for a layer of the same
         configuration (another process may give another layer the same
-        registry key)."""
-        tp, tp2 = self.tp, getattr(self, "tp2", self.tp)
-        return (f"{tp.mode},{tp.sp},{tp.size},{tp2.mode},{tp2.sp},{tp2.size},{getattr(self, 'in_local', 0)},"
-                f"{getattr(self, 'out_local', 0)},{getattr(self, 'hidden_size', 0)},"
-                f"{getattr(self, 'size_per_partition', 0)},{getattr(self, 'activation', '')},"
-                f"{getattr(self, 'normalization', '')},{getattr(self, 'checkpoint', False)},"
-                f"{getattr(self, 'return_layernorm_output', False)},"
-                f"{getattr(self, 'return_layernorm_output_gathered', False)}")
+        registry key). Read from __dict__: an attribute this kind of layer
+        does not have is then a dictionary miss, where getattr would go
+        through nn.Module.__getattr__ and its AttributeError, in each guard
+        check of a compiled graph that holds the key."""
+        d = self.__dict__
+        tp = d["tp"]
+        tp2 = d.get("tp2", tp)
+        return (f"{tp.mode},{tp.sp},{tp.size},{tp2.mode},{tp2.sp},{tp2.size},{d.get('in_local', 0)},"
+                f"{d.get('out_local', 0)},{d.get('hidden_size', 0)},{d.get('size_per_partition', 0)},"
+                f"{d.get('activation', '')},{d.get('normalization', '')},{d.get('checkpoint', False)},"
+                f"{d.get('return_layernorm_output', False)},{d.get('return_layernorm_output_gathered', False)}")
 
     def _op_forward(self, args, first_mb, grad, fp8):
         return _opcall.forward(self, args, first_mb, grad, fp8)
@@ -510,7 +579,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         return _opcall.grads_present(self, args, needs)
 
     def _op_noutputs(self):
-        return 2 if getattr(self, "return_layernorm_output", False) else 1
+        return 2 if self.__dict__.get("return_layernorm_output", False) else 1
 
     # -- delayed weight gradients -------------------------------------------
 

@@ -12,7 +12,7 @@ from ._opcall import OpSpec, out_rows
 from ._plan import apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, split_grads
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _is_grad_enabled = torch.is_grad_enabled
@@ -59,7 +59,8 @@ def _forward(call, inp, ln_weight, ln_bias, weight, bias, keep):
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, call):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, call, *parts):
+        # parts: split parameters, weight and bias their join (LayerNormLinear._split_operands)
         y, ln_ret, (x, ln_out, stats) = _forward(call, inp, ln_weight, ln_bias, weight, bias, True)
         if call.fp8 is not None:
             ln_out = call.fp8.saved_input(ln_out, 0)
@@ -100,16 +101,24 @@ class _LayerNormLinearFn(torch.autograd.Function):
                 extra = reduce_scatter_rows(as_2d(extra), tp.group, tp.size)
             extra = extra.view(ln_out.shape)
         need = ctx.needs_input_grad
+        need_w, need_b, nw = need[3], need[4], len(need) - 6  # nw: the split weights (then their biases)
+        if nw:
+            nw = len(layer.weight_names)
+            need_w, need_b = any(need[6:6 + nw]), any(need[6 + nw:])
         wg = None
-        if need[3] or need[4]:
-            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[4], call.first_mb, tp.mode == "row" and tp.sp,
-                                       need[3])
+        if need_w or need_b:
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need_b, call.first_mb, tp.mode == "row" and tp.sp,
+                                       need_w)
         dx, dgamma, dbeta, dw, db = _steps.norm_linear_backward(call, tp, layer.ub, dy, x, ln_out, stats, g,
                                                                 plan.zcg, plan.rms, w, wg, extra)
         if not call.ready:
             dx = like_input(dx, ctx.inp_shape)
         if call.fp8 is not None:
             call.fp8.finish_backward()
+        if nw:
+            sizes = layer.parameter_split_sizes
+            return ((dx, dgamma, dbeta, None, None, None) + split_grads(dw, sizes, nw)
+                    + split_grads(db, sizes, len(need) - 6 - nw))
         return dx, dgamma, dbeta, dw, db, None
 
 
@@ -190,11 +199,15 @@ class LayerNormLinear(TransformerEngineBaseModule):
             return self._compiled(inp, is_first_microbatch)
         plan = self._plan or self._make_plan()
         params = self._parameters
+        parts = ()
         if plan.single:
             weight = params[plan.weight]
             b = None if plan.bias is None else params[plan.bias]
+        elif self.return_bias:
+            weight, _, parts = self._split_operands(False)
+            b = self._bias_tensor()
         else:
-            weight, b = self._weight_tensor(), self._bias_tensor()
+            weight, b, parts = self._split_operands(plan.bias is not None)
         g = params.get("layer_norm_weight")
         if g is None:
             g = self.layer_norm_weight
@@ -206,7 +219,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         call = make_call(self, plan, inp, weight, (b, g, beta), is_first_microbatch)
         bias = None if self.return_bias else b
         if _is_grad_enabled():
-            out = apply(_LayerNormLinearFn, inp, g, beta, weight, bias, call)
+            out = apply(_LayerNormLinearFn, inp, g, beta, weight, bias, call, *parts)
         else:
             y, ln_ret, _ = _forward(call, inp, g, beta, weight, bias, False)
             out = y if ln_ret is None else (y, ln_ret)

@@ -10,7 +10,7 @@ from ._opcall import OpSpec, out_rows
 from ._plan import apply, check_params, check_saved, grad_output, make_call
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.float8_tensor import Float8Tensor
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, split_grads
 
 _is_grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -34,7 +34,8 @@ def _forward(call, inp, weight, bias):
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, weight, bias, call):
+    def forward(ctx, inp, weight, bias, call, *parts):
+        # parts: split parameters, weight and bias their join (Linear._split_operands)
         y, x, _ = _forward(call, inp, weight, bias)
         layer = call.layer
         # Save the local (not gathered) input: column + SP re-gathers it in
@@ -77,16 +78,23 @@ class _LinearFn(torch.autograd.Function):
             w = layer._full_weight(weight, None if call.first_mb is None else False, dtype, call.fp8 is not None)
         dy = grad_output(dout, dtype)
         need = ctx.needs_input_grad
+        need_w, need_b, nw = need[1], need[2], len(need) - 4  # nw: the split weights (then their biases)
+        if nw:
+            nw = len(layer.weight_names)
+            need_w, need_b = any(need[4:4 + nw]), any(need[4 + nw:])
         tp = layer.tp
         wg = None
-        if need[1] or need[2]:
-            wg = layer._wgrads[0].step(weight, ctx.has_bias and need[2], call.first_mb, tp.mode == "row" and tp.sp,
-                                       need[1])
+        if need_w or need_b:
+            wg = layer._wgrads[0].step(weight, ctx.has_bias and need_b, call.first_mb, tp.mode == "row" and tp.sp,
+                                       need_w)
         dx, dw, db = _steps.linear_backward(call, tp, layer.ub, dy, x, w, need[0], wg)
         if dx is not None and not call.ready:
             dx = like_input(dx, ctx.inp_shape)
         if call.fp8 is not None:
             call.fp8.finish_backward()
+        if nw:
+            sizes = layer.parameter_split_sizes
+            return (dx, None, None, None) + split_grads(dw, sizes, nw) + split_grads(db, sizes, len(need) - 4 - nw)
         return dx, dw, db, None
 
 
@@ -147,16 +155,20 @@ class Linear(TransformerEngineBaseModule):
         if _compiling():
             return self._compiled(inp, is_first_microbatch)
         plan = self._plan or self._make_plan()
+        parts = ()
         if plan.single:
             params = self._parameters
             weight = params[plan.weight]
             b = None if plan.bias is None else params[plan.bias]
+        elif self.return_bias:
+            weight, _, parts = self._split_operands(False)
+            b = self._bias_tensor()
         else:
-            weight, b = self._weight_tensor(), self._bias_tensor()
+            weight, b, parts = self._split_operands(plan.bias is not None)
         call = make_call(self, plan, inp, weight, (b,), is_first_microbatch)
         bias = None if self.return_bias else b
         if _is_grad_enabled():
-            y = apply(_LinearFn, inp, weight, bias, call)
+            y = apply(_LinearFn, inp, weight, bias, call, *parts)
         else:
             y = _forward(call, inp, weight, bias)[0]
         if y.dim() != inp.dim():  # a 2-D result for a 3-D input (validated, or from a communicator)
