@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_engine_c.attention import context_parallel as cp
+from transformer_engine_c.attention import cp_blocks
 
 
 def _inputs(b=2, h=4, hk=2, s=10, d=8, dv=6, seed=0):
@@ -64,12 +65,12 @@ def test_a_block_with_the_wrong_mask_is_caught():
 def test_row_tiles_give_the_same_result():
     q, k, v = _inputs(s=24)
     whole = cp.block_forward(q, k, v, 0.5)
-    old = cp._TILE_ELEMENTS
-    cp._TILE_ELEMENTS = 2 * 4 * 24 * 5  # five rows a tile
+    old = cp_blocks._TILE_ELEMENTS
+    cp_blocks._TILE_ELEMENTS = 2 * 4 * 24 * 5  # five rows a tile
     try:
         tiled = cp.block_forward(q, k, v, 0.5)
     finally:
-        cp._TILE_ELEMENTS = old
+        cp_blocks._TILE_ELEMENTS = old
     assert torch.allclose(whole[0], tiled[0], atol=1e-6) and torch.allclose(whole[1], tiled[1], atol=1e-6)
 
 
@@ -85,15 +86,15 @@ def test_the_flash_kernel_blocks_match_the_float32_blocks(dtype, mask):
     results = []
     for fused in (True, False):
         cp.reset_stats()
-        old = cp.use_fused_blocks
-        cp.use_fused_blocks = fused
+        old = cp_blocks.use_fused_blocks
+        cp_blocks.use_fused_blocks = fused
         try:
             o, lse, aux = cp.block_forward(q, k, v, 0.3, mask)
             out = o.to(dtype)
             delta = (dout.float() * out.float()).sum(-1)
             grads = cp.block_backward(dout, q, k, v, out, lse, delta, 0.3, mask, aux)
         finally:
-            cp.use_fused_blocks = old
+            cp_blocks.use_fused_blocks = old
         assert cp.stats()["fused_blocks" if fused else "math_blocks"] == 1
         results.append((o, lse, *grads))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
