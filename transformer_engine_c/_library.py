@@ -150,6 +150,13 @@ def _keep_layer_bwd_in_inductor():
     kernel.has_side_effects = has_side_effects
 
 
+# How many of tec.checkpoint's traced regions are open (checkpoint.py): their
+# policy keeps an FP8 layer call's forward instead of running it again in the
+# compiled backward. A traced FP8 call inside another checkpoint is refused
+# (module/_opcall.forward_fake).
+fp8_keeping_regions = 0
+
+
 # ---------------------------------------------------------------- FP8 autocast inside a compiled function
 
 # The autocast's own code (quantization.py) is told to these operators by
