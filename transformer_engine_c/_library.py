@@ -76,9 +76,9 @@ def first_mb_code(is_first_microbatch):
 _LIB = torch.library.Library("tec", "DEF")
 
 
-def _define(schema, impl, fake):
+def _define(schema, impl, fake, tags=()):
     name = schema.split("(", 1)[0]
-    _LIB.define(schema)
+    _LIB.define(schema, tags=tags)
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tec::{name}", fake, lib=_LIB)
     return getattr(torch.ops.tec, name).default
@@ -150,6 +150,13 @@ def _keep_layer_bwd_in_inductor():
     kernel.has_side_effects = has_side_effects
 
 
+# How many of tec.checkpoint's traced regions are open (checkpoint.py): their
+# policy keeps an FP8 layer call's forward instead of running it again in the
+# compiled backward. A traced FP8 call inside another checkpoint is refused
+# (module/_opcall.forward_fake).
+fp8_keeping_regions = 0
+
+
 # ---------------------------------------------------------------- FP8 autocast inside a compiled function
 
 # The autocast's own code (quantization.py) is told to these operators by
@@ -173,9 +180,13 @@ def _autocast_fake(*args):
     _keep_layer_bwd_in_inductor()
 
 
+# Python state, not GPU work: never captured into a CUDA graph (mode="reduce-overhead"
+# runs them on every call), where this torch can say so
+_NOT_CAPTURED = tuple(getattr(torch.Tag, t) for t in ("cudagraph_unsafe",) if hasattr(torch.Tag, t))
 autocast_enter = _define("autocast_enter(str recipe, bool enabled, bool calibrating) -> ()", _autocast_enter,
-                         _autocast_fake)
-autocast_exit = _define("autocast_exit(bool enabled, bool grad) -> ()", _autocast_exit, _autocast_fake)
+                         _autocast_fake, _NOT_CAPTURED)
+autocast_exit = _define("autocast_exit(bool enabled, bool grad) -> ()", _autocast_exit, _autocast_fake,
+                        _NOT_CAPTURED)
 # they change what the layer operators after them read: kept, in program order
 _has_side_effect(autocast_enter)
 _has_side_effect(autocast_exit)

@@ -132,7 +132,33 @@ def _keep_fp8_policy(ctx, op, *args, **kwargs):
 
 
 def _keep_fp8_calls():
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_fp8_policy)
+    forward, recompute = torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_fp8_policy)
+    forward.__class__ = _keeping(type(forward))
+    return forward, recompute
+
+
+_KEEPING = {}
+
+
+def _keeping(mode_class):
+    """The forward mode class of a tec.checkpoint region: torch's selective
+    checkpoint mode, counting the open regions in
+    _library.fp8_keeping_regions while the compiler traces them."""
+    cls = _KEEPING.get(mode_class)
+    if cls is None:
+        class cls(mode_class):
+            def __enter__(self):
+                _library.fp8_keeping_regions += 1
+                return super().__enter__()
+
+            def __exit__(self, *exc):
+                try:
+                    return super().__exit__(*exc)
+                finally:
+                    _library.fp8_keeping_regions -= 1
+        cls.__name__ = cls.__qualname__ = "TecCheckpointMode"
+        _KEEPING[mode_class] = cls
+    return cls
 
 
 def _copy_states(states):

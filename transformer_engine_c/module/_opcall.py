@@ -17,7 +17,10 @@ import itertools
 import weakref
 
 import torch
+import torch.fx.traceback as fx_traceback
+from torch.utils.checkpoint import CheckpointPolicy
 
+from .. import _library
 from ..quantization import unwind_in_graph
 from ._config import as_2d
 from ._steps import outside_buffers
@@ -147,6 +150,16 @@ def _forward(layer, args, first_mb, grad, fp8):
     return _owned(layer, outs, new) + new
 
 
+def _recomputed_region():
+    """Whether the call being traced lies in a checkpointed region whose
+    calls the compiled backward runs again (torch's checkpoint tags the
+    nodes it traces), and not in one of tec.checkpoint's."""
+    if not fx_traceback.has_preserved_node_meta() or _library.fp8_keeping_regions:
+        return False
+    policy = fx_traceback.current_meta.get("recompute")
+    return policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
 def _check_saved(layer, spec, call, args, saved, new):
     for t, where in zip(saved, spec.saved(layer)):
         if where == "new":
@@ -163,7 +176,14 @@ def _check_saved(layer, spec, call, args, saved, new):
 
 
 def forward_fake(layer, args, grad, fp8):
-    """tec::layer_fwd's outputs from the arguments alone."""
+    """tec::layer_fwd's outputs from the arguments alone. An FP8 call that
+    the compiler traces inside a checkpoint other than tec.checkpoint is
+    refused here, while compiling, on every device: that checkpoint would
+    run it again in the compiled backward, outside the autocast."""
+    if fp8 and grad and _recomputed_region():
+        raise RuntimeError(f"{type(layer).__name__}: an FP8 layer call inside torch.utils.checkpoint in a "
+                           "function torch.compile traces would run again in the compiled backward, outside the "
+                           "FP8 autocast: use tec.checkpoint, whose backward keeps the FP8 calls' forward")
     inp = args[0]
     outs = [inp.new_empty(s, dtype=d) for s, d in layer._op_outputs(args)]
     if grad and fp8:

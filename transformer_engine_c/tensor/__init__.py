@@ -2,7 +2,8 @@
 imports them: per-tensor FP8 (float8_tensor.py), block-scaled FP8
 (float8_blockwise_tensor.py), the bases (quantized_tensor.py), and
 Blackwell's MXFP8 / NVFP4 classes, which are not offered (blackwell.py:
-construction raises)."""
+the quantizers construct and raise when asked to quantize; the tensors
+raise when constructed)."""
 from .._saved import prepare_for_saving, restore_from_saved
 from .blackwell import (MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage, NVFP4Quantizer, NVFP4Tensor,
                         NVFP4TensorStorage)
