@@ -12,12 +12,12 @@
 #      part skips the main job unless MAINJOB=1; its last line is
 #      "PART k: N passed, M failed, K skipped")
 #   bash scripts/gpu_validate.sh --all
-#     (everything on one GPU in one command, under 9 minutes on one H100 or H200:
-#      one build, parts 1-3 side by side, then parts 4-5 side by side (with
-#      TEC_SHARE_GPU=2 where there is one GPU); a test that fails while the parts
-#      share the GPU is rerun alone before it counts; one line per part, then
-#      the total; exit 0 only when nothing failed. Each part's logs are in
-#      $OUT/partK/)
+#     (everything on one GPU in one command, meant to take under 9 minutes on one
+#      H100 or H200: one build, then the five parts side by side (parts 4-5 with
+#      TEC_SHARE_GPU=2 where there is one GPU; PART_TIMEOUT=380 each); what failed
+#      while the parts shared the GPU is rerun alone before it counts (within
+#      RERUN_TIMEOUT=100 s); one line per part, then the total; exit 0 only when
+#      nothing failed. Each part's logs are in $OUT/partK/, the reruns' in $OUT/)
 #   In a part, a test that leaves the CUDA state broken stops its process at once
 #   (tests/_cuda_state.py names it, and it counts as failed); the part goes on in
 #   a fresh process with the tests not yet run, and counts every test once.
@@ -121,7 +121,8 @@ pytest_resumed() {
 }
 # all_parts: the --all run (see the header).
 all_parts() {
-  local k ngpu share rc=0 failed_total=0 passed_total=0 skipped_total=0 t0 line ids
+  local k ngpu share rc=0 failed_total=0 passed_total=0 skipped_total=0 t0 line end left
+  local -a singles=() ranks=()
   OUT=${OUT:-out}; mkdir -p "$OUT"; : > "$OUT/summary.txt"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
   t0=$(date +%s)
@@ -131,36 +132,42 @@ all_parts() {
   echo "== build ok in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
   ngpu=$(nvidia-smi -L | wc -l)
   share=${TEC_SHARE_GPU:-$([ "$ngpu" -lt 2 ] && echo 2 || echo 0)}
-  for k in 1 2 3; do
-    PART=$k BUILD=0 OUT="$OUT/part$k" PART_TIMEOUT=${WAVE1_TIMEOUT:-300} bash "$0" > "$OUT/part$k.console" 2>&1 &
+  for k in 1 2 3 4 5; do  # all five side by side: part 1, the longest, sets the pace
+    if is_rank_part $k; then
+      TEC_SHARE_GPU=$share PART=$k BUILD=0 OUT="$OUT/part$k" PART_TIMEOUT=${PART_TIMEOUT:-380} bash "$0" \
+          > "$OUT/part$k.console" 2>&1 &
+    else
+      PART=$k BUILD=0 OUT="$OUT/part$k" PART_TIMEOUT=${PART_TIMEOUT:-380} bash "$0" > "$OUT/part$k.console" 2>&1 &
+    fi
   done
   wait
-  echo "== parts 1-3 done at $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
-  for k in 4 5; do
-    TEC_SHARE_GPU=$share PART=$k BUILD=0 OUT="$OUT/part$k" PART_TIMEOUT=${WAVE2_TIMEOUT:-210} bash "$0" \
-        > "$OUT/part$k.console" 2>&1 &
-  done
-  wait
-  echo "== parts 4-5 done at $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
+  echo "== parts 1-5 done at $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  for k in 1 2 3 4 5; do  # what failed beside the other parts, alone
-    mapfile -t ids < <(python3 scripts/pytest_counts.py --failed "$OUT/part$k/ledger.txt")
-    [ ${#ids[@]} -gt 0 ] || continue
-    is_rank_part $k && export TEC_SHARE_GPU=$share
-    pytest_resumed "$OUT/part$k/rerun.txt" "$OUT/part$k/rerun.log" "${RERUN_TIMEOUT:-60}" "${ids[@]}"
-    unset TEC_SHARE_GPU
-  done
   for k in 1 2 3 4 5; do
-    line=$(python3 scripts/pytest_counts.py --ledger "$OUT/part$k/ledger.txt" "$OUT/part$k/rerun.txt")
+    mapfile -t ids < <(python3 scripts/pytest_counts.py --failed "$OUT/part$k/ledger.txt")
+    if is_rank_part $k; then ranks+=("${ids[@]}"); else singles+=("${ids[@]}"); fi
+  done
+  # what failed beside the other parts, alone: one process for the one-GPU tests, then one for the 2-rank ones
+  end=$(( $(date +%s) + ${RERUN_TIMEOUT:-100} ))
+  : > "$OUT/rerun.txt"
+  if [ ${#singles[@]} -gt 0 ]; then
+    left=$(( end - $(date +%s) ))
+    pytest_resumed "$OUT/rerun.txt" "$OUT/rerun.log" "$left" "${singles[@]}"
+  fi
+  if [ ${#ranks[@]} -gt 0 ]; then
+    left=$(( end - $(date +%s) ))
+    TEC_SHARE_GPU=$share pytest_resumed "$OUT/rerun.txt" "$OUT/rerun.log" "$left" "${ranks[@]}"
+  fi
+  for k in 1 2 3 4 5; do
+    line=$(python3 scripts/pytest_counts.py --ledger "$OUT/part$k/ledger.txt" "$OUT/rerun.txt")
     echo "PART $k: $line" | tee -a "$OUT/summary.txt"
     if grep -q "^PART $k: .*(stopped at PART_TIMEOUT" "$OUT/part$k/summary.txt" 2>/dev/null; then
       echo "  part $k stopped at its time limit: the tests after it did not run" | tee -a "$OUT/summary.txt"; rc=1
     fi
     set -- $line
     passed_total=$((passed_total + $1)); failed_total=$((failed_total + $3)); skipped_total=$((skipped_total + $5))
-    python3 scripts/pytest_counts.py --failed "$OUT/part$k/rerun.txt" 2>/dev/null | sed 's/^/  still failed alone: /' \
-        | tee -a "$OUT/summary.txt"
   done
+  python3 scripts/pytest_counts.py --failed "$OUT/rerun.txt" | sed 's/^/  failed alone too: /' | tee -a "$OUT/summary.txt"
   [ "$failed_total" -eq 0 ] || rc=1
   echo "ALL: $passed_total passed, $failed_total failed, $skipped_total skipped in $(( $(date +%s) - t0 )) s" \
       | tee -a "$OUT/summary.txt"
@@ -261,7 +268,11 @@ else
   rc=$?
 fi
 log "pytest ${sel[*]}: exit $rc: $(tail -1 "$OUT/pytest.log")"
-grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
+if [ -n "${PART:-}" ]; then
+  python3 scripts/pytest_counts.py --failed "$OUT/ledger.txt" | head -30 | sed 's/^/FAILED /' | tee -a "$OUT/summary.txt"
+else
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30 | tee -a "$OUT/summary.txt"
+fi
 if [ "${MAINJOB:-$([ -n "${PART:-}" ] && echo 0 || echo 1)}" != 0 ]; then
   timeout 300 python3 -m transformer_engine_c > "$OUT/mainjob.log" 2>&1
   log "main job: exit $?"; grep -v Warning "$OUT/mainjob.log" | tail -12 | tee -a "$OUT/summary.txt"

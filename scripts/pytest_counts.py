@@ -77,7 +77,8 @@ def main(argv):
         print(ledger_counts(*argv[1:]))
         return 0
     if argv[:1] == ["--failed"] and len(argv) == 2:
-        print("\n".join(failed(read_ledger(argv[1]))))
+        for nodeid in failed(read_ledger(argv[1])):
+            print(nodeid)
         return 0
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
