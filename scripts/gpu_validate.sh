@@ -63,7 +63,7 @@ PARTS[1]="tests/test_kernels.py tests/test_activations.py tests/test_cuda_transp
   tests/test_comm_schedule.py tests/test_gemm_cache.py tests/test_gemm_tune.py tests/test_engine_nccl.py
   tests/test_error_path.py tests/test_reliability_sizes.py tests/test_launch.py tests/test_bad_input.py
   tests/test_norm_attention.py tests/test_te_names.py tests/test_moe_names.py tests/test_alias_extra_state.py
-  tests/test_bench.py tests/test_gpu_parts.py"
+  tests/test_bench.py tests/test_gpu_parts.py tests/test_runner_generators.py"
 PARTS[2]="tests/test_layers.py tests/test_one_path.py tests/test_layernorm_mlp.py tests/test_te_semantics.py
   tests/test_saving.py tests/test_debug_checker.py tests/test_fp8_layers.py tests/test_fp8_extra_state.py
   tests/test_fp8_recipe.py tests/test_float8_tensor.py tests/test_te_api.py"
