@@ -1,4 +1,4 @@
-"""The overlap schedules of csrc/core/comm.c against a mock transport (tests/c/comm_schedule_test.c):
+"""The overlap schedules of csrc/core/comm.c against a mock transport (tests/c/comm_schedule_test.c, comm_mock.c):
 plain C, built with the C compiler together with comm.c, comm_lifetime.c, tec.c and error.c and run on any
 machine. The mock drains every rank's streams in random orders the schedule's own waits
 and events allow, so a missing wait shows as a wrong output; timeouts (an absent rank)
@@ -22,7 +22,8 @@ def test_schedules_against_a_mock_transport(tmp_path):
     core = os.path.join(ROOT, "csrc", "core")
     exe = str(tmp_path / "comm_schedule_test")
     subprocess.run([cc, "-std=c11", "-Wall", "-Werror", "-O1", "-I", core,
-                    os.path.join(ROOT, "tests", "c", "comm_schedule_test.c"), os.path.join(core, "comm.c"),
+                    os.path.join(ROOT, "tests", "c", "comm_schedule_test.c"),
+                    os.path.join(ROOT, "tests", "c", "comm_mock.c"), os.path.join(core, "comm.c"),
                     os.path.join(core, "comm_lifetime.c"), os.path.join(core, "fp8.c"),  # the FP8 chunk GEMMs
                     os.path.join(core, "tec.c"), os.path.join(core, "error.c"), "-o", exe,
                     "-ldl", "-lpthread", "-lm"], check=True)

@@ -22,7 +22,7 @@ from ._config import compute_dtype
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
-# plain tensor types: a Parameter, or a tensor made from them (split parameters joined by torch.cat)
+# plain tensor types: a Parameter, or a tensor made from them (split parameters joined)
 _PLAIN_TYPES = (_Parameter, _Tensor)
 _DTYPE_CODES = _engine.DTYPE_CODES
 _CPU = torch.device("cpu")
