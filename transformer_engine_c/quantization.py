@@ -542,6 +542,15 @@ def _mirror(state):
     fp8_enabled = bool(state.FP8_ENABLED)
 
 
+# The traced enter sets FP8GlobalStateManager's class attributes, so that the
+# layers traced inside it are FP8 calls: torch's compiler traces an
+# assignment to a class attribute from torch 2.13 on; before it the autocast
+# is refused while compiling, naming the way out.
+_OLD_TORCH_REFUSAL = None if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13) else (
+    f"te.autocast / fp8_autocast entered inside a function torch.compile traces needs torch 2.13 or newer (this "
+    f"is torch {torch.__version__}): enter the autocast around the call of the compiled function")
+
+
 class _Autocast(contextlib.ContextDecorator):
     """One autocast block: enter sets the state (the one it found kept),
     exit restores it, exceptions included, and at the outermost exit runs
@@ -585,6 +594,8 @@ class _Autocast(contextlib.ContextDecorator):
     # running the forward update of delayed scaling.
 
     def _enter_traced(self):
+        if _OLD_TORCH_REFUSAL:
+            _library.refuse(_OLD_TORCH_REFUSAL)
         if self.graph:
             raise RuntimeError("te.autocast(_graph=True) is make_graphed_callables' own and is not entered inside "
                                "a compiled function")
