@@ -7,9 +7,9 @@ update of every fp8_meta registered during the block when the outermost
 autocast exits with grad enabled. For activation recompute it keeps, per
 delayed-scaling fp8_meta, the forward tensors each checkpointed call cast
 with, for its recompute (TE's copy_forward / get_old / restore methods).
-Entered inside a function torch.compile traces, the autocast does the same
-when the compiled code runs, through tec::autocast_enter / autocast_exit
-(_Autocast._enter_traced). The recipes (recipe.py), quantizers and Float8Tensor
+Entered inside a function torch.compile traces (torch 2.13 and newer;
+refused before), the autocast does the same when the compiled code runs,
+through tec::autocast_enter / autocast_exit (_Autocast._enter_traced). The recipes (recipe.py), quantizers and Float8Tensor
 (tensor/float8_tensor.py) and the FP8 engine operations (_fp8_engine.py)
 are usable on their own.
 
