@@ -13,6 +13,7 @@ by name (a layer by the key it was registered under).
   tec::autocast_enter / _exit       an FP8 autocast entered inside a compiled
                                     function: its state set and restored,
                                     and its exit's scale update, at run time
+  tec::refuse                       a refusal while tracing, its text kept
 
 Eager calls go straight to the engine (the dispatcher's cost is not paid
 there); a layer takes these operators while torch.compile traces it.
@@ -191,6 +192,19 @@ autocast_exit = _define("autocast_exit(bool enabled, bool grad) -> ()", _autocas
 _has_side_effect(autocast_enter)
 _has_side_effect(autocast_exit)
 _KEPT = (layer_bwd, autocast_enter, autocast_exit)
+
+
+# ---------------------------------------------------------------- refusals while tracing
+
+def _refuse(why):
+    raise NotImplementedError(why)
+
+
+# Python code that torch.compile traces raises an exception that reaches the
+# user as "Observed exception", without its text, on torch before 2.13; raised
+# by an operator's fake implementation, which runs while tracing, it keeps
+# its text on every torch. The operator never reaches a graph.
+refuse = _define("refuse(str why) -> ()", _refuse, _refuse)
 
 
 class _LayerCall(torch.autograd.Function):

@@ -7,9 +7,9 @@ update of every fp8_meta registered during the block when the outermost
 autocast exits with grad enabled. For activation recompute it keeps, per
 delayed-scaling fp8_meta, the forward tensors each checkpointed call cast
 with, for its recompute (TE's copy_forward / get_old / restore methods).
-Entered inside a function torch.compile traces, the autocast does the same
-when the compiled code runs, through tec::autocast_enter / autocast_exit
-(_Autocast._enter_traced). The recipes (recipe.py), quantizers and Float8Tensor
+Entered inside a function torch.compile traces (torch 2.13 and newer;
+refused before), the autocast does the same when the compiled code runs,
+through tec::autocast_enter / autocast_exit (_Autocast._enter_traced). The recipes (recipe.py), quantizers and Float8Tensor
 (tensor/float8_tensor.py) and the FP8 engine operations (_fp8_engine.py)
 are usable on their own.
 
@@ -542,6 +542,15 @@ def _mirror(state):
     fp8_enabled = bool(state.FP8_ENABLED)
 
 
+# The traced enter sets FP8GlobalStateManager's class attributes, so that the
+# layers traced inside it are FP8 calls: torch's compiler traces an
+# assignment to a class attribute from torch 2.13 on; before it the autocast
+# is refused while compiling, naming the way out.
+_OLD_TORCH_REFUSAL = None if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13) else (
+    f"te.autocast / fp8_autocast entered inside a function torch.compile traces needs torch 2.13 or newer (this "
+    f"is torch {torch.__version__}): enter the autocast around the call of the compiled function")
+
+
 class _Autocast(contextlib.ContextDecorator):
     """One autocast block: enter sets the state (the one it found kept),
     exit restores it, exceptions included, and at the outermost exit runs
@@ -585,6 +594,8 @@ class _Autocast(contextlib.ContextDecorator):
     # running the forward update of delayed scaling.
 
     def _enter_traced(self):
+        if _OLD_TORCH_REFUSAL:
+            _library.refuse(_OLD_TORCH_REFUSAL)
         if self.graph:
             raise RuntimeError("te.autocast(_graph=True) is make_graphed_callables' own and is not entered inside "
                                "a compiled function")

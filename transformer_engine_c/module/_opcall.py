@@ -14,6 +14,7 @@ implementation: shapes and dtypes from the arguments and the layer's
 configuration alone), and each real call checks that what the Function
 saved is what was declared, raising where it is not."""
 import itertools
+import sys
 import weakref
 
 import torch
@@ -156,8 +157,26 @@ def _recomputed_region():
     nodes it traces), and not in one of tec.checkpoint's."""
     if not fx_traceback.has_preserved_node_meta() or _library.fp8_keeping_regions:
         return False
-    policy = fx_traceback.current_meta.get("recompute")
-    return policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+    meta = fx_traceback.current_meta
+    if "recompute" in meta:
+        return meta["recompute"] in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+    return _inside_plain_checkpoint()
+
+
+def _inside_plain_checkpoint():
+    """Whether torch's compiler is running a torch.utils.checkpoint region
+    without a policy (its higher-order operator is on the stack): torch
+    2.11 tags the region's own nodes as recomputed but not the nodes of a
+    custom autograd Function's forward inside it (where a layer call is),
+    which carry no tag; torch 2.8 and 2.13 tag the layer call itself."""
+    hop = getattr(sys.modules.get("torch._higher_order_ops.wrap"), "TagActivationCheckpoint", None)
+    code = getattr(getattr(hop, "__call__", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_saved(layer, spec, call, args, saved, new):
