@@ -110,9 +110,9 @@ def attention_case(groups, dev, kind, fmt, mask, dtype_name, heads, groups_kv, d
     else:
         lead = (S, B) if fmt == "sbhd" else (B, S)
         shape_q, shape_k, shape_v = ((*lead, heads, d), (*lead, groups_kv, d), (*lead, groups_kv, dv))
-    q, k, v = (torch.randn(s, generator=gen).to(dtype) for s in (shape_q, shape_k, shape_v))
+    q, k, v = (torch.randn(s, generator=gen, device="cpu").to(dtype) for s in (shape_q, shape_k, shape_v))
     out_shape = (*shape_q[:-2], heads * dv)
-    dout = torch.randn(out_shape, generator=gen).to(dtype)
+    dout = torch.randn(out_shape, generator=gen, device="cpu").to(dtype)
     kw = dict(qkv_format=fmt, attn_mask_type=mask, window_size=window, attention_dropout=0.0)
     if fmt == "thd" and padded:
         fkw = dict(cu_seqlens_q=cu_actual.to(dev), cu_seqlens_kv=cu_actual.to(dev), cu_seqlens_q_padded=cu.to(dev),
@@ -202,8 +202,8 @@ def transformer_layer_case(groups, dev, kind):
     rope = tec.RotaryPositionEmbedding(H // HEADS)
     freqs = rope(S).to(dev)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(S, B, H, generator=gen).to(dev)
-    dy = torch.randn(S, B, H, generator=gen).to(dev)
+    x = torch.randn(S, B, H, generator=gen, device="cpu").to(dev)
+    dy = torch.randn(S, B, H, generator=gen, device="cpu").to(dev)
     xf = x.clone().requires_grad_()
     full(xf, rotary_pos_emb=freqs).backward(dy)
     xl = cp.shard_sequence(x, 0, size, rank).requires_grad_()
@@ -244,8 +244,8 @@ def multihead_thd_case(groups, dev):
     part.set_context_parallel_group(groups.all, list(range(size)), None, "p2p")
     freqs = tec.RotaryPositionEmbedding(H // HEADS)(max(lens)).to(dev)
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(sum(lens), H, generator=gen).to(dev)
-    dy = torch.randn(sum(lens), H, generator=gen).to(dev)
+    x = torch.randn(sum(lens), H, generator=gen, device="cpu").to(dev)
+    dy = torch.randn(sum(lens), H, generator=gen, device="cpu").to(dev)
     fkw = dict(rotary_pos_emb=freqs, cu_seqlens_q=actual.to(dev), cu_seqlens_kv=actual.to(dev),
                cu_seqlens_q_padded=cu.to(dev), cu_seqlens_kv_padded=cu.to(dev), pad_between_seqs=True)
     xf = x.clone().requires_grad_()
@@ -283,9 +283,9 @@ def dropout_case(groups, dev, kind):
                                 cp_group=groups.all, cp_global_ranks=list(range(size)), cp_comm_type=kind)
     gen = torch.Generator().manual_seed(21)
     S, B = 4 * size, 2
-    full = [torch.randn(S, B, h, 8, generator=gen) for h in (2 * size, size, size)]
-    w_full = torch.randn(S, B, 2 * size * 8, generator=gen)
-    u_full = [torch.randn(t.shape, generator=gen) for t in full]
+    full = [torch.randn(S, B, h, 8, generator=gen, device="cpu") for h in (2 * size, size, size)]
+    w_full = torch.randn(S, B, 2 * size * 8, generator=gen, device="cpu")
+    u_full = [torch.randn(t.shape, generator=gen, device="cpu") for t in full]
     q, k, v, w, *u = (cp.shard_sequence(t, 0, size, rank).to(dev) for t in (*full, w_full, *u_full))
 
     def loss(shift=0.0, grad=False):
