@@ -68,7 +68,7 @@ PARTS[2]="tests/test_layers.py tests/test_one_path.py tests/test_layernorm_mlp.p
   tests/test_saving.py tests/test_debug_checker.py tests/test_fp8_layers.py tests/test_fp8_extra_state.py
   tests/test_fp8_recipe.py tests/test_float8_tensor.py tests/test_te_api.py"
 PARTS[3]="tests/test_cuda_graphs.py tests/test_fp8_params.py tests/test_fp8_engine.py tests/test_fp8_steps.py
-  tests/test_fp8_block.py tests/test_compile.py tests/test_rope.py tests/test_transformer_layer.py"
+  tests/test_fp8_block.py tests/test_compile.py tests/test_compile_autocast.py tests/test_rope.py tests/test_transformer_layer.py"
 PARTS[4]="tests/distributed/test_layernorm_mlp_tp.py tests/distributed/test_gemm_with_overlap.py
   tests/distributed/test_comm_gemm_overlap.py tests/distributed/test_grad_mode_overlap.py
   tests/distributed/test_graph_overlap.py tests/distributed/test_temporaries.py tests/distributed/test_tp.py
