@@ -13,6 +13,9 @@ import re
 import sys
 import xml.etree.ElementTree as ET
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _cuda_state import read_ledger  # noqa: E402  (the ledger's one reader)
+
 # A -v result line: "tests/x.py::test_y[cuda] PASSED   [ 12%]"
 RESULT = re.compile(r"^\S+::.*? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
@@ -39,18 +42,6 @@ def counts(report, log):
     if os.path.exists(report) and os.path.getsize(report):
         return from_report(report)
     return from_log(log) if os.path.exists(log) else (0, 0, 0)
-
-
-def read_ledger(path):
-    """{nodeid: outcome} (tests/_cuda_state.py's format; the last line of a test wins)."""
-    done = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                outcome, sep, nodeid = line.rstrip("\n").partition("\t")
-                if sep:
-                    done[nodeid] = outcome
-    return done
 
 
 def failed(ledger):
