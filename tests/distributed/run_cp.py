@@ -306,7 +306,8 @@ def dropout_case(groups, dev, kind):
         errors.append(f"{name}: the output is the one without dropout ({base.item()} vs {plain.item()})")
     eps = 1e-2
     sums = torch.tensor([sum((a.grad * d).sum().item() for a, d in zip(args, u)),
-                         (loss(eps)[0].item() - loss(-eps)[0].item()) / (2 * eps)], dtype=torch.float64)
+                         (loss(eps)[0].item() - loss(-eps)[0].item()) / (2 * eps)], dtype=torch.float64,
+                        device=dev)
     dist.all_reduce(sums, group=groups.all)
     analytic, numeric = sums.tolist()
     if abs(analytic - numeric) > 2e-3 * max(abs(numeric), 1.0):
