@@ -336,6 +336,24 @@ def _overlap(ex):
         ex.wait()
 
 
+def _ring(cfg, k, v, what, tag):
+    """Yield (step, k, v) for each step of the ring: this rank's key/value
+    shard first, then each shard the ring passes on. The next shard's
+    exchange starts before a step's attention and is waited for after it."""
+    n = cfg.p2p_size
+    shapes = (k.shape, v.shape)
+    kv = _pack(k, v) if n > 1 else None
+    for step in range(n):
+        ex = None
+        if step + 1 < n:
+            ex = _Exchange(cfg, kv, torch.empty_like(kv), what, step, tag=tag)
+            _overlap(ex)
+        yield step, k, v
+        if ex is not None:
+            kv = ex.wait()
+            k, v = _unpack(kv, shapes)
+
+
 class _RingAttention(torch.autograd.Function):
     """q [B, H, S, D], k/v [B, Hk, S, D(v)] this rank's shard of the ring's
     layout; returns the output [B, H, S, Dv] in q's dtype."""
@@ -343,27 +361,16 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):
         cfg = plan.cfg
-        n = cfg.p2p_size
         out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-        shapes = (k.shape, v.shape)
-        kv = _pack(k, v) if n > 1 else None
-        cur_k, cur_v = k, v
         auxes = []
-        for step in range(n):
-            ex = None
-            if step + 1 < n:
-                ex = _Exchange(cfg, kv, torch.empty_like(kv), "forward key/value", step, tag=0)
-                _overlap(ex)
+        for step, cur_k, cur_v in _ring(cfg, k, v, "forward key/value", tag=0):
             rows, cols, mask = _step_blocks(plan, step)
             o, m, aux = block_forward(q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols), plan.scale, mask,
                                       plan.dropout(step))
             auxes.append(aux)
             out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, m)
             _stats["p2p_steps"] += 1
-            if ex is not None:
-                kv = ex.wait()
-                cur_k, cur_v = _unpack(kv, shapes)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.plan, ctx.auxes = plan, auxes
@@ -379,14 +386,8 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros_like(q, dtype=torch.float32)
         shapes = (k.shape, v.shape)
-        kv = _pack(k, v) if n > 1 else None
-        cur_k, cur_v = k, v
         dkv = None
-        for step in range(n):
-            ex = None
-            if step + 1 < n:
-                ex = _Exchange(cfg, kv, torch.empty_like(kv), "backward key/value", step, tag=1)
-                _overlap(ex)
+        for step, cur_k, cur_v in _ring(cfg, k, v, "backward key/value", tag=1):
             rows, cols, mask = _step_blocks(plan, step)
             gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], _cols(cur_k, cols), _cols(cur_v, cols),
                                         out[:, :, rows], lse[:, :, rows], delta[:, :, rows], plan.scale, mask,
@@ -409,9 +410,6 @@ class _RingAttention(torch.autograd.Function):
                     dkv.wait()
             else:
                 dk_tot, dv_tot = dk_step, dv_step
-            if ex is not None:
-                kv = ex.wait()
-                cur_k, cur_v = _unpack(kv, shapes)
         if n > 1:
             dk_tot, dv_tot = _unpack(dkv.wait(), shapes)
         return dq.to(q.dtype), dk_tot.to(k.dtype), dv_tot.to(v.dtype), None
