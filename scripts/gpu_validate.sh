@@ -17,7 +17,9 @@
 #      TEC_SHARE_GPU=2 where there is one GPU; PART_TIMEOUT=380 each); what failed
 #      while the parts shared the GPU is rerun alone before it counts (within
 #      RERUN_TIMEOUT=100 s); one line per part, then the total; exit 0 only when
-#      nothing failed. Each part's logs are in $OUT/partK/, the reruns' in $OUT/)
+#      nothing failed. Each part's logs are in $OUT/partK/, the reruns' in $OUT/;
+#      WHEELS=DIR first installs DIR's wheels with pip --no-deps: megatron-core's
+#      and torchao's, whose tests skip where they are not installed)
 #   In a part, a test that leaves the CUDA state broken stops its process at once
 #   (tests/_cuda_state.py names it, and it counts as failed); the part goes on in
 #   a fresh process with the tests not yet run, and counts every test once.
@@ -127,6 +129,11 @@ all_parts() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
   t0=$(date +%s)
   date -u | tee -a "$OUT/summary.txt"
+  if [ -n "${WHEELS:-}" ]; then  # the peers the machine lacks (megatron-core, torchao), as wheels carried there
+    python3 -m pip install --no-deps -q "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1 \
+      || { echo "WHEELS FAILED" | tee -a "$OUT/summary.txt"; tail -20 "$OUT/wheels.log"; return 1; }
+    echo "== installed: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+  fi
   TEC_CUDA=1 python3 setup.py build_ext --inplace -j "$(nproc)" > "$OUT/build.log" 2>&1 \
     || { echo "BUILD FAILED" | tee -a "$OUT/summary.txt"; tail -40 "$OUT/build.log"; return 1; }
   echo "== build ok in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
