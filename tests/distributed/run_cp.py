@@ -209,10 +209,17 @@ def transformer_layer_case(groups, dev, kind):
     xl = cp.shard_sequence(x, 0, size, rank).requires_grad_()
     y = part(xl, rotary_pos_emb=freqs)
     y.backward(cp.shard_sequence(dy, 0, size, rank))
-    name = f"TransformerLayer {kind}"
+    return layer_errors(f"TransformerLayer {kind}", groups, full, part,
+                        (("output", y, cp.shard_sequence(full(x, rotary_pos_emb=freqs), 0, size, rank)),
+                         ("input grad", xl.grad, cp.shard_sequence(xf.grad, 0, size, rank))))
+
+
+def layer_errors(name, groups, full, part, pairs):
+    """What differs beyond tolerance: each (what, got, want) of `pairs`, then
+    each parameter's gradient of `part` summed over the group against
+    `full`'s."""
     errors = []
-    for what, got, want in (("output", y, cp.shard_sequence(full(x, rotary_pos_emb=freqs), 0, size, rank)),
-                            ("input grad", xl.grad, cp.shard_sequence(xf.grad, 0, size, rank))):
+    for what, got, want in pairs:
         e = tolerance_error(f"{name}: {what}", got, want)
         if e:
             errors.append(e)
@@ -254,20 +261,9 @@ def multihead_thd_case(groups, dev):
     xl = cp.shard_thd(x, cu, size, rank).requires_grad_()
     y = part(xl, **fkw)
     y.backward(cp.shard_thd(dy, cu, size, rank))
-    errors = []
-    for what, got, want in (("output", y, cp.shard_thd(yf.detach(), cu, size, rank)),
-                            ("input grad", xl.grad, cp.shard_thd(xf.grad, cu, size, rank))):
-        e = tolerance_error(f"MultiheadAttention thd padded: {what}", got, want)
-        if e:
-            errors.append(e)
-    grads = dict(full.named_parameters())
-    for n, p in part.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g, group=groups.all)
-        e = tolerance_error(f"MultiheadAttention thd padded: {n} gradient", g, grads[n].grad)
-        if e:
-            errors.append(e)
-    return errors
+    return layer_errors("MultiheadAttention thd padded", groups, full, part,
+                        (("output", y, cp.shard_thd(yf.detach(), cu, size, rank)),
+                         ("input grad", xl.grad, cp.shard_thd(xf.grad, cu, size, rank))))
 
 
 def dropout_case(groups, dev, kind):
@@ -329,7 +325,7 @@ def expect_error(errors, what, exc, needle, fn):
 
 
 def bad_inputs(groups, dev):
-    size, rank = groups.world, groups.rank
+    size = groups.world
     errors = []
     dpa = tec.DotProductAttention
     g, ranks = groups.args("p2p")

@@ -89,6 +89,27 @@ def compare_grads(grads, ref_grads, what):
     return errors, worst
 
 
+def step_at_cp(model, loss_fn, ref_loss, label, errors):
+    """One forward and backward of `model` at CP>1 (the paths' counts reset
+    first): its loss summed over the context-parallel group, checked against
+    `ref_loss` (CP=1) into `errors`, and its gradients summed over the group."""
+    from megatron.core import parallel_state
+    cp_group = parallel_state.get_context_parallel_group()
+    reset_stats()
+    loss = loss_fn(model)
+    loss.backward()
+    mg.reduce_sequence_parallel_grads(model, parallel_state.get_tensor_model_parallel_group())
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    if abs(total.item() - ref_loss.item()) > 1e-5 * abs(ref_loss.item()):
+        errors.append(f"{label}: loss {total.item():.7f} vs {ref_loss.item():.7f} at CP=1")
+    grads = {}
+    for n, p in model.named_parameters():
+        grads[n] = p.grad.detach().clone()
+        dist.all_reduce(grads[n], group=cp_group)
+    return total, grads
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp-comm-types", default="p2p,all_gather,a2a")
@@ -128,18 +149,7 @@ def main():
     for kind in kinds:
         model = build(tp, cp, dev, kind)
         model.load_state_dict(state, strict=False)
-        reset_stats()
-        loss = local_loss(model, tokens, labels, cp, crank)
-        loss.backward()
-        mg.reduce_sequence_parallel_grads(model, tp_group)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=cp_group)
-        if abs(total.item() - ref_loss.item()) > 1e-5 * abs(ref_loss.item()):
-            errors.append(f"{kind}: loss {total.item():.7f} vs {ref_loss.item():.7f} at CP=1")
-        grads = {}
-        for n, p in model.named_parameters():
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n], group=cp_group)
+        total, grads = step_at_cp(model, lambda m: local_loss(m, tokens, labels, cp, crank), ref_loss, kind, errors)
         if args.corrupt in grads:
             grads[args.corrupt].mul_(1.001)
         found, worst = compare_grads(grads, ref_grads, kind)
@@ -166,18 +176,8 @@ def main():
         ref_packed = {n: p.grad.detach().clone() for n, p in whole.named_parameters()}
         model = build(tp, cp, dev, kinds[0])
         model.load_state_dict(state, strict=False)
-        reset_stats()
-        loss = packed_loss(model, tokens, labels, cp, crank)
-        loss.backward()
-        mg.reduce_sequence_parallel_grads(model, tp_group)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=cp_group)
-        if abs(total.item() - ref.item()) > 1e-5 * abs(ref.item()):
-            errors.append(f"packed {kinds[0]}: loss {total.item():.7f} vs {ref.item():.7f} at CP=1")
-        grads = {}
-        for n, p in model.named_parameters():
-            grads[n] = p.grad.detach().clone()
-            dist.all_reduce(grads[n], group=cp_group)
+        total, grads = step_at_cp(model, lambda m: packed_loss(m, tokens, labels, cp, crank), ref,
+                                  f"packed {kinds[0]}", errors)
         found, worst = compare_grads(grads, ref_packed, f"packed {kinds[0]}")
         errors += found
         if rank == 0:
