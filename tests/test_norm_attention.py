@@ -221,6 +221,44 @@ def test_dot_product_attention_dropout_under_tracker():
     assert rel_err(attn(q, k, v), ref) < 1e-5  # no dropout in eval
 
 
+def test_dot_product_attention_kept_plans_follow_changes():
+    """The plan kept per (format, mask type, window, diagonal) follows a
+    changed attribute or argument, another sequence length and dtype: each
+    call gives what a fresh layer gives, and a bad value still raises."""
+    torch.manual_seed(0)
+    d = 8
+
+    def fresh(q, k, v, **kw):
+        return te.DotProductAttention(2, d, attention_type="cross")(q, k, v, **kw)
+
+    attn = te.DotProductAttention(2, d, attention_type="cross")
+    q, k, v = (torch.randn(6, 1, 2, d) for _ in range(3))
+    assert torch.equal(attn(q, k, v), fresh(q, k, v))  # causal
+    attn.attn_mask_type = "no_mask"  # an attribute changed after the first call
+    assert torch.equal(attn(q, k, v), fresh(q, k, v, attn_mask_type="no_mask"))
+    assert not torch.allclose(attn(q, k, v), fresh(q, k, v))
+    attn.window_size = (1, 1)
+    assert torch.equal(attn(q, k, v), fresh(q, k, v, attn_mask_type="no_mask", window_size=(1, 1)))
+    attn.window_size = None
+    for kw in (dict(window_size=[2, 0], attn_mask_type="causal"), dict(attn_mask_type="causal_bottom_right"),
+               dict(attn_mask_type="no_mask", window_size=(1, 1), bottom_right_diagonal=False)):
+        assert torch.equal(attn(q, k[:4], v[:4], **kw), fresh(q, k[:4], v[:4], **kw)), kw
+    q2, k2, v2 = (torch.randn(3, 2, 2, d, dtype=torch.bfloat16) for _ in range(3))  # other lengths, dtype
+    assert torch.equal(attn(q2, k2, v2, attn_mask_type="causal"), fresh(q2, k2, v2, attn_mask_type="causal"))
+    bq, bk, bv = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    assert torch.equal(attn(bq, bk, bv, qkv_format="bshd"), fresh(q, k, v, attn_mask_type="no_mask").transpose(0, 1))
+    attn.qkv_format = "bshd"
+    assert torch.equal(attn(bq, bk, bv), fresh(q, k, v, attn_mask_type="no_mask").transpose(0, 1))
+    with pytest.raises(ValueError, match="qkv_format"):
+        attn(q, k, v, qkv_format="sbdh")
+    with pytest.raises(ValueError, match="window_size"):
+        attn(bq, bk, bv, attn_mask_type="causal", window_size=(1, 1))
+    with pytest.raises(ValueError, match="window_size"):
+        attn(bq, bk, bv, attn_mask_type="causal", window_size=(1, 1))  # not kept after raising
+    with pytest.raises(ValueError, match="4-D"):
+        attn(bq[0], bk, bv)
+
+
 def test_dot_product_attention_refusals():
     with pytest.raises(ValueError, match="attn_mask_type"):
         te.DotProductAttention(2, 8, attn_mask_type="diagonal")

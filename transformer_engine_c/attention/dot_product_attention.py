@@ -55,7 +55,7 @@ def _fp8_attention_asked():
     """Whether FP8 autocast's recipe asks for FP8 attention. Without fp8_dpa /
     fp8_mha, attention under FP8 autocast runs in the compute dtype, as in
     TE."""
-    if not FP8GlobalStateManager.is_fp8_enabled():
+    if not FP8GlobalStateManager.FP8_ENABLED:
         return False
     recipe = FP8GlobalStateManager.get_fp8_recipe()
     return bool(getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False))
@@ -79,6 +79,35 @@ def _window(window_size, mask_type):
     if causal and right not in (0, -1):
         raise ValueError(f"window_size={window_size}: a causal mask type needs right = 0 (or -1)")
     return (left, 0) if causal else (left, right)
+
+
+class AttentionPlan:
+    """What DotProductAttention decides once per (qkv_format, attn_mask_type,
+    window_size, bottom_right_diagonal): the checked format and mask type,
+    the (left, right) window, the diagonal (`br`: True, False or None, the
+    mask type's own), and whether the kernels' is_causal can stand for the
+    mask (`causal`, where query and key lengths are equal and no bias)."""
+
+    __slots__ = ("fmt", "mask_type", "window", "br", "causal", "padding", "arbitrary", "ndim")
+
+    def __init__(self, fmt, mask_type, window_size, br):
+        _check_choice("qkv_format", fmt, QKV_FORMATS)
+        _check_choice("attn_mask_type", mask_type, MASK_TYPES)
+        self.fmt, self.mask_type = fmt, mask_type
+        self.window = _window(window_size, mask_type)
+        self.br = True if mask_type.endswith("bottom_right") else br  # these types' diagonal by definition
+        self.causal = mask_type == "causal" and self.window == (-1, 0) and not self.br
+        self.padding, self.arbitrary = mask_type.startswith("padding"), mask_type == "arbitrary"
+        self.ndim = 3 if fmt == "thd" else 4
+
+
+_PLANS_KEPT = 64  # distinct configurations a layer keeps plans for (a layer sees a few)
+
+
+def _cacheable(window_size):
+    """Whether a window_size can key a kept plan: None or a tuple of ints (a
+    list or tensors could change in place)."""
+    return window_size is None or type(window_size) is tuple and all(type(v) is int for v in window_size)
 
 
 def _band(sq, skv, mask_type, window, device, bottom_right=None, shift=None):
@@ -221,6 +250,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k) if softmax_scale is None
                               else float(softmax_scale))
         self.softmax_type = softmax_type
+        self._plans = {}  # AttentionPlan per configuration (_plan)
         self.rng_states_tracker = None
         if not self.sequence_parallel and get_rng_state_tracker is not None:
             self.rng_states_tracker = get_rng_state_tracker()
@@ -247,47 +277,75 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         """q/k/v in `qkv_format` (default the constructor's); `attn_mask_type`
         and `window_size` default to the constructor's. num_splits (a
         flash-decoding knob) does not change the result and is ignored."""
-        fmt = self.qkv_format if qkv_format is None else qkv_format
-        _check_choice("qkv_format", fmt, QKV_FORMATS)
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        _check_choice("attn_mask_type", mask_type, MASK_TYPES)
-        window = _window(self.window_size if window_size is None else window_size, mask_type)
-        # Inside an FP8 autocast attention computes in high precision, as TE's does
-        # without the recipe's fp8_dpa (which the recipes here refuse).
-        for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
-                           (_fp8_attention_asked(), "FP8 attention (the recipe's fp8_dpa / fp8_mha)"),
-                           (alibi_slopes is not None or core_attention_bias_type == "alibi", "ALiBi"),
-                           (inference_params is not None, "inference_params (KV-cache inference)"),
-                           (score_mod is not None or score_mod_bprop is not None, "score_mod"),
-                           (qkv_layer is not None, "qkv_layer")):
-            if flag:
-                raise NotImplementedError(f"DotProductAttention: {what} is not supported")
-        _check_choice("core_attention_bias_type", core_attention_bias_type, ("no_bias", "pre_scale_bias",
-                                                                            "post_scale_bias", "alibi"))
+        plan = self._plan(self.qkv_format if qkv_format is None else qkv_format,
+                          self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                          self.window_size if window_size is None else window_size,
+                          self.bottom_right_diagonal if bottom_right_diagonal is None else bool(bottom_right_diagonal))
         bias = None
-        if core_attention_bias_type != "no_bias":
-            if core_attention_bias is None:
-                raise ValueError(f"core_attention_bias is required with core_attention_bias_type="
-                                 f"{core_attention_bias_type!r}")
-            bias = core_attention_bias
-            if core_attention_bias_type == "pre_scale_bias":
-                bias = bias * self.softmax_scale
+        if (fp8_output or alibi_slopes is not None or inference_params is not None or score_mod is not None
+                or score_mod_bprop is not None or qkv_layer is not None or core_attention_bias_type != "no_bias"
+                or FP8GlobalStateManager.FP8_ENABLED):
+            bias = self._checked_bias(fp8_output, alibi_slopes, inference_params, score_mod, score_mod_bprop,
+                                      qkv_layer, core_attention_bias_type, core_attention_bias)
         q, k, v = query_layer, key_layer, value_layer
-        for t, n in ((q, "query_layer"), (k, "key_layer"), (v, "value_layer")):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"DotProductAttention: {n} must be a tensor, got {type(t).__name__}")
-        self._check_heads(q, k, v, fmt)
-        br = self.bottom_right_diagonal if bottom_right_diagonal is None else bool(bottom_right_diagonal)
-        if mask_type.endswith("bottom_right"):
-            br = True  # the causal diagonal of these types is bottom-right by definition
-        args = (q, k, v, attention_mask, fmt, mask_type, window, bias, cu_seqlens_q, cu_seqlens_kv,
-                cu_seqlens_q_padded, cu_seqlens_kv_padded, br)
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            for t, n in ((q, "query_layer"), (k, "key_layer"), (v, "value_layer")):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"DotProductAttention: {n} must be a tensor, got {type(t).__name__}")
+        nd, qs, ks = plan.ndim, q.shape, k.shape
+        if (len(qs) != nd or len(ks) != nd or v.dim() != nd or qs[-2] != self.num_attention_heads_per_partition
+                or ks[-2] != self.num_gqa_groups_per_partition or v.shape[-2] != ks[-2] or qs[-1] != ks[-1]):
+            self._check_heads(q, k, v, plan.fmt)
+        args = (q, k, v, attention_mask, plan, bias, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                cu_seqlens_kv_padded)
         if checkpoint_core_attention and torch.is_grad_enabled():
             from ..checkpoint import checkpoint
             tracker = self.rng_states_tracker
             return checkpoint(self._forward, *args, use_reentrant=False,
                               get_rng_state_tracker=(lambda: tracker) if tracker is not None else None)
         return self._forward(*args)
+
+    def _plan(self, fmt, mask_type, window_size, br):
+        """The AttentionPlan of these (resolved) arguments, kept in the layer
+        per key: a changed argument or attribute is another key."""
+        key = (fmt, mask_type, window_size, br)
+        plans = self.__dict__.get("_plans")
+        cacheable = plans is not None and (window_size is None or _cacheable(window_size))
+        if cacheable:
+            plan = plans.get(key)
+            if plan is not None:
+                return plan
+        plan = AttentionPlan(fmt, mask_type, window_size, br)
+        if cacheable and not torch.compiler.is_compiling():
+            if len(plans) >= _PLANS_KEPT:
+                plans.clear()
+            plans[key] = plan
+        return plan
+
+    def _checked_bias(self, fp8_output, alibi_slopes, inference_params, score_mod, score_mod_bprop, qkv_layer,
+                      bias_type, core_attention_bias):
+        """The arguments a plain call leaves at their defaults: NotImplementedError
+        for what is not supported, else the score bias to add (None with
+        'no_bias')."""
+        # Inside an FP8 autocast attention computes in high precision, as TE's does
+        # without the recipe's fp8_dpa (which the recipes here refuse).
+        for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
+                           (_fp8_attention_asked(), "FP8 attention (the recipe's fp8_dpa / fp8_mha)"),
+                           (alibi_slopes is not None or bias_type == "alibi", "ALiBi"),
+                           (inference_params is not None, "inference_params (KV-cache inference)"),
+                           (score_mod is not None or score_mod_bprop is not None, "score_mod"),
+                           (qkv_layer is not None, "qkv_layer")):
+            if flag:
+                raise NotImplementedError(f"DotProductAttention: {what} is not supported")
+        _check_choice("core_attention_bias_type", bias_type, ("no_bias", "pre_scale_bias", "post_scale_bias",
+                                                              "alibi"))
+        if bias_type == "no_bias":
+            return None
+        if core_attention_bias is None:
+            raise ValueError(f"core_attention_bias is required with core_attention_bias_type={bias_type!r}")
+        if bias_type == "pre_scale_bias":
+            return core_attention_bias * self.softmax_scale
+        return core_attention_bias
 
     def _check_heads(self, q, k, v, fmt):
         need = 3 if fmt == "thd" else 4
@@ -304,51 +362,52 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         if q.shape[-1] != k.shape[-1]:
             raise ValueError(f"DotProductAttention: query and key head sizes differ ({q.shape[-1]} vs {k.shape[-1]})")
 
-    def _dropout_ctx(self):
-        if self.training and self.attention_dropout > 0 and self.rng_states_tracker is not None:
-            return self.rng_states_tracker.fork()
-        return contextlib.nullcontext()
-
-    def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, br):
+    def _forward(self, q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad):
         p = self.attention_dropout if self.training else 0.0
-        with self._dropout_ctx():
-            if self._cp is not None:
-                return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale,
-                                                  cu_q, cu_kv, cu_q_pad, cu_kv_pad, bias, p)
-            if fmt == "thd":
-                return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
-            if fmt == "sbhd":
-                q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            else:
-                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            b, h, sq, _ = q.shape
-            skv = k.shape[2]
-            # the kernels' is_causal, where no bias needs the explicit mask (no mask is built)
-            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br and bias is None
-            allowed = None if plain_causal else _band(sq, skv, mask_type, window, q.device, br)
-            if allowed is not None:
-                allowed = allowed.view(1, 1, sq, skv)
-            if mask_type.startswith("padding"):
-                pad, shift = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
-                if allowed is not None:  # a bottom-right diagonal at each sequence's own corner
-                    allowed = _band(sq, skv, mask_type, window, q.device, br, shift)
-                allowed = pad if allowed is None else allowed & pad
-            elif mask_type == "arbitrary":
-                if attention_mask is None:
-                    raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
-                if not isinstance(attention_mask, torch.Tensor):
-                    raise TypeError(f"attention_mask: an arbitrary mask is one tensor, got "
-                                    f"{type(attention_mask).__name__}")
-                am = ~attention_mask.to(torch.bool)
-                try:
-                    torch.broadcast_shapes(am.shape, (b, h, sq, skv))
-                except RuntimeError:
-                    raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
-                                     f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
-                allowed = am if allowed is None else allowed & am
-            out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
-            out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
-            return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
+        if p > 0 and self.rng_states_tracker is not None:
+            with self.rng_states_tracker.fork():
+                return self._attention(q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p)
+        return self._attention(q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p)
+
+    def _attention(self, q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p):
+        fmt, mask_type, window, br = plan.fmt, plan.mask_type, plan.window, plan.br
+        if self._cp is not None:
+            return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale,
+                                              cu_q, cu_kv, cu_q_pad, cu_kv_pad, bias, p)
+        if fmt == "thd":
+            return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
+        if fmt == "sbhd":
+            q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        b, h, sq, _ = q.shape
+        skv = k.shape[2]
+        # the kernels' is_causal, where no bias needs the explicit mask (no mask is built)
+        plain_causal = plan.causal and sq == skv and bias is None
+        allowed = None if plain_causal else _band(sq, skv, mask_type, window, q.device, br)
+        if allowed is not None:
+            allowed = allowed.view(1, 1, sq, skv)
+        if plan.padding:
+            pad, shift = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+            if allowed is not None:  # a bottom-right diagonal at each sequence's own corner
+                allowed = _band(sq, skv, mask_type, window, q.device, br, shift)
+            allowed = pad if allowed is None else allowed & pad
+        elif plan.arbitrary:
+            if attention_mask is None:
+                raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask: an arbitrary mask is one tensor, got "
+                                f"{type(attention_mask).__name__}")
+            am = ~attention_mask.to(torch.bool)
+            try:
+                torch.broadcast_shapes(am.shape, (b, h, sq, skv))
+            except RuntimeError:
+                raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
+                                 f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
+            allowed = am if allowed is None else allowed & am
+        out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
+        out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
+        return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
 
     def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br):
         if cu_q is None or cu_kv is None:
