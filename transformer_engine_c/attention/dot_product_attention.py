@@ -136,16 +136,65 @@ def _band(sq, skv, mask_type, window, device, bottom_right=None, shift=None):
     return allowed
 
 
-def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
+class _Band:
+    """A mask of the causal diagonal and the window alone, kept for its
+    shape and device (_kept_band): `mask` [1, 1, sq, skv], True where a
+    query attends, with the rows that allow no key opened (the kernels need
+    one; None: every pair attends), and `empty` those rows [1, 1, sq, 1] to
+    zero after the kernel, None where every row has a key."""
+
+    __slots__ = ("mask", "empty")
+
+    def __init__(self, mask, empty):
+        self.mask, self.empty = mask, empty
+
+
+# Kept bands, shared by the layers (a model's layers see the same few): the oldest goes past _BANDS_KEPT,
+# and a mask past _BAND_MAX elements is built per call instead.
+_BANDS = {}
+_BANDS_KEPT = 8
+_BAND_MAX = 1 << 24
+
+
+def _kept_band(sq, skv, mask_type, window, device, br):
+    """The _Band of these lengths, mask type, window, diagonal (`br`) and
+    device, kept (its mask and whether a row is empty are then found once,
+    not per call: no mask building and no synchronisation on a CUDA
+    device); None where it is not kept (under torch.compile, in a CUDA
+    graph capture, past _BAND_MAX elements): the caller builds the mask."""
+    key = (sq, skv, mask_type, window, br, device)
+    band = _BANDS.get(key)
+    if band is not None:
+        return band
+    if (sq * skv > _BAND_MAX or torch.compiler.is_compiling()
+            or device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    allowed = _band(sq, skv, mask_type, window, device, br)
+    if allowed is None:
+        band = _Band(None, None)
+    else:
+        allowed = allowed.view(1, 1, sq, skv)
+        empty = ~allowed.any(-1, keepdim=True)
+        band = _Band(allowed | empty, empty if bool(empty.any()) else None)
+    if len(_BANDS) >= _BANDS_KEPT:
+        _BANDS.pop(next(iter(_BANDS)))
+    _BANDS[key] = band
+    return band
+
+
+def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias, band=None):
     """q [b, h, sq, d], k/v [b, hk, skv, d]; allowed broadcastable to
-    [b, h, sq, skv] (True: attend) or None. Returns [b, h, sq, dv]."""
+    [b, h, sq, skv] (True: attend) or None, or instead `band` (a kept
+    _Band). Returns [b, h, sq, dv]."""
     h, hk = q.shape[1], k.shape[1]
     if hk != h:
         k = k.repeat_interleave(h // hk, dim=1)
         v = v.repeat_interleave(h // hk, dim=1)
     empty_rows = None
     mask = allowed
-    if allowed is not None:
+    if band is not None:
+        mask = band.mask
+    elif allowed is not None:
         allowed = allowed.expand(q.shape[0], h, q.shape[2], k.shape[2])
         empty_rows = ~allowed.any(-1, keepdim=True)
         mask = allowed | empty_rows  # rows with no key attend anywhere, then are zeroed
@@ -154,7 +203,10 @@ def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=is_causal and mask is None, scale=scale)
-    if empty_rows is not None and bool(empty_rows.any()):
+    if band is not None:
+        if band.empty is not None:
+            out = out.masked_fill(band.empty, 0.0)
+    elif empty_rows is not None and bool(empty_rows.any()):
         out = out.masked_fill(empty_rows, 0.0)
     return out
 
@@ -384,7 +436,10 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         skv = k.shape[2]
         # the kernels' is_causal, where no bias needs the explicit mask (no mask is built)
         plain_causal = plan.causal and sq == skv and bias is None
-        allowed = None if plain_causal else _band(sq, skv, mask_type, window, q.device, br)
+        band = None
+        if not (plain_causal or plan.padding or plan.arbitrary):  # the diagonal and window alone: kept
+            band = _kept_band(sq, skv, mask_type, window, q.device, br)
+        allowed = None if plain_causal or band is not None else _band(sq, skv, mask_type, window, q.device, br)
         if allowed is not None:
             allowed = allowed.view(1, 1, sq, skv)
         if plan.padding:
@@ -405,7 +460,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
                 raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
                                  f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
             allowed = am if allowed is None else allowed & am
-        out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
+        out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias, band)
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
         return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
 
