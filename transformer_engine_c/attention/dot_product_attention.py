@@ -177,7 +177,12 @@ def _kept_band(sq, skv, mask_type, window, device, br):
         empty = ~allowed.any(-1, keepdim=True)
         band = _Band(allowed | empty, empty if bool(empty.any()) else None)
     if len(_BANDS) >= _BANDS_KEPT:
-        _BANDS.pop(next(iter(_BANDS)))
+        old = _BANDS.pop(next(iter(_BANDS)))
+        if old.mask is not None and old.mask.is_cuda:  # its memory is free again once this stream has read it
+            stream = torch.cuda.current_stream(old.mask.device)
+            for t in (old.mask, old.empty):
+                if t is not None:
+                    t.record_stream(stream)
     _BANDS[key] = band
     return band
 
