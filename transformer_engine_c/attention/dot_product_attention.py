@@ -160,14 +160,17 @@ def _kept_band(sq, skv, mask_type, window, device, br):
     """The _Band of these lengths, mask type, window, diagonal (`br`) and
     device, kept (its mask and whether a row is empty are then found once,
     not per call: no mask building and no synchronisation on a CUDA
-    device); None where it is not kept (under torch.compile, in a CUDA
-    graph capture, past _BAND_MAX elements): the caller builds the mask."""
+    device); None where none is kept or used (under torch.compile; in a
+    CUDA graph capture, whose graph must own what it reads, where a kept
+    mask could be freed after the capture; past _BAND_MAX elements): the
+    caller builds the mask."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     key = (sq, skv, mask_type, window, br, device)
     band = _BANDS.get(key)
     if band is not None:
         return band
-    if (sq * skv > _BAND_MAX or torch.compiler.is_compiling()
-            or device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if sq * skv > _BAND_MAX or torch.compiler.is_compiling():
         return None
     allowed = _band(sq, skv, mask_type, window, device, br)
     if allowed is None:

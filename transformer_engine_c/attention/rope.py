@@ -51,7 +51,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
     every step) and returned again while its arguments, the attributes it
     is made from, inv_freq (the same tensor, not changed in place) and the
     table itself (not changed in place) are the same; not under
-    torch.compile or in a CUDA graph capture."""
+    torch.compile, and not in a CUDA graph capture (the graph must own the
+    table it reads)."""
 
     def __init__(self, dim, rotary_percent=1.0, seq_len_interpolation_factor=None,
                  pretrained_max_position_embeddings=None, rotary_base=10000.0, interleaved=False):
@@ -73,8 +74,10 @@ class RotaryPositionEmbedding(torch.nn.Module):
 
     def forward(self, max_seq_len, offset=0):
         inv = self.inv_freq
+        # not in a CUDA graph capture: the graph must own the table it reads (a kept one could be freed after)
         keep = (type(max_seq_len) is int and type(offset) is int and not inv.requires_grad and not inv.is_inference()
-                and not torch.compiler.is_compiling())
+                and not torch.compiler.is_compiling()
+                and not (inv.is_cuda and torch.cuda.is_current_stream_capturing()))
         if keep:
             key = (max_seq_len, offset, self.seq_len_interpolation_factor, self.pretrained_max_position_embeddings,
                    self.interleaved)
@@ -83,7 +86,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
                     and kept.table._version == kept.version):
                 return kept.table
         table = self._table(inv, max_seq_len, offset)
-        if keep and not table.is_inference() and not (inv.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if keep and not table.is_inference():
             self.__dict__["_kept_table"] = _KeptTable(key, inv, table)
         return table
 
