@@ -34,6 +34,7 @@ from .module.normalization import LayerNorm, RMSNorm
 __all__ = ["TransformerLayer"]
 
 LAYER_TYPES = ("encoder", "decoder")
+_ABSENT = object()  # an attribute a sublayer lacks
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
               "padding_causal_bottom_right", "arbitrary")
 
@@ -245,9 +246,10 @@ class TransformerLayer(torch.nn.Module):
         kw = dict(common)
         if attention_mask is not None:
             kw["attention_mask"] = attention_mask
-        if self_mask != attention.attn_mask_type:  # else the attention's own (the same)
+        # else the attention's own (the same); a wrapped or replaced attention gets them always
+        if self_mask != getattr(attention, "attn_mask_type", None):
             kw["attn_mask_type"] = self_mask
-        if window_size is not attention.window_size:
+        if window_size is not getattr(attention, "window_size", _ABSENT):
             kw["window_size"] = window_size
         if cu_seqlens_q is not None or cu_seqlens_q_padded is not None or max_seqlen_q is not None:
             kw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded,
