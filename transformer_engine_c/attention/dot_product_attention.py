@@ -202,8 +202,7 @@ def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias, band=None):
     mask = allowed
     if band is not None:
         mask = band.mask
-    elif allowed is not None:
-        allowed = allowed.expand(q.shape[0], h, q.shape[2], k.shape[2])
+    elif allowed is not None:  # left as it broadcasts: the kernels broadcast it
         empty_rows = ~allowed.any(-1, keepdim=True)
         mask = allowed | empty_rows  # rows with no key attend anywhere, then are zeroed
     if bias is not None:
@@ -214,7 +213,7 @@ def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias, band=None):
     if band is not None:
         if band.empty is not None:
             out = out.masked_fill(band.empty, 0.0)
-    elif empty_rows is not None and bool(empty_rows.any()):
+    elif empty_rows is not None:  # whether any row is empty is not read on the host: no synchronisation
         out = out.masked_fill(empty_rows, 0.0)
     return out
 
