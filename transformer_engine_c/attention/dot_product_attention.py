@@ -164,13 +164,13 @@ def _kept_band(sq, skv, mask_type, window, device, br):
     CUDA graph capture, whose graph must own what it reads, where a kept
     mask could be freed after the capture; past _BAND_MAX elements): the
     caller builds the mask."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if torch.compiler.is_compiling() or device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     key = (sq, skv, mask_type, window, br, device)
     band = _BANDS.get(key)
     if band is not None:
         return band
-    if sq * skv > _BAND_MAX or torch.compiler.is_compiling():
+    if sq * skv > _BAND_MAX:
         return None
     allowed = _band(sq, skv, mask_type, window, device, br)
     if allowed is None:
