@@ -221,6 +221,100 @@ def test_dot_product_attention_dropout_under_tracker():
     assert rel_err(attn(q, k, v), ref) < 1e-5  # no dropout in eval
 
 
+def test_dot_product_attention_kept_plans_follow_changes():
+    """The plan kept per (format, mask type, window, diagonal) follows a
+    changed attribute or argument, another sequence length and dtype: each
+    call gives what a fresh layer gives, and a bad value still raises."""
+    torch.manual_seed(0)
+    d = 8
+
+    def fresh(q, k, v, **kw):
+        return te.DotProductAttention(2, d, attention_type="cross")(q, k, v, **kw)
+
+    attn = te.DotProductAttention(2, d, attention_type="cross")
+    q, k, v = (torch.randn(6, 1, 2, d) for _ in range(3))
+    assert torch.equal(attn(q, k, v), fresh(q, k, v))  # causal
+    attn.attn_mask_type = "no_mask"  # an attribute changed after the first call
+    assert torch.equal(attn(q, k, v), fresh(q, k, v, attn_mask_type="no_mask"))
+    assert not torch.allclose(attn(q, k, v), fresh(q, k, v))
+    attn.window_size = (1, 1)
+    assert torch.equal(attn(q, k, v), fresh(q, k, v, attn_mask_type="no_mask", window_size=(1, 1)))
+    attn.window_size = None
+    for kw in (dict(window_size=[2, 0], attn_mask_type="causal"), dict(attn_mask_type="causal_bottom_right"),
+               dict(attn_mask_type="no_mask", window_size=(1, 1), bottom_right_diagonal=False)):
+        assert torch.equal(attn(q, k[:4], v[:4], **kw), fresh(q, k[:4], v[:4], **kw)), kw
+    q2, k2, v2 = (torch.randn(3, 2, 2, d, dtype=torch.bfloat16) for _ in range(3))  # other lengths, dtype
+    assert torch.equal(attn(q2, k2, v2, attn_mask_type="causal"), fresh(q2, k2, v2, attn_mask_type="causal"))
+    bq, bk, bv = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    assert torch.equal(attn(bq, bk, bv, qkv_format="bshd"), fresh(q, k, v, attn_mask_type="no_mask").transpose(0, 1))
+    attn.qkv_format = "bshd"
+    assert torch.equal(attn(bq, bk, bv), fresh(q, k, v, attn_mask_type="no_mask").transpose(0, 1))
+    with pytest.raises(ValueError, match="qkv_format"):
+        attn(q, k, v, qkv_format="sbdh")
+    with pytest.raises(ValueError, match="window_size"):
+        attn(bq, bk, bv, attn_mask_type="causal", window_size=(1, 1))
+    with pytest.raises(ValueError, match="window_size"):
+        attn(bq, bk, bv, attn_mask_type="causal", window_size=(1, 1))  # not kept after raising
+    with pytest.raises(ValueError, match="4-D"):
+        attn(bq[0], bk, bv)
+
+
+def test_dot_product_attention_kept_bands():
+    """The causal-diagonal and window masks kept per (lengths, mask type,
+    window, diagonal, device) give the reference's result for each key in
+    turn, and again after other keys pushed them out; rows with no key come
+    out zero; a bias is masked by the kept band; the kept masks stay as
+    made."""
+    from transformer_engine_c.attention import dot_product_attention as dpa_mod
+    torch.manual_seed(0)
+    dpa_mod._BANDS.clear()
+    d = 8
+    cases = [("causal", 6, 6, (2, 0), None), ("causal_bottom_right", 7, 4, None, None),
+             ("causal", 4, 6, None, None), ("no_mask", 5, 8, (1, 1), None), ("no_mask", 5, 6, (1, 1), None),
+             ("no_mask", 5, 8, (1, 1), False),
+             ("causal", 9, 9, (3, 0), None)]
+    cases += [("no_mask", n, n, (1, 0), None) for n in range(2, 2 + dpa_mod._BANDS_KEPT)]
+
+    def allowed_of(mask_type, sq, skv, window, br):
+        left, right = (-1, 0) if window is None else window
+        bottom_right = mask_type not in ("causal",) if br is None else br
+        i = torch.arange(sq).view(-1, 1) + ((skv - sq) if bottom_right or mask_type.endswith("bottom_right") else 0)
+        j = torch.arange(skv).view(1, -1)
+        ok = torch.ones(sq, skv, dtype=torch.bool)
+        if right != -1:
+            ok &= j <= i + right
+        if left != -1:
+            ok &= j >= i - left
+        return ok.view(1, 1, sq, skv)
+
+    for rnd in range(2):  # the second round after the later keys pushed the first ones out
+        for mask_type, sq, skv, window, br in cases:
+            attn = te.DotProductAttention(2, d, attn_mask_type=mask_type, window_size=window,
+                                          bottom_right_diagonal=br, attention_type="cross")
+            q, k, v = make_qkv(2, sq, skv, 2, 2, d, "sbhd")
+            ref = from_bhsd(ref_attention(*(to_bhsd(t.detach().double(), "sbhd") for t in (q, k, v)),
+                                          allowed_of(mask_type, sq, skv, window, br), 1 / math.sqrt(d)), "sbhd")
+            out = attn(q, k, v)
+            assert rel_err(out, ref) < 1e-5, (rnd, mask_type, sq, skv, window, br)
+            out.backward(torch.randn_like(out))
+            assert len(dpa_mod._BANDS) <= dpa_mod._BANDS_KEPT
+    q, k, v = make_qkv(1, 7, 4, 2, 2, d, "sbhd")
+    out = te.DotProductAttention(2, d, attn_mask_type="causal_bottom_right", attention_type="cross")(q, k, v)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3]))  # queries before the first key's diagonal
+    band = dpa_mod._BANDS[(7, 4, "causal_bottom_right", (-1, 0), True, torch.device("cpu"))]
+    want = allowed_of("causal_bottom_right", 7, 4, None, None)
+    assert band.empty is not None and torch.equal(band.mask[0, 0, 3:], want[0, 0, 3:])  # as made
+    bias = torch.randn(1, 2, 6, 6)
+    attn = te.DotProductAttention(2, d, attn_mask_type="causal", window_size=(2, 0))
+    q, k, v = make_qkv(1, 6, 6, 2, 2, d, "sbhd")
+    out = attn(q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    qd, kd, vd = (to_bhsd(t.detach().double(), "sbhd") for t in (q, k, v))
+    ok = allowed_of("causal", 6, 6, (2, 0), None)
+    s_ = (qd @ kd.transpose(-1, -2)) / math.sqrt(d) + bias.double()
+    ref = from_bhsd(torch.softmax(s_.masked_fill(~ok, float("-inf")), -1) @ vd, "sbhd")
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_dot_product_attention_refusals():
     with pytest.raises(ValueError, match="attn_mask_type"):
         te.DotProductAttention(2, 8, attn_mask_type="diagonal")

@@ -201,6 +201,45 @@ def test_rotary_position_embedding_table():
     assert te.RotaryPositionEmbedding is RotaryPositionEmbedding
 
 
+def test_rotary_position_embedding_kept_table():
+    """The kept table is returned again only while nothing it was made from
+    changed: another length, offset or attribute, a moved or changed
+    inv_freq, a table changed in place by its caller, inference mode, each
+    give what a fresh module gives."""
+    def fresh(m, *args):
+        new = RotaryPositionEmbedding(8, seq_len_interpolation_factor=m.seq_len_interpolation_factor,
+                                      pretrained_max_position_embeddings=m.pretrained_max_position_embeddings,
+                                      interleaved=m.interleaved)
+        new.inv_freq = m.inv_freq.clone()
+        return new(*args)
+    m = RotaryPositionEmbedding(8).cpu()
+    a = m(6)
+    assert m(6) is a  # kept
+    for args in ((7,), (6, 2), (6,)):
+        assert torch.equal(m(*args), fresh(m, *args)), args
+    m.interleaved = True
+    assert torch.equal(m(6), fresh(m, 6)) and not torch.equal(m(6), a)
+    m.interleaved = False
+    m.seq_len_interpolation_factor, m.pretrained_max_position_embeddings = 2, 4
+    assert torch.equal(m(6), fresh(m, 6)) and not torch.equal(m(6), a)
+    m.seq_len_interpolation_factor = m.pretrained_max_position_embeddings = None
+    b = m(6)
+    b.mul_(0)  # the caller changed it: made again
+    assert torch.equal(m(6), a) and m(6) is not b
+    with torch.no_grad():
+        m.inv_freq.mul_(2)  # changed in place (an optimizer, load_state_dict)
+    assert torch.equal(m(6), fresh(m, 6)) and torch.allclose(m(6), a * 2)
+    m.load_state_dict({"inv_freq": torch.ones(4)})
+    assert torch.equal(m(6), fresh(m, 6))
+    m.to(torch.float64)  # a new inv_freq
+    assert m.inv_freq.dtype == torch.float64 and torch.equal(m(6), fresh(m, 6)) and m(6).dtype == torch.float32
+    with torch.inference_mode():
+        c = m(5)
+    assert torch.equal(m(5), c) and not m(5).is_inference()
+    t = torch.tensor(5)
+    assert torch.equal(m(t), m(5))  # not an int: made per call
+
+
 def test_checks():
     x = torch.randn(6, 2, 2, 8)
     freqs = RotaryPositionEmbedding(8)(4)  # 4 rows for 6 positions

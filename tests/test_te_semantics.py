@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import transformer_engine_c as tec
 from helpers import TOL, rel_err
@@ -188,6 +189,33 @@ def test_split_parameters_enter_the_function_one_by_one(kind, return_bias):
     assert d.query_weight.grad is None
     d.backward_dw()
     assert all(getattr(d, n + "weight").grad is not None for n in names)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear"])
+def test_split_parameters_follow_a_data_swap(kind):
+    """The joined view kept for split parameters is made again when a
+    parameter's .data moves (the same Parameter object over other memory),
+    back to back with the others or not."""
+    torch.manual_seed(0)
+    m = getattr(tec, kind)(16, 24, parameters_split={"query_": 8, "key_": 8, "value_": 8}, device="cpu")
+    names = ("query_", "key_", "value_")
+    x = torch.randn(6, 16)
+
+    def ref():
+        w = torch.cat([getattr(m, n + "weight") for n in names])
+        b = torch.cat([getattr(m, n + "bias") for n in names])
+        h = x if kind == "Linear" else F.layer_norm(x, (16,), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+        return F.linear(h, w, b)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref())
+        whole = torch.randn(24, 16)  # new memory, the three back to back
+        for i, n in enumerate(names):
+            getattr(m, n + "weight").data = whole[8 * i:8 * (i + 1)]
+        torch.testing.assert_close(m(x), ref())
+        m.key_weight.data = torch.randn(8, 16)  # elsewhere: joined by a copy
+        torch.testing.assert_close(m(x), ref())
+        m.key_weight.data = whole[8:16]  # back beside the others
+        torch.testing.assert_close(m(x), ref())
 
 
 def test_save_original_input(device):

@@ -411,6 +411,33 @@ def test_alias_names():
         alias.uninstall_transformer_engine_alias()
 
 
+def test_mask_type_and_window_reach_the_attention():
+    """TransformerLayer passes its attention only the mask type and window
+    that differ from the attention's own: the layer's mask type (its
+    attribute, or forward's argument) decides whatever the attention's
+    attribute says, a window of None is the attention's own, and a change
+    of either is seen on the next call."""
+    x = torch.randn(S, B, H)
+    layer = _layer("cpu")
+    causal = layer(x)
+    layer.self_attention.attn_mask_type = "no_mask"  # the layer's own mask type still decides
+    assert torch.equal(layer(x), causal)
+    no_mask = _layer("cpu", self_attn_mask_type="no_mask")(x)
+    assert not torch.allclose(no_mask, causal)
+    layer.self_attn_mask_type = "no_mask"
+    assert torch.equal(layer(x), no_mask)
+    assert torch.equal(layer(x, self_attn_mask_type="causal"), causal)
+    layer.self_attention.attn_mask_type = "causal"
+    assert torch.equal(layer(x), no_mask)
+    layer.self_attn_mask_type = "causal"
+    windowed = _layer("cpu", window_size=(1, 0))(x)
+    assert not torch.allclose(windowed, causal)
+    assert torch.equal(layer(x, window_size=(1, 0)), windowed)
+    layer.self_attention.window_size = (1, 0)  # the layer's None is "the attention's own", as in TE
+    assert torch.equal(layer(x), windowed)
+    assert torch.equal(layer(x, window_size=(-1, 0)), causal)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="fuse_wgrad_accumulation needs fuse_qkv_params"):
         te.TransformerLayer(H, 4 * H, HEADS, fuse_wgrad_accumulation=True, device="cpu")

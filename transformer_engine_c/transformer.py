@@ -27,12 +27,14 @@ import torch
 from .attention.multi_head_attention import MultiheadAttention
 from .distributed import resolve_tp
 from .module._config import TPConfig
+from .module._plan import _any_autocast
 from .module.layernorm_mlp import LayerNormMLP
 from .module.normalization import LayerNorm, RMSNorm
 
 __all__ = ["TransformerLayer"]
 
 LAYER_TYPES = ("encoder", "decoder")
+_ABSENT = object()  # an attribute a sublayer lacks
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
               "padding_causal_bottom_right", "arbitrary")
 
@@ -212,7 +214,6 @@ class TransformerLayer(torch.nn.Module):
         window_size = self.window_size if window_size is None else window_size
         enc_mask = self.enc_dec_attn_mask_type if enc_dec_attn_mask_type is None else _mask_type(
             "enc_dec_attn_mask_type", enc_dec_attn_mask_type)
-        enc_window = self.enc_dec_window_size if enc_dec_window_size is None else enc_dec_window_size
         if inference_params is not None:
             raise NotImplementedError("TransformerLayer: inference_params (KV-cache inference) is not supported")
         hidden_states = hidden_states.contiguous()
@@ -221,17 +222,18 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(f"TransformerLayer: under sequence parallelism hidden_states holds this rank's "
                              f"{self.seq_length // self.tp_size} of {self.seq_length} positions, got "
                              f"{hidden_states.shape[0]}")
-        if "padding" in self_mask or self_mask == "arbitrary":
+        if attention_mask is not None and ("padding" in self_mask or self_mask == "arbitrary"):
             _check_mask(attention_mask, "attention_mask")
-        if "padding" in enc_mask or enc_mask == "arbitrary":
+        if enc_dec_attn_mask is not None and ("padding" in enc_mask or enc_mask == "arbitrary"):
             _check_mask(enc_dec_attn_mask, "enc_dec_attn_mask")
-        device_type = hidden_states.device.type
-        if torch.is_autocast_enabled(device_type):
-            hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
+        if _any_autocast():
+            device_type = hidden_states.device.type
+            if torch.is_autocast_enabled(device_type):
+                hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
 
-        # The attention gets the arguments that differ from its defaults (TE's, as here): every keyword
+        # The sublayers get the arguments that differ from their defaults (TE's, as here): every keyword
         # passed costs host time on every call.
-        common = {"is_first_microbatch": is_first_microbatch}
+        common = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
         if (checkpoint_core_attention or rotary_pos_emb is not None or core_attention_bias_type != "no_bias"
                 or core_attention_bias is not None or alibi_slopes is not None or not fast_zero_fill
                 or pad_between_seqs is not None):
@@ -239,21 +241,31 @@ class TransformerLayer(torch.nn.Module):
                           core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                           alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
                           pad_between_seqs=pad_between_seqs)
-        seqlens = {}
-        if cu_seqlens_q is not None or cu_seqlens_q_padded is not None or max_seqlen_q is not None:
-            seqlens = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q,
-                           cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_q_padded,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q)
         modules = self._modules  # not nn.Module.__getattr__ (several dict lookups, every call)
-        attn_out = modules["self_attention"](hidden_states, attention_mask=attention_mask, attn_mask_type=self_mask,
-                                             window_size=window_size, **seqlens, **common)
+        attention = modules["self_attention"]
+        kw = dict(common)
+        if attention_mask is not None:
+            kw["attention_mask"] = attention_mask
+        # else the attention's own (the same); a wrapped or replaced attention gets them always
+        if self_mask != getattr(attention, "attn_mask_type", None):
+            kw["attn_mask_type"] = self_mask
+        if window_size is not getattr(attention, "window_size", _ABSENT):
+            kw["window_size"] = window_size
+        if cu_seqlens_q is not None or cu_seqlens_q_padded is not None or max_seqlen_q is not None:
+            kw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                      cu_seqlens_kv_padded=cu_seqlens_q_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q)
+        attn_out = attention(hidden_states, **kw)
+        # residual + out, where hidden dropout and drop path do nothing (TE's bias-dropout-add otherwise)
+        plain = self.drop_path is None and not (self.training and self.hidden_dropout > 0.0)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             out, residual = attn_out
-            hidden_states = self._dropout_add(out, residual, self.drop_path)
+            hidden_states = residual + out if plain else self._dropout_add(out, residual, self.drop_path)
         elif not self.parallel_attention_mlp:
-            hidden_states = self._dropout_add(attn_out, hidden_states, self.drop_path)
+            hidden_states = hidden_states + attn_out if plain else self._dropout_add(attn_out, hidden_states,
+                                                                                     self.drop_path)
 
         if self.layer_type == "decoder":
+            enc_window = self.enc_dec_window_size if enc_dec_window_size is None else enc_dec_window_size
             cross = self.inter_attention(
                 hidden_states, attention_mask=enc_dec_attn_mask, attn_mask_type=enc_mask, window_size=enc_window,
                 encoder_output=encoder_output, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
@@ -265,14 +277,16 @@ class TransformerLayer(torch.nn.Module):
                 out, residual = cross, hidden_states
             hidden_states = self._dropout_add(out, residual)
 
-        mlp_out = modules["layernorm_mlp"](hidden_states, is_first_microbatch=is_first_microbatch)
+        mlp = modules["layernorm_mlp"]
+        mlp_out = mlp(hidden_states) if is_first_microbatch is None else mlp(
+            hidden_states, is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
             out, residual = mlp_out
-            output = self._dropout_add(out, residual, self.drop_path)
+            output = residual + out if plain else self._dropout_add(out, residual, self.drop_path)
         elif self.parallel_attention_mlp:
             output = self._dropout_add(attn_out + mlp_out, hidden_states, self.drop_path)
         else:
-            output = self._dropout_add(mlp_out, hidden_states, self.drop_path)
+            output = hidden_states + mlp_out if plain else self._dropout_add(mlp_out, hidden_states, self.drop_path)
         if self.output_layernorm:
             output = self.layernorm(output)
         return output

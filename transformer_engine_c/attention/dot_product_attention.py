@@ -55,7 +55,7 @@ def _fp8_attention_asked():
     """Whether FP8 autocast's recipe asks for FP8 attention. Without fp8_dpa /
     fp8_mha, attention under FP8 autocast runs in the compute dtype, as in
     TE."""
-    if not FP8GlobalStateManager.is_fp8_enabled():
+    if not FP8GlobalStateManager.FP8_ENABLED:
         return False
     recipe = FP8GlobalStateManager.get_fp8_recipe()
     return bool(getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False))
@@ -79,6 +79,35 @@ def _window(window_size, mask_type):
     if causal and right not in (0, -1):
         raise ValueError(f"window_size={window_size}: a causal mask type needs right = 0 (or -1)")
     return (left, 0) if causal else (left, right)
+
+
+class AttentionPlan:
+    """What DotProductAttention decides once per (qkv_format, attn_mask_type,
+    window_size, bottom_right_diagonal): the checked format and mask type,
+    the (left, right) window, the diagonal (`br`: True, False or None, the
+    mask type's own), and whether the kernels' is_causal can stand for the
+    mask (`causal`, where query and key lengths are equal and no bias)."""
+
+    __slots__ = ("fmt", "mask_type", "window", "br", "causal", "padding", "arbitrary", "ndim")
+
+    def __init__(self, fmt, mask_type, window_size, br):
+        _check_choice("qkv_format", fmt, QKV_FORMATS)
+        _check_choice("attn_mask_type", mask_type, MASK_TYPES)
+        self.fmt, self.mask_type = fmt, mask_type
+        self.window = _window(window_size, mask_type)
+        self.br = True if mask_type.endswith("bottom_right") else br  # these types' diagonal by definition
+        self.causal = mask_type == "causal" and self.window == (-1, 0) and not self.br
+        self.padding, self.arbitrary = mask_type.startswith("padding"), mask_type == "arbitrary"
+        self.ndim = 3 if fmt == "thd" else 4
+
+
+_PLANS_KEPT = 64  # distinct configurations a layer keeps plans for (a layer sees a few)
+
+
+def _cacheable(window_size):
+    """Whether a window_size can key a kept plan: None or a tuple of ints (a
+    list or tensors could change in place)."""
+    return window_size is None or type(window_size) is tuple and all(type(v) is int for v in window_size)
 
 
 def _band(sq, skv, mask_type, window, device, bottom_right=None, shift=None):
@@ -107,17 +136,73 @@ def _band(sq, skv, mask_type, window, device, bottom_right=None, shift=None):
     return allowed
 
 
-def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
+class _Band:
+    """A mask of the causal diagonal and the window alone, kept for its
+    shape and device (_kept_band): `mask` [1, 1, sq, skv], True where a
+    query attends, with the rows that allow no key opened (the kernels need
+    one; None: every pair attends), and `empty` those rows [1, 1, sq, 1] to
+    zero after the kernel, None where every row has a key."""
+
+    __slots__ = ("mask", "empty")
+
+    def __init__(self, mask, empty):
+        self.mask, self.empty = mask, empty
+
+
+# Kept bands, shared by the layers (a model's layers see the same few): the oldest goes past _BANDS_KEPT,
+# and a mask past _BAND_MAX elements is built per call instead.
+_BANDS = {}
+_BANDS_KEPT = 8
+_BAND_MAX = 1 << 24
+
+
+def _kept_band(sq, skv, mask_type, window, device, br):
+    """The _Band of these lengths, mask type, window, diagonal (`br`) and
+    device, kept (its mask and whether a row is empty are then found once,
+    not per call: no mask building and no synchronisation on a CUDA
+    device); None where none is kept or used (under torch.compile; in a
+    CUDA graph capture, whose graph must own what it reads, where a kept
+    mask could be freed after the capture; past _BAND_MAX elements): the
+    caller builds the mask."""
+    if torch.compiler.is_compiling() or device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    key = (sq, skv, mask_type, window, br, device)
+    band = _BANDS.get(key)
+    if band is not None:
+        return band
+    if sq * skv > _BAND_MAX:
+        return None
+    allowed = _band(sq, skv, mask_type, window, device, br)
+    if allowed is None:
+        band = _Band(None, None)
+    else:
+        allowed = allowed.view(1, 1, sq, skv)
+        empty = ~allowed.any(-1, keepdim=True)
+        band = _Band(allowed | empty, empty if bool(empty.any()) else None)
+    if len(_BANDS) >= _BANDS_KEPT:
+        old = _BANDS.pop(next(iter(_BANDS)))
+        if old.mask is not None and old.mask.is_cuda:  # its memory is free again once this stream has read it
+            stream = torch.cuda.current_stream(old.mask.device)
+            for t in (old.mask, old.empty):
+                if t is not None:
+                    t.record_stream(stream)
+    _BANDS[key] = band
+    return band
+
+
+def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias, band=None):
     """q [b, h, sq, d], k/v [b, hk, skv, d]; allowed broadcastable to
-    [b, h, sq, skv] (True: attend) or None. Returns [b, h, sq, dv]."""
+    [b, h, sq, skv] (True: attend) or None, or instead `band` (a kept
+    _Band). Returns [b, h, sq, dv]."""
     h, hk = q.shape[1], k.shape[1]
     if hk != h:
         k = k.repeat_interleave(h // hk, dim=1)
         v = v.repeat_interleave(h // hk, dim=1)
     empty_rows = None
     mask = allowed
-    if allowed is not None:
-        allowed = allowed.expand(q.shape[0], h, q.shape[2], k.shape[2])
+    if band is not None:
+        mask = band.mask
+    elif allowed is not None:  # left as it broadcasts: the kernels broadcast it
         empty_rows = ~allowed.any(-1, keepdim=True)
         mask = allowed | empty_rows  # rows with no key attend anywhere, then are zeroed
     if bias is not None:
@@ -125,7 +210,10 @@ def _attend(q, k, v, allowed, is_causal, scale, dropout_p, bias):
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=is_causal and mask is None, scale=scale)
-    if empty_rows is not None and bool(empty_rows.any()):
+    if band is not None:
+        if band.empty is not None:
+            out = out.masked_fill(band.empty, 0.0)
+    elif empty_rows is not None:  # whether any row is empty is not read on the host: no synchronisation
         out = out.masked_fill(empty_rows, 0.0)
     return out
 
@@ -221,6 +309,7 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k) if softmax_scale is None
                               else float(softmax_scale))
         self.softmax_type = softmax_type
+        self._plans = {}  # AttentionPlan per configuration (_plan)
         self.rng_states_tracker = None
         if not self.sequence_parallel and get_rng_state_tracker is not None:
             self.rng_states_tracker = get_rng_state_tracker()
@@ -247,47 +336,75 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         """q/k/v in `qkv_format` (default the constructor's); `attn_mask_type`
         and `window_size` default to the constructor's. num_splits (a
         flash-decoding knob) does not change the result and is ignored."""
-        fmt = self.qkv_format if qkv_format is None else qkv_format
-        _check_choice("qkv_format", fmt, QKV_FORMATS)
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        _check_choice("attn_mask_type", mask_type, MASK_TYPES)
-        window = _window(self.window_size if window_size is None else window_size, mask_type)
-        # Inside an FP8 autocast attention computes in high precision, as TE's does
-        # without the recipe's fp8_dpa (which the recipes here refuse).
-        for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
-                           (_fp8_attention_asked(), "FP8 attention (the recipe's fp8_dpa / fp8_mha)"),
-                           (alibi_slopes is not None or core_attention_bias_type == "alibi", "ALiBi"),
-                           (inference_params is not None, "inference_params (KV-cache inference)"),
-                           (score_mod is not None or score_mod_bprop is not None, "score_mod"),
-                           (qkv_layer is not None, "qkv_layer")):
-            if flag:
-                raise NotImplementedError(f"DotProductAttention: {what} is not supported")
-        _check_choice("core_attention_bias_type", core_attention_bias_type, ("no_bias", "pre_scale_bias",
-                                                                            "post_scale_bias", "alibi"))
+        plan = self._plan(self.qkv_format if qkv_format is None else qkv_format,
+                          self.attn_mask_type if attn_mask_type is None else attn_mask_type,
+                          self.window_size if window_size is None else window_size,
+                          self.bottom_right_diagonal if bottom_right_diagonal is None else bool(bottom_right_diagonal))
         bias = None
-        if core_attention_bias_type != "no_bias":
-            if core_attention_bias is None:
-                raise ValueError(f"core_attention_bias is required with core_attention_bias_type="
-                                 f"{core_attention_bias_type!r}")
-            bias = core_attention_bias
-            if core_attention_bias_type == "pre_scale_bias":
-                bias = bias * self.softmax_scale
+        if (fp8_output or alibi_slopes is not None or inference_params is not None or score_mod is not None
+                or score_mod_bprop is not None or qkv_layer is not None or core_attention_bias_type != "no_bias"
+                or FP8GlobalStateManager.FP8_ENABLED):
+            bias = self._checked_bias(fp8_output, alibi_slopes, inference_params, score_mod, score_mod_bprop,
+                                      qkv_layer, core_attention_bias_type, core_attention_bias)
         q, k, v = query_layer, key_layer, value_layer
-        for t, n in ((q, "query_layer"), (k, "key_layer"), (v, "value_layer")):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"DotProductAttention: {n} must be a tensor, got {type(t).__name__}")
-        self._check_heads(q, k, v, fmt)
-        br = self.bottom_right_diagonal if bottom_right_diagonal is None else bool(bottom_right_diagonal)
-        if mask_type.endswith("bottom_right"):
-            br = True  # the causal diagonal of these types is bottom-right by definition
-        args = (q, k, v, attention_mask, fmt, mask_type, window, bias, cu_seqlens_q, cu_seqlens_kv,
-                cu_seqlens_q_padded, cu_seqlens_kv_padded, br)
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            for t, n in ((q, "query_layer"), (k, "key_layer"), (v, "value_layer")):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"DotProductAttention: {n} must be a tensor, got {type(t).__name__}")
+        nd, qs, ks = plan.ndim, q.shape, k.shape
+        if (len(qs) != nd or len(ks) != nd or v.dim() != nd or qs[-2] != self.num_attention_heads_per_partition
+                or ks[-2] != self.num_gqa_groups_per_partition or v.shape[-2] != ks[-2] or qs[-1] != ks[-1]):
+            self._check_heads(q, k, v, plan.fmt)
+        args = (q, k, v, attention_mask, plan, bias, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                cu_seqlens_kv_padded)
         if checkpoint_core_attention and torch.is_grad_enabled():
             from ..checkpoint import checkpoint
             tracker = self.rng_states_tracker
             return checkpoint(self._forward, *args, use_reentrant=False,
                               get_rng_state_tracker=(lambda: tracker) if tracker is not None else None)
         return self._forward(*args)
+
+    def _plan(self, fmt, mask_type, window_size, br):
+        """The AttentionPlan of these (resolved) arguments, kept in the layer
+        per key: a changed argument or attribute is another key."""
+        key = (fmt, mask_type, window_size, br)
+        plans = self.__dict__.get("_plans")
+        cacheable = plans is not None and (window_size is None or _cacheable(window_size))
+        if cacheable:
+            plan = plans.get(key)
+            if plan is not None:
+                return plan
+        plan = AttentionPlan(fmt, mask_type, window_size, br)
+        if cacheable and not torch.compiler.is_compiling():
+            if len(plans) >= _PLANS_KEPT:
+                plans.clear()
+            plans[key] = plan
+        return plan
+
+    def _checked_bias(self, fp8_output, alibi_slopes, inference_params, score_mod, score_mod_bprop, qkv_layer,
+                      bias_type, core_attention_bias):
+        """The arguments a plain call leaves at their defaults: NotImplementedError
+        for what is not supported, else the score bias to add (None with
+        'no_bias')."""
+        # Inside an FP8 autocast attention computes in high precision, as TE's does
+        # without the recipe's fp8_dpa (which the recipes here refuse).
+        for flag, what in ((fp8_output, "fp8_output (FP8 attention)"),
+                           (_fp8_attention_asked(), "FP8 attention (the recipe's fp8_dpa / fp8_mha)"),
+                           (alibi_slopes is not None or bias_type == "alibi", "ALiBi"),
+                           (inference_params is not None, "inference_params (KV-cache inference)"),
+                           (score_mod is not None or score_mod_bprop is not None, "score_mod"),
+                           (qkv_layer is not None, "qkv_layer")):
+            if flag:
+                raise NotImplementedError(f"DotProductAttention: {what} is not supported")
+        _check_choice("core_attention_bias_type", bias_type, ("no_bias", "pre_scale_bias", "post_scale_bias",
+                                                              "alibi"))
+        if bias_type == "no_bias":
+            return None
+        if core_attention_bias is None:
+            raise ValueError(f"core_attention_bias is required with core_attention_bias_type={bias_type!r}")
+        if bias_type == "pre_scale_bias":
+            return core_attention_bias * self.softmax_scale
+        return core_attention_bias
 
     def _check_heads(self, q, k, v, fmt):
         need = 3 if fmt == "thd" else 4
@@ -304,51 +421,55 @@ class DotProductAttention(ExtraStateMixin, torch.nn.Module):
         if q.shape[-1] != k.shape[-1]:
             raise ValueError(f"DotProductAttention: query and key head sizes differ ({q.shape[-1]} vs {k.shape[-1]})")
 
-    def _dropout_ctx(self):
-        if self.training and self.attention_dropout > 0 and self.rng_states_tracker is not None:
-            return self.rng_states_tracker.fork()
-        return contextlib.nullcontext()
-
-    def _forward(self, q, k, v, attention_mask, fmt, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, br):
+    def _forward(self, q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad):
         p = self.attention_dropout if self.training else 0.0
-        with self._dropout_ctx():
-            if self._cp is not None:
-                return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale,
-                                                  cu_q, cu_kv, cu_q_pad, cu_kv_pad, bias, p)
-            if fmt == "thd":
-                return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
-            if fmt == "sbhd":
-                q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            else:
-                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            b, h, sq, _ = q.shape
-            skv = k.shape[2]
-            # the kernels' is_causal, where no bias needs the explicit mask (no mask is built)
-            plain_causal = mask_type == "causal" and sq == skv and window == (-1, 0) and not br and bias is None
-            allowed = None if plain_causal else _band(sq, skv, mask_type, window, q.device, br)
-            if allowed is not None:
-                allowed = allowed.view(1, 1, sq, skv)
-            if mask_type.startswith("padding"):
-                pad, shift = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
-                if allowed is not None:  # a bottom-right diagonal at each sequence's own corner
-                    allowed = _band(sq, skv, mask_type, window, q.device, br, shift)
-                allowed = pad if allowed is None else allowed & pad
-            elif mask_type == "arbitrary":
-                if attention_mask is None:
-                    raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
-                if not isinstance(attention_mask, torch.Tensor):
-                    raise TypeError(f"attention_mask: an arbitrary mask is one tensor, got "
-                                    f"{type(attention_mask).__name__}")
-                am = ~attention_mask.to(torch.bool)
-                try:
-                    torch.broadcast_shapes(am.shape, (b, h, sq, skv))
-                except RuntimeError:
-                    raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
-                                     f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
-                allowed = am if allowed is None else allowed & am
-            out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias)
-            out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
-            return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
+        if p > 0 and self.rng_states_tracker is not None:
+            with self.rng_states_tracker.fork():
+                return self._attention(q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p)
+        return self._attention(q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p)
+
+    def _attention(self, q, k, v, attention_mask, plan, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p):
+        fmt, mask_type, window, br = plan.fmt, plan.mask_type, plan.window, plan.br
+        if self._cp is not None:
+            return context_parallel.attention(q, k, v, self._cp, fmt, mask_type, window, self.softmax_scale,
+                                              cu_q, cu_kv, cu_q_pad, cu_kv_pad, bias, p)
+        if fmt == "thd":
+            return self._forward_thd(q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br)
+        if fmt == "sbhd":
+            q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        b, h, sq, _ = q.shape
+        skv = k.shape[2]
+        # the kernels' is_causal, where no bias needs the explicit mask (no mask is built)
+        plain_causal = plan.causal and sq == skv and bias is None
+        band = None
+        if not (plain_causal or plan.padding or plan.arbitrary):  # the diagonal and window alone: kept
+            band = _kept_band(sq, skv, mask_type, window, q.device, br)
+        allowed = None if plain_causal or band is not None else _band(sq, skv, mask_type, window, q.device, br)
+        if allowed is not None:
+            allowed = allowed.view(1, 1, sq, skv)
+        if plan.padding:
+            pad, shift = _padding_allowed(attention_mask, b, sq, skv, self.attention_type == "self")
+            if allowed is not None:  # a bottom-right diagonal at each sequence's own corner
+                allowed = _band(sq, skv, mask_type, window, q.device, br, shift)
+            allowed = pad if allowed is None else allowed & pad
+        elif plan.arbitrary:
+            if attention_mask is None:
+                raise ValueError("attention_mask is required with attn_mask_type='arbitrary'")
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask: an arbitrary mask is one tensor, got "
+                                f"{type(attention_mask).__name__}")
+            am = ~attention_mask.to(torch.bool)
+            try:
+                torch.broadcast_shapes(am.shape, (b, h, sq, skv))
+            except RuntimeError:
+                raise ValueError(f"attention_mask: an arbitrary mask must broadcast to [b, heads, s_q, s_kv] = "
+                                 f"{[b, h, sq, skv]}, got {tuple(am.shape)}") from None
+            allowed = am if allowed is None else allowed & am
+        out = _attend(q, k, v, allowed, plain_causal, self.softmax_scale, p, bias, band)
+        out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
+        return out.reshape(out.shape[0], out.shape[1], h * out.shape[-1])
 
     def _forward_thd(self, q, k, v, mask_type, window, bias, cu_q, cu_kv, cu_q_pad, cu_kv_pad, p, br):
         if cu_q is None or cu_kv is None:

@@ -173,11 +173,12 @@ class MultiheadAttention(torch.nn.Module):
         the submodule `with_norm` (LayerNormLinear) under input_layernorm, else
         `plain` (Linear). Submodules are read from _modules directly (as the
         layers read their parameters: nn.Module.__getattr__ costs several
-        dict lookups, on every call)."""
-        if not self.input_layernorm:
-            return self._modules[plain](hidden_states, is_first_microbatch=is_first_microbatch), None
-        out = self._modules[with_norm](hidden_states, is_first_microbatch=is_first_microbatch)
-        return out if self.return_layernorm_output else (out, None)
+        dict lookups, on every call), and get is_first_microbatch only where
+        it is given (a keyword costs on every call)."""
+        layer = self._modules[with_norm if self.input_layernorm else plain]
+        out = layer(hidden_states) if is_first_microbatch is None else layer(
+            hidden_states, is_first_microbatch=is_first_microbatch)
+        return out if self.input_layernorm and self.return_layernorm_output else (out, None)
 
     def _self_qkv(self, hidden_states, is_first_microbatch):
         """(q, k, v, the norm's output or None) of self-attention."""
@@ -236,13 +237,14 @@ class MultiheadAttention(torch.nn.Module):
         if core_attention_bias_type not in BIAS_TYPES:
             raise ValueError(f"core_attention_bias_type must be one of {BIAS_TYPES}, got "
                              f"{core_attention_bias_type!r}")
-        if ("padding" in attn_mask_type or attn_mask_type == "arbitrary") and attention_mask is not None:
+        if attention_mask is not None and ("padding" in attn_mask_type or attn_mask_type == "arbitrary"):
             masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask,)
             if any(getattr(m, "dtype", None) != torch.bool for m in masks):
                 raise TypeError("MultiheadAttention: attention_mask must be boolean (True: masked out)")
-        need = 2 if self.qkv_format == "thd" else 3
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != need:
-            raise ValueError(f"MultiheadAttention: hidden_states must be {need}-D in {self.qkv_format}, got "
+        fmt = self.qkv_format
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != (2 if fmt == "thd" else 3):
+            need = 2 if fmt == "thd" else 3
+            raise ValueError(f"MultiheadAttention: hidden_states must be {need}-D in {fmt}, got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
         if self.attention_type == "self":
             q, k, v, ln_out = self._self_qkv(hidden_states, is_first_microbatch)
@@ -255,7 +257,7 @@ class MultiheadAttention(torch.nn.Module):
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             padded = pad_between_seqs or (self.cp_size > 1 and cu_seqlens_q_padded is not None)  # CP shards by them
             cu_q, cu_kv = (cu_seqlens_q_padded, cu_seqlens_kv_padded) if padded else (cu_seqlens_q, cu_seqlens_kv)
-            rope_kw = dict(tensor_format=self.qkv_format, fused=True, cp_size=self.cp_size, cp_rank=self.cp_rank,
+            rope_kw = dict(tensor_format=fmt, fused=True, cp_size=self.cp_size, cp_rank=self.cp_rank,
                            interleaved=self.rotary_pos_interleaved)
             q = apply_rotary_pos_emb(q, q_emb, cu_seqlens=cu_q, **rope_kw)
             k = apply_rotary_pos_emb(k, k_emb, cu_seqlens=cu_kv, **rope_kw)
@@ -264,7 +266,9 @@ class MultiheadAttention(torch.nn.Module):
 
         # core_attention gets the arguments that differ from its defaults (TE's, as here): every keyword
         # passed costs host time on every call.
-        extra = {}
+        extra = {"qkv_format": fmt, "attn_mask_type": attn_mask_type, "window_size": window_size}
+        if attention_mask is not None:
+            extra["attention_mask"] = attention_mask
         if (cu_seqlens_q is not None or cu_seqlens_kv is not None or cu_seqlens_q_padded is not None
                 or cu_seqlens_kv_padded is not None or max_seqlen_q is not None or max_seqlen_kv is not None):
             extra.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
@@ -276,10 +280,9 @@ class MultiheadAttention(torch.nn.Module):
                          core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
                          alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
         modules = self._modules
-        context = modules["core_attention"](q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format,
-                                            attn_mask_type=attn_mask_type, window_size=window_size, **extra)
-        out = modules["proj"](context, is_first_microbatch=is_first_microbatch)
-        outputs = out if self.return_bias else (out,)
-        if self.input_layernorm and self.return_layernorm_output:
-            outputs += (ln_out,)
-        return outputs if len(outputs) > 1 else outputs[0]
+        context = modules["core_attention"](q, k, v, **extra)
+        proj = modules["proj"]
+        out = proj(context) if is_first_microbatch is None else proj(context, is_first_microbatch=is_first_microbatch)
+        if ln_out is None:  # out, or (out, proj's bias) with return_bias
+            return out
+        return out + (ln_out,) if self.return_bias else (out, ln_out)

@@ -26,6 +26,16 @@ __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_r
 FORMATS = ("sbhd", "bshd", "thd")
 
 
+class _KeptTable:
+    """RotaryPositionEmbedding's last table and what it was made from."""
+
+    __slots__ = ("key", "inv", "inv_version", "table", "version")
+
+    def __init__(self, key, inv, table):
+        self.key, self.inv, self.inv_version = key, inv, inv._version
+        self.table, self.version = table, table._version
+
+
 class RotaryPositionEmbedding(torch.nn.Module):
     """The angle table of RoPE: forward(max_seq_len, offset=0) returns
     freqs [max_seq_len, 1, 1, 2 * ceil(dim' / 2)] (float32), dim' =
@@ -37,7 +47,12 @@ class RotaryPositionEmbedding(torch.nn.Module):
     pretrained / max_seq_len (the factor alone changes nothing). The table
     is computed in float32 outside autocast. `interleaved` lays the angles out for
     apply_rotary_pos_emb(interleaved=True): f0 f0 f1 f1 ... rather than
-    f0 f1 ... f0 f1 ...."""
+    f0 f1 ... f0 f1 .... The last table is kept (a model asks for the same one
+    every step) and returned again while its arguments, the attributes it
+    is made from, inv_freq (the same tensor, not changed in place) and the
+    table itself (not changed in place) are the same; not under
+    torch.compile, and not in a CUDA graph capture (the graph must own the
+    table it reads)."""
 
     def __init__(self, dim, rotary_percent=1.0, seq_len_interpolation_factor=None,
                  pretrained_max_position_embeddings=None, rotary_base=10000.0, interleaved=False):
@@ -59,6 +74,23 @@ class RotaryPositionEmbedding(torch.nn.Module):
 
     def forward(self, max_seq_len, offset=0):
         inv = self.inv_freq
+        # not in a CUDA graph capture: the graph must own the table it reads (a kept one could be freed after)
+        keep = (type(max_seq_len) is int and type(offset) is int and not inv.requires_grad and not inv.is_inference()
+                and not torch.compiler.is_compiling()
+                and not (inv.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if keep:
+            key = (max_seq_len, offset, self.seq_len_interpolation_factor, self.pretrained_max_position_embeddings,
+                   self.interleaved)
+            kept = self.__dict__.get("_kept_table")
+            if (kept is not None and kept.key == key and kept.inv is inv and kept.inv_version == inv._version
+                    and kept.table._version == kept.version):
+                return kept.table
+        table = self._table(inv, max_seq_len, offset)
+        if keep and not table.is_inference():
+            self.__dict__["_kept_table"] = _KeptTable(key, inv, table)
+        return table
+
+    def _table(self, inv, max_seq_len, offset):
         with torch.autocast(device_type=inv.device.type, enabled=False):
             pos = torch.arange(max_seq_len, device=inv.device, dtype=torch.float32) + offset
             factor = self.seq_len_interpolation_factor

@@ -206,6 +206,17 @@ def _joined_view(parts):
     return p0.detach().as_strided((rows,) + tuple(p0.shape[1:]), p0.stride())
 
 
+class _Joined:
+    """Split parameters joined for a layer's calls (_split_operands): the
+    views and what they were made from (name, parameter, its address and
+    shape, each)."""
+
+    __slots__ = ("with_bias", "checks", "weight", "bias", "parts")
+
+    def __init__(self, with_bias, checks, weight, bias, parts):
+        self.with_bias, self.checks, self.weight, self.bias, self.parts = with_bias, checks, weight, bias, parts
+
+
 def split_grads(g, sizes, count):
     """The gradients of `count` split parameters (the rows `sizes` of g, or
     None each without g)."""
@@ -460,34 +471,38 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         backward hands each its rows of dW and db (split_grads): no
         concatenation in autograd's graph, forward or backward. Joined are
         views of the storage the parameters share (_joined_view), kept in the
-        layer while the parameters are the same objects over the same memory
-        (their addresses and shapes; the views hold that storage, so no other
-        tensor can take those addresses), or copies made per call where they
-        no longer lie back to back. The bias only `with_bias`; a quantized or distributed split
-        weight is joined by torch.cat as before (parts empty)."""
+        layer (a _Joined) while the parameters are the same objects over the
+        same memory (their addresses and shapes; the views hold that storage,
+        so no other tensor can take those addresses), or copies made per call
+        where they no longer lie back to back. The bias only `with_bias`; a
+        quantized or distributed split weight is joined by torch.cat as
+        before (parts empty)."""
         params = self._parameters
-        parts = [params[n] for n in self.weight_names]
-        nw = len(parts)
-        if with_bias:
-            parts += [params[n] for n in self.bias_names]
-        key = []
-        for p in parts:
-            if type(p) is not _Parameter:
-                return self._weight_tensor(), self._bias_tensor() if with_bias else None, ()
-            key += (id(p), p.data_ptr(), p.shape)  # the kept tuple holds p: no other object takes its id
         kept = self.__dict__.get("_joined")
-        if kept is not None and kept[0] == key:
-            return kept[1], kept[2], kept[3]
+        if kept is not None and kept.with_bias == with_bias:
+            for name, p, ptr, shape in kept.checks:
+                q = params.get(name)
+                if q is not p or q.data_ptr() != ptr or q.shape != shape:
+                    break
+            else:
+                return kept.weight, kept.bias, kept.parts
+        names = list(self.weight_names)
+        nw = len(names)
+        if with_bias:
+            names += self.bias_names
+        parts = tuple(params[n] for n in names)
+        if any(type(p) is not _Parameter for p in parts):
+            return self._weight_tensor(), self._bias_tensor() if with_bias else None, ()
         w = _joined_view(parts[:nw])
         b = _joined_view(parts[nw:]) if with_bias else None
-        parts = tuple(parts)
         if w is None or with_bias and b is None:  # copies, made per call
             self.__dict__["_joined"] = None
             w = torch.cat([p.detach() for p in parts[:nw]]) if w is None else w
             if with_bias and b is None:
                 b = torch.cat([p.detach() for p in parts[nw:]])
             return w, b, parts
-        self.__dict__["_joined"] = (key, w, b, parts)
+        self.__dict__["_joined"] = _Joined(with_bias, tuple(zip(names, parts, (p.data_ptr() for p in parts),
+                                                                (p.shape for p in parts))), w, b, parts)
         return w, b, parts
 
     def _bias_tensor(self):
