@@ -203,7 +203,7 @@ def _run_misused(c):
         d["freqs"] = d["freqs"][:c["s"] - 1]
     elif what == "wide_freqs":
         hn = c["kv"] or c["hidden"] // c["heads"]
-        d["freqs"] = te.RotaryPositionEmbedding(hn + 2)(c["s"])
+        d["freqs"] = te.RotaryPositionEmbedding(hn + 2)(c["s"]).cpu()
     elif what == "encoder_batch":
         d["enc"] = d["enc"][:, :1]
     elif what == "mask_list":
@@ -309,10 +309,10 @@ def inputs(c):
         hn = c["kv"] or h // c["heads"]
         rope = te.RotaryPositionEmbedding(hn, rotary_percent=c["rope_percent"], interleaved=c["rope"] == "interleaved")
         rows = max(s, se, 1) + (2 if c["pad_between"] else 0)  # the padding rows turn too
-        d["freqs"] = rope(rows)
+        d["freqs"] = rope(rows).cpu()  # the table is made on the GPU where there is one, as TE's
         if c["rope_pair"]:
             d["freqs"] = (d["freqs"], te.RotaryPositionEmbedding(
-                hn, rotary_percent=c["rope_percent"], interleaved=c["rope"] == "interleaved", rotary_base=50.0)(rows))
+                hn, rotary_percent=c["rope_percent"], interleaved=c["rope"] == "interleaved", rotary_base=50.0)(rows).cpu())
     return d
 
 
