@@ -38,7 +38,7 @@ _KEYS = itertools.count()
 # same, so a change in what a compiled graph keeps or calls (such as which
 # operators the compiler may drop) changes this, and graphs compiled before
 # it are not reused
-GRAPH_REVISION = 3
+GRAPH_REVISION = 4
 
 
 def register_layer(layer):
@@ -77,7 +77,8 @@ def first_mb_code(is_first_microbatch):
 
 # A layer call's tensors cross as one list of optional tensors, in the
 # Function's argument order (None where the call has no such tensor: a bias
-# left out). The operators are defined with torch.library.Library and
+# left out), and which of them need a gradient as the bits of an int (a
+# bool[] argument costs the dispatcher microseconds per call). The operators are defined with torch.library.Library and
 # their kernels registered for every backend (CompositeExplicitAutograd):
 # a compiled graph calls them through the dispatcher with nothing else in
 # between. Their gradients are the autograd Functions below, which
@@ -102,23 +103,28 @@ def _layer_fwd_fake(key, args, first_mb, grad, fp8):
     return _layer(key, check=True)._op_forward_fake(args, grad, fp8)
 
 
+def _needs(mask, n):
+    """needs_input_grad of n arguments from its bit mask (bit i: argument i)."""
+    return [bool(mask >> i & 1) for i in range(n)]
+
+
 def _layer_bwd(key, args, saved, grads, needs, first_mb, fp8):
     """The gradient of each argument, or an empty [0] where it has none."""
-    got = _layer(key)._op_backward(args, saved, grads, needs, first_mb, fp8)
+    got = _layer(key)._op_backward(args, saved, grads, _needs(needs, len(args)), first_mb, fp8)
     return [g if g is not None else (args[0] if t is None else t).new_empty(0) for t, g in zip(args, got)]
 
 
 def _layer_bwd_fake(key, args, saved, grads, needs, first_mb, fp8):
     _keep_layer_bwd_in_inductor()
-    present = _layer(key)._op_grads_present(args, needs)
+    present = _layer(key)._op_grads_present(args, _needs(needs, len(args)))
     return [torch.empty_like(t) if want else (args[0] if t is None else t).new_empty(0)
             for t, want in zip(args, present)]
 
 
 layer_fwd = _define("layer_fwd(str key, Tensor?[] args, int first_mb, bool grad, bool fp8) -> Tensor[]",
                     _layer_fwd, _layer_fwd_fake)
-layer_bwd = _define("layer_bwd(str key, Tensor?[] args, Tensor[] saved, Tensor?[] grads, bool[] needs, "
-                    "int first_mb, bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
+layer_bwd = _define("layer_bwd(str key, Tensor?[] args, Tensor[] saved, Tensor?[] grads, int needs, int first_mb, "
+                    "bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
 # layer_bwd writes what its outputs do not show (main_grad, the delayed weight
 # gradients' queue): the compiler keeps it where no gradient it returns is used
 _has_side_effect = getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)
@@ -228,8 +234,8 @@ class _LayerCall(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         tensors, new = saved[:ctx.nargs], saved[ctx.nargs:]
-        got = layer_bwd(ctx.key, list(tensors), list(new), list(grads[:ctx.n]), list(ctx.needs_input_grad[5:]),
-                        ctx.first_mb, ctx.fp8)
+        needs = sum(1 << i for i, need in enumerate(ctx.needs_input_grad[5:]) if need)
+        got = layer_bwd(ctx.key, list(tensors), list(new), list(grads[:ctx.n]), needs, ctx.first_mb, ctx.fp8)
         return (None,) * 5 + tuple(None if t is None or g.shape != t.shape else g for g, t in zip(got, tensors))
 
 
