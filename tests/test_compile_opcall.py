@@ -6,21 +6,12 @@ import gc
 
 import pytest
 import torch
-import torch._dynamo
 
 import transformer_engine_c as tec
 from transformer_engine_c import _library
 from transformer_engine_c.module import _opcall
 
-from test_compile import DEV, _breaks, _run, _same
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+from test_compile import DEV, _breaks, _fresh_dynamo, _run, _same  # noqa: F401  (_fresh_dynamo: the autouse fixture)
 
 
 def _compiled_matches_eager(m, compiled, x):
