@@ -84,3 +84,22 @@ def test_a_deleted_layers_key_stops_resolving():
     assert key not in _library._RESOLVED
     with pytest.raises(RuntimeError, match="no live layer"):
         _library._layer(key)
+
+
+def test_a_layer_pickles_and_copies_after_compiled_calls():
+    """A layer whose compiled calls made its operator state still pickles
+    (torch.save) and deep-copies; the copy keeps none of that state, and
+    compiled it matches its eager self."""
+    import copy
+    import io
+
+    torch.manual_seed(1)
+    m = tec.LayerNormMLP(32, 64, device=DEV)
+    _compiled_matches_eager(m, torch.compile(m, fullgraph=True), torch.randn(8, 32, device=DEV))
+    assert m.__dict__.get("_op_state") is not None
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(m)):
+        assert other.__dict__.get("_op_state") is None and other._op_key != m._op_key
+        _compiled_matches_eager(other, torch.compile(other, fullgraph=True), torch.randn(8, 32, device=DEV))

@@ -77,6 +77,14 @@ class OpState:
         self.checked = set()
         self.last = None
 
+    def __reduce__(self):
+        # a pickled or copied layer keeps none of it (its OpSpec holds lambdas; its own calls make it anew)
+        return _no_state, ()
+
+
+def _no_state():
+    return None
+
 
 def _state(layer, plan):
     """The layer's OpState for `plan` and its current OpSpec."""
