@@ -488,8 +488,8 @@ def test_the_checker_catches_a_planted_fault(monkeypatch):
     assert not compare(_PLAIN)[0]
     real = _opcall._present
 
-    def off_by_one_ulp(layer, res, args, needs):
-        out = real(layer, res, args, needs)
+    def off_by_one_ulp(*args):
+        out = real(*args)
         g = out[0]
         if g is not None:
             out[0] = torch.nextafter(g, torch.full_like(g, float("inf")))

@@ -29,13 +29,16 @@ import torch
 from . import _engine
 
 _LAYERS = weakref.WeakValueDictionary()
+# The full keys (configuration included) already resolved: a compiled call
+# finds its layer with one lookup
+_RESOLVED = {}
 _KEYS = itertools.count()
 # Part of every layer key, so of every compiled graph that calls the
 # operators: PyTorch's on-disk caches reuse a graph only when its code is the
 # same, so a change in what a compiled graph keeps or calls (such as which
 # operators the compiler may drop) changes this, and graphs compiled before
 # it are not reused
-GRAPH_REVISION = 2
+GRAPH_REVISION = 4
 
 
 def register_layer(layer):
@@ -49,6 +52,11 @@ def _layer(key, check=False):
     """The live layer of a key "REGISTRY_KEY|CONFIGURATION" (layer_call's);
     `check`: its configuration is still the one in the key (while tracing; at
     run time the graph's guards on the layer's attributes see to it)."""
+    if not check:
+        ref = _RESOLVED.get(key)
+        layer = None if ref is None else ref()
+        if layer is not None:
+            return layer
     name, _, signature = key.partition("|")
     layer = _LAYERS.get(name)
     if check and layer is not None and signature != layer._op_signature():
@@ -57,6 +65,7 @@ def _layer(key, check=False):
     if layer is None:
         raise RuntimeError(f"no live layer is registered as {key!r} (the module was deleted after its call was "
                            "compiled)")
+    _RESOLVED[key] = weakref.ref(layer, lambda _, key=key: _RESOLVED.pop(key, None))
     return layer
 
 
@@ -66,9 +75,10 @@ def first_mb_code(is_first_microbatch):
 
 # ---------------------------------------------------------------- layer calls
 
-# A layer call's tensors cross as a list of those given and, beside it, which
-# of the Function's arguments they are (`given`): None has no place in a
-# tensor list. The operators are defined with torch.library.Library and
+# A layer call's tensors cross as one list of optional tensors, in the
+# Function's argument order (None where the call has no such tensor: a bias
+# left out), and which of them need a gradient as the bits of an int (a
+# bool[] argument costs the dispatcher microseconds per call). The operators are defined with torch.library.Library and
 # their kernels registered for every backend (CompositeExplicitAutograd):
 # a compiled graph calls them through the dispatcher with nothing else in
 # between. Their gradients are the autograd Functions below, which
@@ -85,40 +95,36 @@ def _define(schema, impl, fake, tags=()):
     return getattr(torch.ops.tec, name).default
 
 
-def _expand(tensors, given):
-    it = iter(tensors)
-    return [next(it) if g else None for g in given]
+def _layer_fwd(key, args, first_mb, grad, fp8):
+    return _layer(key)._op_forward(args, first_mb, grad, fp8)
 
 
-def _layer_fwd(key, tensors, given, first_mb, grad, fp8):
-    return _layer(key)._op_forward(_expand(tensors, given), first_mb, grad, fp8)
+def _layer_fwd_fake(key, args, first_mb, grad, fp8):
+    return _layer(key, check=True)._op_forward_fake(args, grad, fp8)
 
 
-def _layer_fwd_fake(key, tensors, given, first_mb, grad, fp8):
-    return _layer(key, check=True)._op_forward_fake(_expand(tensors, given), grad, fp8)
+def _needs(mask, n):
+    """needs_input_grad of n arguments from its bit mask (bit i: argument i)."""
+    return [bool(mask >> i & 1) for i in range(n)]
 
 
-def _layer_bwd(key, tensors, given, saved, grads, needs, first_mb, fp8):
-    """The gradient of each given tensor, or an empty [0] where it has none."""
-    got = _layer(key)._op_backward(_expand(tensors, given), saved, grads, _expand(needs, given), first_mb, fp8)
-    return [t.new_empty(0) if g is None else g for t, g in zip(tensors, _given(got, given))]
+def _layer_bwd(key, args, saved, grads, needs, first_mb, fp8):
+    """The gradient of each argument, or an empty [0] where it has none."""
+    got = _layer(key)._op_backward(args, saved, grads, _needs(needs, len(args)), first_mb, fp8)
+    return [g if g is not None else (args[0] if t is None else t).new_empty(0) for t, g in zip(args, got)]
 
 
-def _layer_bwd_fake(key, tensors, given, saved, grads, needs, first_mb, fp8):
+def _layer_bwd_fake(key, args, saved, grads, needs, first_mb, fp8):
     _keep_layer_bwd_in_inductor()
-    layer = _layer(key)
-    present = layer._op_grads_present(_expand(tensors, given), _expand(needs, given))
-    return [torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, _given(present, given))]
+    present = _layer(key)._op_grads_present(args, _needs(needs, len(args)))
+    return [torch.empty_like(t) if want else (args[0] if t is None else t).new_empty(0)
+            for t, want in zip(args, present)]
 
 
-def _given(values, given):
-    return [v for v, g in zip(values, given) if g]
-
-
-layer_fwd = _define("layer_fwd(str key, Tensor[] tensors, bool[] given, int first_mb, bool grad, bool fp8) "
-                    "-> Tensor[]", _layer_fwd, _layer_fwd_fake)
-layer_bwd = _define("layer_bwd(str key, Tensor[] tensors, bool[] given, Tensor[] saved, Tensor?[] grads, "
-                    "bool[] needs, int first_mb, bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
+layer_fwd = _define("layer_fwd(str key, Tensor?[] args, int first_mb, bool grad, bool fp8) -> Tensor[]",
+                    _layer_fwd, _layer_fwd_fake)
+layer_bwd = _define("layer_bwd(str key, Tensor?[] args, Tensor[] saved, Tensor?[] grads, int needs, int first_mb, "
+                    "bool fp8) -> Tensor[]", _layer_bwd, _layer_bwd_fake)
 # layer_bwd writes what its outputs do not show (main_grad, the delayed weight
 # gradients' queue): the compiler keeps it where no gradient it returns is used
 _has_side_effect = getattr(torch.fx.node, "has_side_effect", torch.fx.node._side_effectful_functions.add)
@@ -212,13 +218,13 @@ class _LayerCall(torch.autograd.Function):
 
     # forward takes its arguments as one tuple: torch's compiler calls a
     # Function's forward without ctx, in a call that needs no gradient, when
-    # the argument count equals forward's parameter count (*tensors counted
-    # as one), which (ctx, key, ..., n, *tensors) would with two tensors
+    # the argument count equals forward's parameter count (*args counted as
+    # one), which (ctx, key, ..., n, *args) would with two tensors
     @staticmethod
     def forward(ctx, *args):
-        key, given, first_mb, grad, fp8, n, *tensors = args
-        outs = layer_fwd(key, list(tensors), given, first_mb, grad, fp8)
-        ctx.key, ctx.given, ctx.first_mb, ctx.fp8, ctx.n, ctx.nargs = key, given, first_mb, fp8, n, len(tensors)
+        key, first_mb, grad, fp8, n, *tensors = args
+        outs = layer_fwd(key, tensors, first_mb, grad, fp8)
+        ctx.key, ctx.first_mb, ctx.fp8, ctx.n, ctx.nargs = key, first_mb, fp8, n, len(tensors)
         ctx.save_for_backward(*tensors, *outs[n:])
         ctx.mark_non_differentiable(*outs[n:])
         ctx.set_materialize_grads(False)
@@ -228,10 +234,9 @@ class _LayerCall(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         tensors, new = saved[:ctx.nargs], saved[ctx.nargs:]
-        needs = list(ctx.needs_input_grad[6:])
-        got = layer_bwd(ctx.key, list(tensors), ctx.given, list(new), list(grads[:ctx.n]), needs, ctx.first_mb,
-                        ctx.fp8)
-        return (None,) * 6 + tuple(g if g.shape == t.shape else None for g, t in zip(got, tensors))
+        needs = sum(1 << i for i, need in enumerate(ctx.needs_input_grad[5:]) if need)
+        got = layer_bwd(ctx.key, list(tensors), list(new), list(grads[:ctx.n]), needs, ctx.first_mb, ctx.fp8)
+        return (None,) * 5 + tuple(None if t is None or g.shape != t.shape else g for g, t in zip(got, tensors))
 
 
 def layer_call(layer, args, is_first_microbatch, fp8):
@@ -239,8 +244,7 @@ def layer_call(layer, args, is_first_microbatch, fp8):
     runs inside an FP8 autocast (read while tracing: a guard of the graph)."""
     n = layer._op_noutputs()
     key = f"{layer._op_key}|{layer._op_signature()}"
-    outs = _LayerCall.apply(key, [a is not None for a in args], first_mb_code(is_first_microbatch),
-                            torch.is_grad_enabled(), fp8, n, *[a for a in args if a is not None])
+    outs = _LayerCall.apply(key, first_mb_code(is_first_microbatch), torch.is_grad_enabled(), fp8, n, *args)
     return outs[:n]
 
 

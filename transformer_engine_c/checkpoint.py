@@ -126,7 +126,7 @@ def _keep_fp8_policy(ctx, op, *args, **kwargs):
     keeps its forward (its FP8 operands wait for the backward under the
     call's token, module/_opcall.py) instead of running again in the
     compiled backward, outside the autocast; the rest is recomputed."""
-    if op is _library.layer_fwd and args[5]:
+    if op is _library.layer_fwd and args[4]:
         return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
     return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -56,6 +56,45 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
+class OpState:
+    """What a layer's operator calls derive from its plan and OpSpec alone,
+    made on the layer's first operator call and again when either changes
+    (a PLAN_ATTRS attribute set drops the plan): where each saved tensor
+    comes from, which of them the forward makes, the communicator buffers
+    its outputs must not lie in, whether every needed gradient is returned
+    (no delayed or main_grad weight gradients), the input shapes and dtypes
+    whose saved tensors were checked, and the key and Call of the last forward."""
+
+    __slots__ = ("plan", "spec", "saved", "new_at", "buffers", "all_grads", "checked", "last")
+
+    def __init__(self, layer, plan, spec):
+        d = layer.__dict__
+        self.plan, self.spec = plan, spec
+        self.saved = tuple(spec.saved(layer))
+        self.new_at = tuple(i for i, where in enumerate(self.saved) if where == "new")
+        self.buffers = tuple(cfg for cfg in (d["ub"], d.get("ub2")) if cfg is not None and cfg.enabled)
+        self.all_grads = not (layer.delay_wgrad_compute or layer.fuse_wgrad_accumulation)
+        self.checked = set()
+        self.last = None
+
+    def __reduce__(self):
+        # a pickled or copied layer keeps none of it (its OpSpec holds lambdas; its own calls make it anew)
+        return _no_state, ()
+
+
+def _no_state():
+    return None
+
+
+def _state(layer, plan):
+    """The layer's OpState for `plan` and its current OpSpec."""
+    st = layer.__dict__.get("_op_state")
+    spec = layer._op_spec
+    if st is None or st.plan is not plan or st.spec is not spec:
+        st = layer.__dict__["_op_state"] = OpState(layer, plan, spec)
+    return st
+
+
 def out_rows(tp, rows):
     """A layer output's rows for `rows` input rows: gathered (column) or
     scattered (row) under sequence parallelism."""
@@ -97,17 +136,19 @@ def _check_fp8(layer, call, fp8):
                            f"function's call, as when it was compiled{hint})")
 
 
-def _call_key(x, first_mb, plan):
-    """What a layer call's Call derives from besides the layer's parameters:
-    the input's memory, shape and dtype, the micro-batch flag and the plan.
-    A backward whose forward was the layer's last one (with this key) takes
-    that forward's Call, as an eager backward takes ctx.call, instead of
-    deriving it again."""
-    return x.data_ptr(), x.shape, x.dtype, first_mb, id(plan)
+def _call_key(x, first_mb):
+    """What a layer call's Call derives from besides the layer's parameters
+    and plan: the input's memory, shape and dtype and the micro-batch flag.
+    A backward whose forward was the layer's last one (with this key and
+    plan) takes that forward's Call, as an eager backward takes ctx.call,
+    instead of deriving it again."""
+    return x.data_ptr(), x.shape, x.dtype, first_mb
 
 
 def forward(layer, args, first_mb, grad, fp8):
-    before = fresh_temporaries(True)
+    # temporaries are fresh allocations only on a CUDA device (module/_temporaries.py)
+    cuda = args[0].is_cuda
+    before = fresh_temporaries(True) if cuda else None
     try:
         return _forward(layer, args, first_mb, grad, fp8)
     except BaseException:
@@ -115,40 +156,43 @@ def forward(layer, args, first_mb, grad, fp8):
         unwind_in_graph()
         raise
     finally:
-        fresh_temporaries(before)
+        if cuda:
+            fresh_temporaries(before)
 
 
 def _forward(layer, args, first_mb, grad, fp8):
     """tec::layer_fwd's real work: [output (2-D), (the normalised input)] +
     the new saved tensors when `grad` (an FP8 call: the token)."""
-    spec = layer._op_spec
     plan = layer._plan or layer._make_plan()
+    st = _state(layer, plan)
+    spec = st.spec
     if fp8:
         with torch.set_grad_enabled(grad):  # an FP8 call keeps its operands for a backward (ops run without grad)
             call = spec.call(layer, plan, args, _first_mb(first_mb))
     else:
         call = spec.call(layer, plan, args, _first_mb(first_mb))
-    _check_fp8(layer, call, fp8)
+    if (call.fp8 is not None) != fp8:
+        _check_fp8(layer, call, fp8)
     if not grad:
-        return _owned(layer, spec.nograd(call, args), ())
+        return _owned(st, spec.nograd(call, args), ())
     ctx = _Ctx()
     out = spec.fn.forward(ctx, *args, call)
     outs = out if isinstance(out, tuple) else (out,)
-    if not fp8:
-        layer.__dict__["_op_last_call"] = (_call_key(args[0], first_mb, plan), call)
     if fp8:
         key = next(_FP8_KEYS)
         _FP8_CTX[key] = ctx
         token = torch.tensor([key], dtype=torch.int64, device="cpu")
         weakref.finalize(token, _FP8_CTX.pop, key, None)
-        return _owned(layer, outs, ()) + [token]
-    new = [t for t, where in zip(ctx.saved_tensors, spec.saved(layer)) if where == "new"]
-    checked = layer.__dict__.setdefault("_op_checked", set())
-    shape = (tuple(args[0].shape), call.ready)
-    if shape not in checked:  # once per input shape: what was saved is what the operator declares
-        _check_saved(layer, spec, call, args, ctx.saved_tensors, new)
-        checked.add(shape)
-    return _owned(layer, outs, new) + new
+        return _owned(st, outs, ()) + [token]
+    x = args[0]
+    st.last = (_call_key(x, first_mb), call)
+    saved = ctx.saved_tensors
+    shape = (x.shape, x.dtype, call.ready)
+    if shape not in st.checked:  # once per input shape and dtype: what was saved is what the operator declares
+        _check_saved(layer, st, call, args, saved)
+        st.checked.add(shape)
+    new = [saved[i] for i in st.new_at]
+    return _owned(st, outs, new) + new
 
 
 def _recomputed_region():
@@ -179,8 +223,11 @@ def _inside_plain_checkpoint():
     return False
 
 
-def _check_saved(layer, spec, call, args, saved, new):
-    for t, where in zip(saved, spec.saved(layer)):
+def _check_saved(layer, st, call, args, saved):
+    if len(saved) != len(st.saved):
+        _mismatch(layer, f"{len(saved)} saved tensors, {len(st.saved)} declared")
+    new = [saved[i] for i in st.new_at]
+    for t, where in zip(saved, st.saved):
         if where == "new":
             continue
         if where == "x":
@@ -189,7 +236,7 @@ def _check_saved(layer, spec, call, args, saved, new):
                 _mismatch(layer, "the saved input is not the input")
         elif t is not args[where]:
             _mismatch(layer, f"saved tensor {where} is not that argument")
-    declared = spec.new_shapes(layer, args)
+    declared = st.spec.new_shapes(layer, args)
     if [(tuple(t.shape), t.dtype) for t in new] != [(tuple(s), d) for s, d in declared]:
         _mismatch(layer, f"saved {[(tuple(t.shape), t.dtype) for t in new]}, declared {declared}")
 
@@ -213,54 +260,56 @@ def forward_fake(layer, args, grad, fp8):
 
 
 def backward(layer, args, new, grads, needs, first_mb, fp8):
-    before = fresh_temporaries(True)
+    cuda = args[0].is_cuda
+    before = fresh_temporaries(True) if cuda else None
     try:
         return _backward(layer, args, new, grads, needs, first_mb, fp8)
     finally:
-        fresh_temporaries(before)
+        if cuda:
+            fresh_temporaries(before)
 
 
 def _backward(layer, args, new, grads, needs, first_mb, fp8):
     """tec::layer_bwd's real work: the gradient of each of the Function's
     tensor arguments, None where grads_present declares none."""
-    spec = layer._op_spec
+    plan = layer._plan or layer._make_plan()
+    st = _state(layer, plan)
+    spec = st.spec
     if fp8:
         ctx = _FP8_CTX.pop(int(new[0].item()), None)
         if ctx is None:
             raise RuntimeError(f"{type(layer).__name__}: the FP8 forward this backward belongs to is gone (its "
                                "backward already ran: a compiled FP8 graph is differentiated once)")
         ctx.needs_input_grad = tuple(needs) + (False,)
-        return _present(layer, spec.fn.backward(ctx, *grads), args, needs)
-    plan = layer._plan or layer._make_plan()
-    kept = layer.__dict__.get("_op_last_call")
-    if kept is not None and kept[0] == _call_key(args[0], first_mb, plan):
-        call = kept[1]  # the forward's, as an eager backward reads ctx.call
+        return _present(layer, st, spec.fn.backward(ctx, *grads), args, needs)
+    x = args[0]
+    last = st.last
+    if last is not None and last[0] == _call_key(x, first_mb):
+        call = last[1]  # the forward's, as an eager backward reads ctx.call
     else:
         call = spec.call(layer, plan, args, _first_mb(first_mb))
-    _check_fp8(layer, call, False)
+        if call.fp8 is not None:
+            _check_fp8(layer, call, False)
     ctx = _Ctx()
     it = iter(new)
-    saved = []
-    for where in spec.saved(layer):
-        if where == "new":
-            saved.append(next(it))
-        elif where == "x":
-            saved.append(_saved_x(layer, call, args[0]))
-        else:
-            saved.append(args[where])
-    ctx.saved_tensors = tuple(saved)
-    ctx.call, ctx.objects, ctx.inp_shape = call, None, args[0].shape
+    ctx.saved_tensors = tuple(next(it) if where == "new" else _saved_x(layer, call, x) if where == "x"
+                              else args[where] for where in st.saved)
+    ctx.call, ctx.objects, ctx.inp_shape = call, None, x.shape
     ctx.needs_input_grad = tuple(needs) + (False,)
     for k, v in spec.ctx(args).items():
         setattr(ctx, k, v)
-    return _present(layer, spec.fn.backward(ctx, *grads), args, needs)
+    return _present(layer, st, spec.fn.backward(ctx, *grads), args, needs)
 
 
-def _present(layer, res, args, needs):
+def _present(layer, st, res, args, needs):
     """The gradients the operator declared (grads_present); one not asked
     for (an input gradient the Function always computes) is dropped."""
+    if st.all_grads:  # every needed gradient is returned
+        wants = [a is not None and bool(need) for a, need in zip(args, needs)]
+    else:
+        wants = grads_present(layer, args, needs)
     out = []
-    for i, (g, want) in enumerate(zip(res, grads_present(layer, args, needs))):
+    for i, (g, want) in enumerate(zip(res, wants)):
         if want and g is None:
             _mismatch(layer, f"no gradient for argument {i}, where one was declared")
         out.append(g if want else None)
@@ -289,19 +338,17 @@ def grads_present(layer, args, needs):
     return out
 
 
-def _owned(layer, outs, saved):
+def _owned(st, outs, saved):
     """The outputs as tensors the compiler may own: each 2-D, and a copy
     where it lies in one of the layer's communicator buffers (which the next
     call reuses) or shares memory with a saved tensor or an earlier output
     (LayerNormLinear's normalised output is also saved)."""
     res = []
     taken = {t.data_ptr() for t in saved}
-    d = layer.__dict__
-    buffers = [cfg for cfg in (d["ub"], d.get("ub2")) if cfg is not None and cfg.enabled]
     for t in outs:
         if t.dim() != 2:
             t = t.reshape(-1, t.shape[-1])
-        for cfg in buffers:
+        for cfg in st.buffers:
             t = outside_buffers(t, cfg)
         if not t.numel():
             # an empty tensor has no address to compare, but it may still be

@@ -545,7 +545,7 @@ class TransformerEngineBaseModule(ExtraStateMixin, torch.nn.Module):
         # deepcopy and unpickling: the copy crosses into the operators under a key of its own, and keeps
         # nothing made for the original's calls (a Call holds the engine's workspace address; the joined
         # views, the original's parameters)
-        for key in ("_op_last_call", "_joined"):
+        for key in ("_op_state", "_joined"):
             state.pop(key, None)
         super().__setstate__(state)
         self.__dict__["_op_key"] = _library.register_layer(self)
