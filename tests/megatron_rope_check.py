@@ -1,7 +1,7 @@
 """Megatron-Core's RoPE entry (rope_utils.apply_rotary_pos_emb) with
 apply_rope_fusion=True reaches this package's apply_rotary_pos_emb through
 the transformer_engine alias; its output and input gradient equal Megatron's
-own unfused RoPE (sbhd interleaved or not, thd). Megatron's fused thd call
+own unfused RoPE (sbhd interleaved or not, thd), on the CPU. Megatron's fused thd call
 passes no `interleaved` to TE, so thd is checked non-interleaved only. Run by
 tests/test_rope.py in a subprocess with TEC_AS_TRANSFORMER_ENGINE=1; prints
 "PASS megatron_rope_check"."""
@@ -16,7 +16,8 @@ assert rope_utils.fused_apply_rotary_pos_emb is not None, "Megatron found no fus
 cp = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
 torch.manual_seed(0)
 for interleaved, cu in ((False, None), (True, None), (False, torch.tensor([0, 5, 12, 20], dtype=torch.int32))):
-    freqs = tep.RotaryPositionEmbedding(16, rotary_percent=0.75, interleaved=interleaved)(12)
+    # on the CPU with the inputs: the table is made on the GPU where there is one, as TE's
+    freqs = tep.RotaryPositionEmbedding(16, rotary_percent=0.75, interleaved=interleaved)(12).cpu()
     t = (torch.randn(12, 2, 4, 16) if cu is None else torch.randn(20, 4, 16)).requires_grad_()
     results = []
     for fusion in (True, False):
