@@ -328,15 +328,18 @@ def test_autocast_bf16_inside_compiled():
     _same(ref, out)
 
 
-def _fp8_steps(m, recipe, xs):
-    """Steps of m, the FP8 autocast entered around each forward: every
-    output and gradient, then every FP8 meta's scale, scale_inv and amax
-    history at the end."""
+def _fp8_steps(m, recipe, xs, forward=None):
+    """Steps of m, the FP8 autocast entered around each forward (or
+    forward(x) in its place): every output and gradient, then every FP8
+    meta's scale, scale_inv and amax history at the end."""
     out = []
     for x in xs:
         x = x.clone().requires_grad_()
-        with tec.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            y = m(x)
+        if forward is None:
+            with tec.fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = m(x)
+        else:
+            y = forward(x)
         y.sum().backward()
         out += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
         for p in m.parameters():

@@ -10,7 +10,7 @@ import torch._dynamo
 import transformer_engine_c as tec
 from transformer_engine_c import quantization
 from transformer_engine_c.quantization import FP8GlobalStateManager
-from test_compile import DEV, _breaks, _fresh_dynamo, _same  # noqa: F401  (_fresh_dynamo: the autouse fixture)
+from test_compile import DEV, _breaks, _fp8_steps, _fresh_dynamo, _same  # noqa: F401  (_fresh_dynamo: the autouse fixture)
 
 
 AUTOCAST_INSIDE_TRACES = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
@@ -36,19 +36,12 @@ def _fp8_inside_steps(m, recipe, xs, compile_with=None):
         with tec.autocast(enabled=True, recipe=recipe):
             return m(x)
     f = step if compile_with is None else torch.compile(step, fullgraph=True, backend=compile_with)
-    out = []
-    for x in xs:
-        x = x.clone().requires_grad_()
+
+    def forward(x):
         y = f(x)
         assert not FP8GlobalStateManager.FP8_ENABLED and FP8GlobalStateManager.AUTOCAST_DEPTH == 0
-        y.sum().backward()
-        out += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-        for p in m.parameters():
-            p.grad = None
-    state = [t.clone() for mod in m.modules() if getattr(mod, "fp8_meta", None)
-             for k in ("scaling_fwd", "scaling_bwd") if mod.fp8_meta.get(k) is not None
-             for t in (mod.fp8_meta[k].scale, mod.fp8_meta[k].scale_inv, mod.fp8_meta[k].amax_history)]
-    return out, state
+        return y
+    return _fp8_steps(m, recipe, xs, forward)
 
 
 @pytest.mark.parametrize("recipe,backend", [("DelayedScaling", "inductor"), ("Float8CurrentScaling", "aot_eager"),
