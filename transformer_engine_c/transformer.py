@@ -255,14 +255,11 @@ class TransformerLayer(torch.nn.Module):
             kw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded,
                       cu_seqlens_kv_padded=cu_seqlens_q_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q)
         attn_out = attention(hidden_states, **kw)
-        # residual + out, where hidden dropout and drop path do nothing (TE's bias-dropout-add otherwise)
-        plain = self.drop_path is None and not (self.training and self.hidden_dropout > 0.0)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             out, residual = attn_out
-            hidden_states = residual + out if plain else self._dropout_add(out, residual, self.drop_path)
+            hidden_states = self._dropout_add(out, residual, self.drop_path)
         elif not self.parallel_attention_mlp:
-            hidden_states = hidden_states + attn_out if plain else self._dropout_add(attn_out, hidden_states,
-                                                                                     self.drop_path)
+            hidden_states = self._dropout_add(attn_out, hidden_states, self.drop_path)
 
         if self.layer_type == "decoder":
             enc_window = self.enc_dec_window_size if enc_dec_window_size is None else enc_dec_window_size
@@ -282,11 +279,11 @@ class TransformerLayer(torch.nn.Module):
             hidden_states, is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
             out, residual = mlp_out
-            output = residual + out if plain else self._dropout_add(out, residual, self.drop_path)
+            output = self._dropout_add(out, residual, self.drop_path)
         elif self.parallel_attention_mlp:
             output = self._dropout_add(attn_out + mlp_out, hidden_states, self.drop_path)
         else:
-            output = hidden_states + mlp_out if plain else self._dropout_add(mlp_out, hidden_states, self.drop_path)
+            output = self._dropout_add(mlp_out, hidden_states, self.drop_path)
         if self.output_layernorm:
             output = self.layernorm(output)
         return output

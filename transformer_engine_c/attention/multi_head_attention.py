@@ -242,8 +242,8 @@ class MultiheadAttention(torch.nn.Module):
             if any(getattr(m, "dtype", None) != torch.bool for m in masks):
                 raise TypeError("MultiheadAttention: attention_mask must be boolean (True: masked out)")
         fmt = self.qkv_format
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != (2 if fmt == "thd" else 3):
-            need = 2 if fmt == "thd" else 3
+        need = 2 if fmt == "thd" else 3
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != need:
             raise ValueError(f"MultiheadAttention: hidden_states must be {need}-D in {fmt}, got "
                              f"{tuple(getattr(hidden_states, 'shape', ()))}")
         if self.attention_type == "self":
